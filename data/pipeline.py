@@ -1,0 +1,117 @@
+"""Generic Grain pipelines: in-memory arrays in, fixed-shape numpy batches out.
+
+Each Grain record is a whole batch. A per-example Grain chain (shuffle -> batch) costs about
+1.7 ms per batch here, ten times a small model's step; gathering a batch with one numpy
+fancy-index from a per-epoch permutation costs about 10 us, and the pipeline stays a Grain
+dataset whose iterator state checkpoints and restores exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import grain
+import numpy as np
+
+from zoo.errors import ZooError
+
+MASK = "mask"
+"""Eval batches carry this column: 1.0 for a real example, 0.0 for padding."""
+
+_ENDLESS = 2**62
+
+
+def _length(arrays: Mapping[str, np.ndarray], what: str) -> int:
+    lengths = {name: len(value) for name, value in arrays.items()}
+    if not lengths or len(set(lengths.values())) != 1 or 0 in lengths.values():
+        raise ZooError(f"The {what} split needs columns of one non-zero length, got {lengths}.")
+    return next(iter(lengths.values()))
+
+
+class _TrainBatch:
+    """Batch b of an endless stream that visits every example once per epoch, in a fresh order
+    each epoch. Batches run across epoch boundaries, so no example is ever dropped and every
+    batch has the same shape."""
+
+    def __init__(self, arrays, batch_size: int, seed: int, shard_index: int, shard_count: int):
+        self._arrays = dict(arrays)
+        self._n = _length(arrays, "train")
+        self._global_batch = batch_size
+        self._local_batch = batch_size // shard_count
+        self._offset = shard_index * self._local_batch
+        self._seed = seed
+        self._cached_epoch, self._cached_perm = -1, np.empty(0, np.int64)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if epoch != self._cached_epoch:
+            rng = np.random.default_rng([self._seed, epoch])
+            self._cached_epoch, self._cached_perm = epoch, rng.permutation(self._n)
+        return self._cached_perm
+
+    def __call__(self, index: int) -> dict[str, np.ndarray]:
+        start = index * self._global_batch + self._offset
+        rows = np.empty(self._local_batch, np.int64)
+        filled = 0
+        while filled < self._local_batch:
+            epoch, position = divmod(start + filled, self._n)
+            take = min(self._local_batch - filled, self._n - position)
+            rows[filled : filled + take] = self._permutation(epoch)[position : position + take]
+            filled += take
+        return {name: value[rows] for name, value in self._arrays.items()}
+
+
+class _EvalBatch:
+    """Batch b of one ordered pass; the last batch is padded to full size and masked."""
+
+    def __init__(self, arrays, batch_size: int, shard_index: int, shard_count: int):
+        self._arrays = dict(arrays)
+        self._n = _length(arrays, "eval")
+        self._global_batch = batch_size
+        self._local_batch = batch_size // shard_count
+        self._offset = shard_index * self._local_batch
+
+    def __call__(self, index: int) -> dict[str, np.ndarray]:
+        positions = index * self._global_batch + self._offset + np.arange(self._local_batch)
+        real = positions < self._n
+        rows = np.where(real, positions, 0)
+        batch = {name: value[rows] for name, value in self._arrays.items()}
+        batch[MASK] = real.astype(np.float32)
+        return batch
+
+
+def _check_batch(batch_size: int, shard_count: int) -> None:
+    if batch_size < 1 or batch_size % shard_count:
+        raise ZooError(
+            f"trainer.batch_size={batch_size} must be a positive multiple of the "
+            f"{shard_count} data shards it is split into."
+        )
+
+
+def train_batches(
+    arrays: Mapping[str, np.ndarray],
+    batch_size: int,
+    seed: int,
+    shard_index: int = 0,
+    shard_count: int = 1,
+) -> grain.IterDataset:
+    """Endless shuffled training batches; this process's share of each global batch."""
+    _check_batch(batch_size, shard_count)
+    gather = _TrainBatch(arrays, batch_size, seed, shard_index, shard_count)
+    return (
+        grain.MapDataset.range(_ENDLESS)
+        .map(gather)
+        .to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+    )
+
+
+def eval_batches(
+    arrays: Mapping[str, np.ndarray],
+    batch_size: int,
+    shard_index: int = 0,
+    shard_count: int = 1,
+) -> grain.MapDataset:
+    """One ordered pass over every example exactly once, in fixed-shape batches with a `mask`."""
+    _check_batch(batch_size, shard_count)
+    gather = _EvalBatch(arrays, batch_size, shard_index, shard_count)
+    return grain.MapDataset.range(math.ceil(gather._n / batch_size)).map(gather)

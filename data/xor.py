@@ -1,0 +1,29 @@
+"""Continuous XOR: noisy points around the corners of the unit square, label = x XOR y."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from zoo.registry import Splits, register_data
+
+
+def _continuous_xor(size: int, noise: float, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    corners = rng.integers(0, 2, size=(size, 2))
+    label = (corners.sum(axis=1) == 1).astype(np.int32)
+    inputs = corners + noise * rng.standard_normal((size, 2))
+    return {"inputs": inputs.astype(np.float32), "label": label}
+
+
+@register_data("xor")
+def xor(
+    train_size: int = 2500,
+    eval_size: int = 500,
+    noise: float = 0.1,
+    train_seed: int = 42,
+    eval_seed: int = 123,
+) -> Splits:
+    return Splits(
+        train=_continuous_xor(train_size, noise, train_seed),
+        eval=_continuous_xor(eval_size, noise, eval_seed),
+    )

@@ -1,0 +1,60 @@
+"""A test model with every kind of NNX state the trainer must carry: params, BatchNorm statistics
+and a module-bound Dropout stream (RngState)."""
+
+from __future__ import annotations
+
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import zoo
+from models.xor import binary_classification_loss
+from train.sharding import BATCH_AXES
+
+NAME = "test_dropout_bn"
+
+
+class DropoutBatchNormNet(nnx.Module):
+    def __init__(self, hidden: int = 16, rate: float = 0.3, *, rngs: nnx.Rngs):
+        kernel, zeros, ones = (
+            nnx.initializers.lecun_normal(),
+            nnx.initializers.zeros_init(),
+            nnx.initializers.ones_init(),
+        )
+        # No bias before BatchNorm: it would get a zero gradient, which Adam turns into noise
+        # that differs between meshes.
+        self.fc1 = nnx.Linear(
+            2,
+            hidden,
+            use_bias=False,
+            kernel_init=nnx.with_partitioning(kernel, ("embed", "mlp")),
+            rngs=rngs,
+        )
+        self.bn = nnx.BatchNorm(
+            hidden,
+            scale_init=nnx.with_partitioning(ones, ("mlp",)),
+            bias_init=nnx.with_partitioning(zeros, ("mlp",)),
+            rngs=rngs,
+        )
+        self.drop = nnx.Dropout(rate, rngs=rngs)
+        self.fc2 = nnx.Linear(
+            hidden,
+            1,
+            kernel_init=nnx.with_partitioning(kernel, ("mlp", None)),
+            bias_init=nnx.with_partitioning(zeros, (None,)),
+            rngs=rngs,
+        )
+
+    def __call__(self, x):
+        h = self.drop(nnx.relu(self.bn(self.fc1(x))))
+        return self.fc2(h, out_sharding=P(BATCH_AXES, None))
+
+
+if NAME not in zoo.list_models():
+    zoo.register_model(
+        NAME,
+        DropoutBatchNormNet,
+        loss=binary_classification_loss,
+        default_data="xor",
+        trainer={"steps": 60, "batch_size": 64, "log_every": 20},
+        optimizer={"name": "adam", "learning_rate": 0.01},
+    )

@@ -1,0 +1,152 @@
+"""The command line in real subprocesses: training, --help, --cfg job, and bad input."""
+
+from __future__ import annotations
+
+import os
+import textwrap
+
+import pytest
+from helpers import read_events, run_cli, scalar_steps
+
+CHATTER = ("[absl]", "CheckpointManager", "Unable to initialize backend", "orbax", "[INFO]")
+
+
+@pytest.fixture(scope="module")
+def xor_run(tmp_path_factory):
+    """The README's main job with its defaults: the tutorial's 1,954 SGD steps."""
+    workdir = tmp_path_factory.mktemp("xor")
+    result = run_cli("model=xor", f"workdir={workdir}")
+    return workdir, result
+
+
+def test_xor_trains_to_tutorial_accuracy(xor_run):
+    workdir, result = xor_run
+    assert result.returncode == 0, result.stderr
+    events = read_events(workdir)
+    final_accuracy = scalar_steps(events, "eval/accuracy")
+    assert list(final_accuracy) == [1954]
+    assert final_accuracy[1954] >= 0.99
+    assert "Final eval @ step 1954" in result.stderr
+
+
+def test_xor_run_writes_events_checkpoint_and_log(xor_run):
+    workdir, _ = xor_run
+    tags = read_events(workdir).Tags()["scalars"]
+    for tag in (
+        "train/loss",
+        "train/accuracy",
+        "eval/loss",
+        "eval/accuracy",
+        "train/learning_rate",
+        "train/steps_per_sec",
+    ):
+        assert tag in tags
+    assert os.path.isdir(workdir / "checkpoints" / "1954")
+    assert (workdir / "train.log").stat().st_size > 0
+
+
+def test_console_shows_own_lines_only(xor_run):
+    workdir, result = xor_run
+    console = result.stdout + result.stderr
+    assert "Training xor on xor" in console
+    for chatter in CHATTER:
+        assert chatter not in console, chatter
+    # The chatter is not lost: it goes to the log file in the workdir.
+    assert "[absl][INFO]" in (workdir / "train.log").read_text()
+
+
+def test_help_lists_models_and_datasets():
+    result = run_cli("--help")
+    assert result.returncode == 0
+    assert "model: xor" in result.stdout
+    assert "data: xor" in result.stdout
+    assert "trainer.steps" in result.stdout or "steps: 1954" in result.stdout
+
+
+def test_cfg_job_prints_resolved_config_with_overrides():
+    result = run_cli("model=xor", "trainer.steps=7", "optimizer.name=adam", "--cfg", "job")
+    assert result.returncode == 0, result.stderr
+    for line in (
+        "steps: 7",
+        "name: adam",
+        "batch_size: 128",
+        "learning_rate: 0.1",
+        "train_size: 2500",
+        "fsdp: 1",
+        "seed: 0",
+    ):
+        assert line in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("override", "names"),
+    [
+        ("model=resnet9000", ["resnet9000", "xor"]),
+        ("data=imagenet", ["imagenet", "xor"]),
+        ("trainer.stepz=5", ["trainer.stepz", "steps", "batch_size"]),
+        ("+trainer.extra=5", ["trainer.extra", "steps"]),
+        ("model.num_hiden=4", ["num_hiden", "num_hidden"]),
+        ("trainer.steps=many", ["many", "Integer"]),
+        ("optimizer.name=lion", ["lion", "sgd", "adam", "adamw"]),
+        ("trainer.batch_size=0", ["batch_size=0", "at least 1"]),
+    ],
+)
+def test_bad_input_is_one_paragraph_and_keeps_existing_files(tmp_path, override, names):
+    existing = tmp_path / "train.log"
+    existing.write_text("an earlier run's log\n")
+    result = run_cli(override, f"workdir={tmp_path}")
+    assert result.returncode == 2
+    message = result.stderr.strip()
+    assert message.startswith("error: ")
+    assert "\n" not in message and "Traceback" not in message, message
+    for name in names:
+        assert name in message
+    assert existing.read_text() == "an earlier run's log\n"
+    assert sorted(os.listdir(tmp_path)) == ["train.log"]
+
+
+def test_user_model_registered_through_plugin_module(tmp_path):
+    plugin = tmp_path / "my_models.py"
+    plugin.write_text(
+        textwrap.dedent("""
+        from flax import nnx
+        import zoo
+        from models.xor import binary_classification_loss
+
+        class Wide(nnx.Module):
+            def __init__(self, width: int = 32, *, rngs: nnx.Rngs):
+                init = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, None))
+                zeros = nnx.with_partitioning(nnx.initializers.zeros_init(), (None,))
+                self.hidden = nnx.Linear(2, width, kernel_init=init, bias_init=zeros, rngs=rngs)
+                self.out = nnx.Linear(width, 1, kernel_init=init, bias_init=zeros, rngs=rngs)
+
+            def __call__(self, x):
+                return self.out(nnx.relu(self.hidden(x)))
+
+        zoo.register_model("wide", Wide, loss=binary_classification_loss, default_data="xor")
+    """)
+    )
+    workdir = tmp_path / "run"
+    env = {"ZOO_PLUGINS": "my_models", "PYTHONPATH": str(tmp_path)}
+    result = run_cli(
+        "model=wide",
+        "model.width=16",
+        "trainer.steps=300",
+        "optimizer.learning_rate=0.01",
+        f"workdir={workdir}",
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Training wide on xor" in result.stderr
+    assert scalar_steps(read_events(workdir), "eval/accuracy")[300] >= 0.9
+
+
+def test_run_time_error_exits_non_zero_and_keeps_checkpoints(tmp_path):
+    checkpoint = tmp_path / "checkpoints" / "100"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "marker").write_text("kept")
+    result = run_cli("mesh.data=16", f"workdir={tmp_path}")
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert "data=16" in result.stderr and "8 available device(s)" in result.stderr
+    assert (checkpoint / "marker").read_text() == "kept"

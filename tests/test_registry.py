@@ -1,0 +1,79 @@
+"""The model registry: built-ins, user registrations, and the config derived from signatures."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import zoo
+from models.xor import XorClassifier, binary_classification_loss
+
+
+class Tiny(nnx.Module):
+    def __init__(self, width: int = 4, scale: float = 1.0, *, rngs: nnx.Rngs):
+        init = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", "mlp"))
+        self.layer = nnx.Linear(2, width, kernel_init=init, rngs=rngs)
+        self.scale = scale
+
+    def __call__(self, x):
+        return self.layer(x)[:, :1] * self.scale
+
+
+if "tiny" not in zoo.list_models():
+    zoo.register_model("tiny", Tiny, loss=binary_classification_loss, default_data="xor")
+
+
+def test_list_models_holds_builtins_and_user_models():
+    assert "xor" in zoo.list_models() and "tiny" in zoo.list_models()
+    assert zoo.list_models() == sorted(zoo.list_models())
+    assert "xor" in zoo.list_datasets()
+
+
+def test_create_model_applies_overrides_with_params_born_sharded():
+    model = zoo.create_model("xor", num_hidden=16, seed=3)
+    assert isinstance(model, XorClassifier)
+    kernel = model.hidden.kernel[...]
+    assert kernel.shape == (2, 16)
+    assert jax.typeof(kernel).sharding.spec == P("fsdp", "tensor")
+    again = zoo.create_model("xor", num_hidden=16, seed=3)
+    assert (again.hidden.kernel[...] == kernel).all()
+
+
+def test_create_model_rejects_unknown_names_and_parameters():
+    with pytest.raises(zoo.ZooError, match="Unknown model 'nope'.*xor"):
+        zoo.create_model("nope")
+    with pytest.raises(zoo.ZooError, match="'depth'.*num_hidden"):
+        zoo.create_model("xor", depth=3)
+    with pytest.raises(zoo.ZooError, match="model 'xor'.*'wide'"):
+        zoo.create_model("xor", num_hidden="wide")
+
+
+def test_user_model_gets_a_typed_config_the_cli_accepts():
+    cfg = zoo.compose(["model=tiny", "model.width=8", "model.scale=0.5"])
+    assert cfg.model.width == 8 and cfg.model.scale == 0.5 and cfg.data.name == "xor"
+    with pytest.raises(zoo.ZooError, match="model.width=big"):
+        zoo.compose(["model=tiny", "model.width=big"])
+    assert zoo.create_model("tiny", width=8).layer.kernel.shape == (2, 8)
+
+
+def test_model_defaults_apply_and_command_line_overrides_them():
+    cfg = zoo.compose(["model=xor"])
+    assert (cfg.trainer.steps, cfg.trainer.batch_size) == (1954, 128)
+    assert (cfg.optimizer.name, cfg.optimizer.learning_rate) == ("sgd", 0.1)
+    assert zoo.compose(["model=xor", "trainer.steps=5"]).trainer.steps == 5
+    assert zoo.compose(["model=tiny"]).optimizer.name == "adam"  # the schema default
+
+
+def test_registration_errors_are_clear():
+    with pytest.raises(zoo.ZooError, match="already registered"):
+        zoo.register_model("xor", Tiny, loss=binary_classification_loss, default_data="xor")
+
+    class Untyped(nnx.Module):
+        def __init__(self, width=4, *, rngs):
+            pass
+
+    with pytest.raises(zoo.ZooError, match="'width'.*type hint and a default"):
+        zoo.register_model("untyped", Untyped, loss=binary_classification_loss, default_data="xor")
+    assert "untyped" not in zoo.list_models()

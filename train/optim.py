@@ -1,0 +1,47 @@
+"""The optax optimizer and learning-rate schedule named by the `optimizer` config section."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optax
+
+from zoo.config import OptimizerName, ScheduleName
+from zoo.errors import ZooError
+
+
+def learning_rate_schedule(opt: Any, total_steps: int) -> optax.Schedule:
+    """Linear warm-up to `learning_rate`, then the named decay to the final fraction."""
+    peak, warmup = float(opt.learning_rate), int(opt.warmup_steps)
+    schedule = ScheduleName(opt.schedule)
+    if warmup < 0 or warmup > total_steps:
+        raise ZooError(
+            f"optimizer.warmup_steps={warmup} must lie between 0 and trainer.steps={total_steps}."
+        )
+    decay_steps = max(total_steps - warmup, 1)
+    end = peak * float(opt.final_lr_fraction)
+    if schedule is ScheduleName.constant:
+        decay = optax.constant_schedule(peak)
+    elif schedule is ScheduleName.cosine:
+        decay = optax.cosine_decay_schedule(peak, decay_steps, alpha=float(opt.final_lr_fraction))
+    else:
+        decay = optax.linear_schedule(peak, end, decay_steps)
+    if warmup == 0:
+        return decay
+    return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), decay], [warmup])
+
+
+def make_optimizer(
+    opt: Any, total_steps: int
+) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    schedule = learning_rate_schedule(opt, total_steps)
+    name = OptimizerName(opt.name)
+    if name is OptimizerName.sgd:
+        tx = optax.sgd(schedule, momentum=float(opt.momentum) or None)
+    elif name is OptimizerName.adam:
+        tx = optax.adam(schedule)
+    else:
+        tx = optax.adamw(schedule, weight_decay=float(opt.weight_decay))
+    if opt.grad_clip_norm is not None:
+        tx = optax.chain(optax.clip_by_global_norm(float(opt.grad_clip_norm)), tx)
+    return tx, schedule

@@ -1,0 +1,42 @@
+"""Every random key of a run, derived explicitly from the run's seed.
+
+One root key per seed; each use gets its own stream by `fold_in` with a fixed id, and the per-step
+key folds in the step number, so a resumed run draws exactly the keys an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+# Fixed ids: changing one changes every run's bits.
+_PARAMS, _DROPOUT, _DEFAULT, _STEP, _EVAL = range(5)
+
+
+def root_key(seed: int) -> jax.Array:
+    return jax.random.key(seed)
+
+
+def init_rngs(seed: int) -> nnx.Rngs:
+    """Rngs for building a model: `params` for initialisers, and the streams that modules bind
+    at construction (`dropout`; any other name falls back to `default`)."""
+    root = root_key(seed)
+    return nnx.Rngs(
+        params=jax.random.fold_in(root, _PARAMS),
+        dropout=jax.random.fold_in(root, _DROPOUT),
+        default=jax.random.fold_in(root, _DEFAULT),
+    )
+
+
+def step_key(seed: int) -> jax.Array:
+    """The base key of call-time randomness during training; `call_rngs` folds in the step."""
+    return jax.random.fold_in(root_key(seed), _STEP)
+
+
+def eval_key(seed: int) -> jax.Array:
+    return jax.random.fold_in(root_key(seed), _EVAL)
+
+
+def call_rngs(base: jax.Array, step: jax.Array | int) -> nnx.Rngs:
+    """Call-time Rngs for one step (usable inside jit): any stream name draws from this key."""
+    return nnx.Rngs(default=jax.random.fold_in(base, step))

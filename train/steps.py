@@ -1,0 +1,97 @@
+"""The jitted train and eval steps: pure functions of (state, batch), built once per run.
+
+The model and optimizer are split into a static graphdef and a pytree of state once, outside the
+hot loop; each step merges them inside jit (free at run time), so per-step host overhead is
+that of a plain `jax.jit` call. The state is donated, so params and optimizer state are updated
+in place. Metrics are summed on device across steps and fetched once per log window.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from data.pipeline import MASK
+from train import rngs as zoo_rngs
+
+COUNT = "count"
+"""The sum of example weights (training: steps) under which the other sums are accumulated."""
+
+Metrics = dict[str, jax.Array]
+
+
+def make_train_step(graphdef: nnx.GraphDef, loss_fn: Callable) -> Callable:
+    """`train_step(state, sums, batch, key) -> (state, sums)`, where `sums` accumulates each
+    step's mean loss and metrics (and `count` the steps) until the caller fetches them."""
+
+    def objective(model, batch, rngs):
+        loss, metrics = loss_fn(model, batch, rngs)
+        return jnp.mean(loss), {name: jnp.mean(value) for name, value in metrics.items()}
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def train_step(state, sums: Metrics, batch: Mapping[str, jax.Array], key: jax.Array):
+        # Read before merging: the merged modules update the same Variables in place.
+        specs = jax.tree.map(lambda x: jax.typeof(x).sharding.spec, state)
+        model, optimizer = nnx.merge(graphdef, state)
+        model.train()
+        # The step number comes from the optimizer's own counter, so it never crosses from host.
+        rngs = zoo_rngs.call_rngs(key, optimizer.step[...])
+        grad_fn = nnx.value_and_grad(objective, has_aux=True)
+        (loss, metrics), grads = grad_fn(model, batch, rngs)
+        optimizer.update(model, grads)
+        step_metrics = {"loss": loss, **metrics, COUNT: jnp.ones((), jnp.float32)}
+        return _resharded(nnx.state((model, optimizer)), specs), _add(sums, step_metrics)
+
+    return train_step
+
+
+def make_eval_step(graphdef: nnx.GraphDef, loss_fn: Callable) -> Callable:
+    """`eval_step(state, sums, batch, key) -> sums`: per-example metrics summed under the
+    batch's mask, so padding rows count for nothing and every real example counts once."""
+
+    @jax.jit
+    def eval_step(state, sums: Metrics, batch: Mapping[str, jax.Array], key: jax.Array):
+        model, _ = nnx.merge(graphdef, state)
+        model.eval()
+        weight = batch[MASK]
+        inputs = {name: value for name, value in batch.items() if name != MASK}
+        loss, metrics = loss_fn(model, inputs, zoo_rngs.call_rngs(key, 0))
+        batch_sums = {
+            name: jnp.sum(value * weight) for name, value in {"loss": loss, **metrics}.items()
+        }
+        return _add(sums, {**batch_sums, COUNT: jnp.sum(weight)})
+
+    return eval_step
+
+
+def _resharded(state, specs):
+    """Give every leaf of the new state the sharding it came in with. A value computed in the
+    step may come out sharded differently (BatchNorm statistics follow their activations'
+    sharding): the state's layout must stay fixed, or donation fails and the step compiles
+    again."""
+    return jax.tree.map(jax.sharding.reshard, state, specs)
+
+
+def zero_metrics(step_fn: Callable, *args: Any) -> Metrics:
+    """Zeros shaped like the metric sums that `step_fn(*args)` returns last."""
+    shapes = jax.eval_shape(step_fn, *args)
+    sums = shapes[-1] if isinstance(shapes, tuple) else shapes
+    return {name: jnp.zeros(s.shape, s.dtype) for name, s in sums.items()}
+
+
+def means(sums: Mapping[str, Any]) -> dict[str, float]:
+    """Host-side means of fetched sums (a blocking fetch: call it on finished windows only)."""
+    host = jax.device_get(dict(sums))
+    count = float(host.pop(COUNT))
+    return {name: float(value) / count for name, value in host.items()}
+
+
+def _add(sums: Metrics, values: Metrics) -> Metrics:
+    if not sums:
+        return {name: value.astype(jnp.float32) for name, value in values.items()}
+    return {name: sums[name] + values[name].astype(jnp.float32) for name in values}

@@ -1,0 +1,9 @@
+"""The one exception type that zoo raises for bad input.
+
+The CLI prints a `ZooError` as a single paragraph and exits non-zero, without a traceback: the
+message itself must name the bad value and what would be valid.
+"""
+
+
+class ZooError(ValueError):
+    """Bad input from the user: an unknown name, a wrong key or type, missing data."""

@@ -1,0 +1,195 @@
+"""Registries of models and data sets, in the style of timm's `@register_model`.
+
+A model is registered once, with everything the generic trainer needs to know about it: its NNX
+module constructor, its loss/metrics function, its default data set and any trainer or optimizer
+defaults of its own. The constructor's keyword parameters (type-hinted, each with a default) *are*
+the model's config schema: the CLI's `model.<param>=...` overrides, `--cfg job` and
+`create_model(name, **overrides)` are all derived from the signature, so a hyper-parameter is
+declared exactly once.
+
+Data sets work the same way: a loader function whose keyword parameters are the `data.*` config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import typing
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+from flax import nnx
+
+from zoo import config as zoo_config
+from zoo.errors import ZooError
+
+LossFn = Callable[[nnx.Module, Mapping[str, Any], nnx.Rngs], tuple[Any, dict[str, Any]]]
+"""`loss(model, batch, rngs) -> (loss[B], {metric: value[B]})`: per-example values.
+
+Per-example (not batch-mean) values let the trainer average correctly over padded eval batches
+and over batches of different sizes, weighting every real example once.
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelEntry:
+    """Everything the trainer needs to know about one model family."""
+
+    name: str
+    constructor: Callable[..., nnx.Module]
+    loss: LossFn
+    default_data: str
+    config: type
+    trainer: Mapping[str, Any]
+    optimizer: Mapping[str, Any]
+
+    def hparams(self, **overrides: Any) -> dict[str, Any]:
+        """The constructor's keyword arguments: defaults, then type-checked overrides."""
+        return _checked_params(f"model '{self.name}'", self.config, overrides)
+
+    def build(self, hparams: Mapping[str, Any], rngs: nnx.Rngs) -> nnx.Module:
+        params = {k: v for k, v in hparams.items() if k != "name"}
+        return self.constructor(**params, rngs=rngs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Splits:
+    """A data set held in memory: column name -> array, the same leading length per split."""
+
+    train: Mapping[str, np.ndarray]
+    eval: Mapping[str, np.ndarray]
+
+
+@dataclasses.dataclass(frozen=True)
+class DataEntry:
+    name: str
+    load: Callable[..., Splits]
+    config: type
+
+    def splits(self, params: Mapping[str, Any]) -> Splits:
+        return self.load(**{k: v for k, v in params.items() if k != "name"})
+
+
+_MODELS: dict[str, ModelEntry] = {}
+_DATASETS: dict[str, DataEntry] = {}
+
+
+def register_model(
+    name: str,
+    constructor: Callable[..., nnx.Module] | None = None,
+    *,
+    loss: LossFn,
+    default_data: str,
+    trainer: Mapping[str, Any] | None = None,
+    optimizer: Mapping[str, Any] | None = None,
+) -> Any:
+    """Register an NNX module constructor under `name`; usable as a class decorator.
+
+    `trainer` and `optimizer` are this model's defaults for those config sections (for example
+    `{"steps": 2000}`); the command line still overrides them.
+    """
+
+    def register(ctor: Callable[..., nnx.Module]) -> Callable[..., nnx.Module]:
+        if name in _MODELS:
+            raise ZooError(f"A model named '{name}' is already registered; choose another name.")
+        schema = _signature_dataclass(ctor, name, f"{_camel(name)}ModelConfig")
+        entry = ModelEntry(
+            name, ctor, loss, default_data, schema, dict(trainer or {}), dict(optimizer or {})
+        )
+        zoo_config.store_model(entry.name, schema, default_data, entry.trainer, entry.optimizer)
+        _MODELS[name] = entry
+        return ctor
+
+    return register if constructor is None else register(constructor)
+
+
+def register_data(name: str, load: Callable[..., Splits] | None = None) -> Any:
+    """Register a data-set loader under `name`; usable as a function decorator."""
+
+    def register(fn: Callable[..., Splits]) -> Callable[..., Splits]:
+        if name in _DATASETS:
+            raise ZooError(f"A data set named '{name}' is already registered; choose another.")
+        schema = _signature_dataclass(fn, name, f"{_camel(name)}DataConfig")
+        zoo_config.store_data(name, schema)
+        _DATASETS[name] = DataEntry(name, fn, schema)
+        return fn
+
+    return register if load is None else register(load)
+
+
+def list_models() -> list[str]:
+    """Names of the registered models, sorted."""
+    return sorted(_MODELS)
+
+
+def list_datasets() -> list[str]:
+    """Names of the registered data sets, sorted."""
+    return sorted(_DATASETS)
+
+
+def get_model(name: str) -> ModelEntry:
+    if name not in _MODELS:
+        raise ZooError(f"Unknown model '{name}'. Registered models: {', '.join(list_models())}.")
+    return _MODELS[name]
+
+
+def get_data(name: str) -> DataEntry:
+    if name not in _DATASETS:
+        raise ZooError(
+            f"Unknown data set '{name}'. Registered data sets: {', '.join(list_datasets())}."
+        )
+    return _DATASETS[name]
+
+
+def create_model(name: str, *, seed: int = 0, mesh_shape: Any = None, **overrides: Any):
+    """Build a registered model with fresh parameters, e.g. `create_model("xor", hidden=16)`.
+
+    The model is created under a device mesh (by default one device) so that parameters are born
+    with the shardings their logical annotations ask for; `mesh_shape` takes the same keys as the
+    `mesh` config section.
+    """
+    from train import rngs, sharding
+
+    entry = get_model(name)
+    hparams = entry.hparams(**overrides)
+    mesh = sharding.make_mesh(zoo_config.MeshConfig(**(mesh_shape or {})))
+    with sharding.activate(mesh):
+        return entry.build(hparams, rngs.init_rngs(seed))
+
+
+def _checked_params(what: str, schema: type, overrides: Mapping[str, Any]) -> dict[str, Any]:
+    valid = [f.name for f in dataclasses.fields(schema) if f.name != "name"]
+    unknown = sorted(set(overrides) - set(valid))
+    if unknown:
+        raise ZooError(
+            f"Unknown parameter(s) {', '.join(map(repr, unknown))} for {what}. "
+            f"Valid parameters: {', '.join(valid)}."
+        )
+    return zoo_config.checked_dict(schema, overrides, what)
+
+
+def _signature_dataclass(fn: Callable[..., Any], name: str, class_name: str) -> type:
+    """A dataclass of `fn`'s keyword parameters (minus `rngs`), plus `name` = the registry key."""
+    target = fn.__init__ if inspect.isclass(fn) else fn
+    hints = typing.get_type_hints(target)
+    fields: list[tuple[str, Any, Any]] = [("name", str, dataclasses.field(default=name))]
+    for param in list(inspect.signature(target).parameters.values())[inspect.isclass(fn) :]:
+        if param.name == "rngs" or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        if param.default is param.empty or param.name not in hints:
+            raise ZooError(
+                f"Cannot register '{name}': parameter '{param.name}' of {fn.__qualname__} needs a "
+                "type hint and a default value, since it becomes a config key."
+            )
+        default = param.default
+        if isinstance(default, list | dict):
+            field = dataclasses.field(default_factory=lambda d=default: type(d)(d))
+        else:
+            field = dataclasses.field(default=default)
+        fields.append((param.name, hints[param.name], field))
+    return dataclasses.make_dataclass(class_name, fields)
+
+
+def _camel(name: str) -> str:
+    return "".join(part.capitalize() for part in name.replace("-", "_").split("_"))
