@@ -1,0 +1,51 @@
+"""The README's commands and examples, executed so they cannot go stale."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+from helpers import ROOT, run_cli
+
+README = (ROOT / "README.md").read_text()
+
+
+def code_blocks(language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", README, flags=re.DOTALL)
+
+
+def test_first_lines_are_the_two_commands_and_ci_runs_the_test_one():
+    first_block = code_blocks("")[0].strip().splitlines()
+    assert len(first_block) == 2
+    train_command, test_command = first_block
+    assert train_command.endswith("python -m zoo.train model=xor")
+    assert test_command.endswith("uv run pytest")
+    ci_script = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert test_command in ci_script
+
+
+def test_python_examples_run(tmp_path):
+    script = "\n\n".join(code_blocks("python"))
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=tmp_path,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    printed = result.stdout.splitlines()
+    assert "xor" in printed[0] and printed[1] == "(2, 16)"
+    assert float(printed[-1]) >= 0.9  # the user model's eval accuracy
+    assert (tmp_path / "runs" / "readme-mlp" / "checkpoints" / "300").is_dir()
+
+
+def test_error_examples_match_real_output():
+    examples = re.findall(r"^\$ python -m zoo\.train (.+)\n(error: .+)$", README, flags=re.M)
+    assert examples
+    for args, expected in examples:
+        result = run_cli(*args.split())
+        assert result.returncode == 2
+        assert result.stderr.strip() == expected
