@@ -43,7 +43,9 @@ def test_python_examples_run(tmp_path):
 
 
 def test_error_examples_match_real_output():
-    examples = re.findall(r"^\$ python -m zoo\.train (.+)\n(error: .+)$", README, flags=re.M)
+    examples = re.findall(
+        r"^\$ python -m zoo\.train (.+)\n(error: .+)$", README, flags=re.MULTILINE
+    )
     assert examples
     for args, expected in examples:
         result = run_cli(*args.split())

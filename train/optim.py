@@ -7,17 +7,12 @@ from typing import Any
 import optax
 
 from zoo.config import OptimizerName, ScheduleName
-from zoo.errors import ZooError
 
 
 def learning_rate_schedule(opt: Any, total_steps: int) -> optax.Schedule:
     """Linear warm-up to `learning_rate`, then the named decay to the final fraction."""
     peak, warmup = float(opt.learning_rate), int(opt.warmup_steps)
     schedule = ScheduleName(opt.schedule)
-    if warmup < 0 or warmup > total_steps:
-        raise ZooError(
-            f"optimizer.warmup_steps={warmup} must lie between 0 and trainer.steps={total_steps}."
-        )
     decay_steps = max(total_steps - warmup, 1)
     end = peak * float(opt.final_lr_fraction)
     if schedule is ScheduleName.constant:

@@ -56,11 +56,12 @@ class Reporter:
         self, step: int, metrics: Mapping[str, float], speed: Mapping[str, float]
     ) -> None:
         self.scalars("train", step, {**metrics, **speed})
-        status = f"{format_metrics(metrics)} | {speed['steps_per_sec']:.0f} steps/s"
+        rate = f"{speed['steps_per_sec']:.0f} steps/s"
         if self._progress is not None:
+            status = f"loss {metrics['loss']:.4g} | {rate}"
             self._progress.update(self._task, completed=step, status=status)
         else:
-            log.info("step %d/%d %s", step, self._total, status)
+            log.info("step %d/%d %s | %s", step, self._total, format_metrics(metrics), rate)
 
     def eval(self, step: int, metrics: Mapping[str, float]) -> None:
         self.scalars("eval", step, metrics)

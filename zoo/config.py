@@ -249,8 +249,14 @@ def _check_values(cfg: DictConfig) -> None:
     for key in ("eval_every", "checkpoint_every"):
         if trainer[key] < 0:
             raise ZooError(f"trainer.{key}={trainer[key]} must be 0 (off) or positive.")
-    if cfg.optimizer.learning_rate <= 0:
-        raise ZooError(f"optimizer.learning_rate={cfg.optimizer.learning_rate} must be positive.")
+    optimizer = cfg.optimizer
+    if optimizer.learning_rate <= 0:
+        raise ZooError(f"optimizer.learning_rate={optimizer.learning_rate} must be positive.")
+    if not 0 <= optimizer.warmup_steps <= trainer.steps:
+        raise ZooError(
+            f"optimizer.warmup_steps={optimizer.warmup_steps} must lie between 0 and "
+            f"trainer.steps={trainer.steps}."
+        )
 
 
 def check_choices(overrides: Sequence[str]) -> None:

@@ -1,0 +1,1 @@
+"""Speed measurements of zoo: printed tables and JSON, never timed assertions in tests."""
