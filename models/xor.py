@@ -5,9 +5,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
-from train.sharding import BATCH_AXES
+from train.sharding import logical_spec
 from zoo.registry import register_model
 
 
@@ -32,10 +31,12 @@ class XorClassifier(nnx.Module):
         self, num_inputs: int = 2, num_hidden: int = 8, num_outputs: int = 1, *, rngs: nnx.Rngs
     ):
         kernel, zeros = nnx.initializers.lecun_normal(), nnx.initializers.zeros_init()
+        # Two input features are too few to split: tensor parallelism splits the hidden units,
+        # and on an fsdp mesh this model is simply data parallel.
         self.hidden = nnx.Linear(
             num_inputs,
             num_hidden,
-            kernel_init=nnx.with_partitioning(kernel, ("embed", "mlp")),
+            kernel_init=nnx.with_partitioning(kernel, (None, "mlp")),
             bias_init=nnx.with_partitioning(zeros, ("mlp",)),
             rngs=rngs,
         )
@@ -50,4 +51,4 @@ class XorClassifier(nnx.Module):
     def __call__(self, x):
         h = nnx.tanh(self.hidden(x))
         # The contraction runs over the tensor-sharded hidden dim: say where the sum lands.
-        return self.output(h, out_sharding=P(BATCH_AXES, None))
+        return self.output(h, out_sharding=logical_spec("batch", None))

@@ -13,9 +13,11 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300):
-    """`python -m zoo.train ARGS` from the repository root, as a user would run it."""
-    full_env = {**os.environ, "JAX_NUM_CPU_DEVICES": "8", **(env or {})}
+def run_cli(*args: str, env: dict[str, str | None] | None = None, timeout: float = 300):
+    """`python -m zoo.train ARGS` from the repository root, as a user would run it; `env`
+    entries set to None are removed from the environment."""
+    merged = {**os.environ, "JAX_NUM_CPU_DEVICES": "8", **(env or {})}
+    full_env = {key: value for key, value in merged.items() if value is not None}
     return subprocess.run(
         [sys.executable, "-m", "zoo.train", *args],
         cwd=ROOT,

@@ -4,11 +4,10 @@ and a module-bound Dropout stream (RngState)."""
 from __future__ import annotations
 
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
 import zoo
 from models.xor import binary_classification_loss
-from train.sharding import BATCH_AXES
+from train.sharding import logical_spec
 
 NAME = "test_dropout_bn"
 
@@ -46,7 +45,7 @@ class DropoutBatchNormNet(nnx.Module):
 
     def __call__(self, x):
         h = self.drop(nnx.relu(self.bn(self.fc1(x))))
-        return self.fc2(h, out_sharding=P(BATCH_AXES, None))
+        return self.fc2(h, out_sharding=logical_spec("batch", None))
 
 
 if NAME not in zoo.list_models():

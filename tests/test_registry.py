@@ -36,7 +36,7 @@ def test_create_model_applies_overrides_with_params_born_sharded():
     assert isinstance(model, XorClassifier)
     kernel = model.hidden.kernel[...]
     assert kernel.shape == (2, 16)
-    assert jax.typeof(kernel).sharding.spec == P("fsdp", "tensor")
+    assert jax.typeof(kernel).sharding.spec == P(None, "tensor")
     again = zoo.create_model("xor", num_hidden=16, seed=3)
     assert (again.hidden.kernel[...] == kernel).all()
 

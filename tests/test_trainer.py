@@ -48,7 +48,7 @@ def test_batchnorm_stats_and_dropout_stream_advance_in_training(run):
 def test_eval_mode_leaves_batchnorm_stats_alone(run):
     stats = [np.asarray(x) for x in jax.tree.leaves(nnx.state(run.model, nnx.BatchStat))]
     inputs = get_data("xor").splits({}).eval["inputs"][:64]
-    with jax.set_mesh(run.model.fc1.kernel[...].sharding.mesh):
+    with run.activate():
         run.model(inputs)
     for before, after in zip(stats, jax.tree.leaves(nnx.state(run.model, nnx.BatchStat))):
         np.testing.assert_array_equal(before, np.asarray(after))
@@ -58,9 +58,8 @@ def test_eval_metrics_weight_every_example_once(run):
     """500 eval points in batches of 64: the last batch holds 52 real rows and 12 padding."""
     model = run.model
     eval_split = get_data("xor").splits({}).eval
-    mesh = model.fc1.kernel[...].sharding.mesh
     entry = zoo.get_model(MODEL)
-    with jax.set_mesh(mesh):
+    with run.activate():
         loss, metrics = entry.loss(model, eval_split, nnx.Rngs(0))
     np.testing.assert_allclose(run.eval_metrics["loss"], float(np.mean(loss)), rtol=1e-5)
     np.testing.assert_allclose(run.eval_metrics["accuracy"], float(np.mean(metrics["accuracy"])))

@@ -11,7 +11,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -19,10 +19,11 @@ from flax import nnx
 from omegaconf import DictConfig, OmegaConf
 
 from data import pipeline
+from train import distributed, sharding
 from train import rngs as zoo_rngs
-from train import sharding
 from train.checkpoint import Checkpointer
 from train.optim import make_optimizer
+from train.plan import create_sharded
 from train.report import Reporter, format_metrics
 from train.steps import Metrics, make_eval_step, make_train_step, means, zero_metrics
 from zoo import registry
@@ -41,6 +42,12 @@ class RunResult:
     step: int
     workdir: str
     config: DictConfig
+    mesh: jax.sharding.Mesh
+    rules: sharding.AxisRules
+
+    def activate(self):
+        """The mesh and rules the model was trained under: call the model inside it."""
+        return sharding.activate(self.mesh, self.rules)
 
 
 def run(cfg: DictConfig) -> RunResult:
@@ -49,14 +56,18 @@ def run(cfg: DictConfig) -> RunResult:
 
 
 class Trainer:
-    def __init__(self, cfg: DictConfig):
+    """One run. `devices` restricts the mesh to some of the devices (default: all of them)."""
+
+    def __init__(self, cfg: DictConfig, devices: Sequence[Any] | None = None):
         self.cfg = cfg
         trainer = cfg.trainer
         model_entry = registry.get_model(cfg.model.name)
         self.workdir = os.path.abspath(cfg.workdir)
 
-        self.mesh = sharding.make_mesh(cfg.mesh)
-        shards = sharding.batch_divisor(self.mesh)
+        distributed.initialize(cfg)
+        self.rules = sharding.AxisRules.from_mapping(cfg.mesh.rules)
+        self.mesh = sharding.make_mesh(cfg.mesh, devices)
+        shards = sharding.batch_divisor(self.mesh, self.rules)
         if trainer.batch_size % shards:
             raise ZooError(
                 f"trainer.batch_size={trainer.batch_size} cannot be split over the mesh's batch "
@@ -72,16 +83,15 @@ class Trainer:
             splits.eval, trainer.batch_size, shard_index=process, shard_count=processes
         )
 
-        with sharding.activate(self.mesh):
+        with sharding.activate(self.mesh, self.rules):
             tx, self.schedule = make_optimizer(cfg.optimizer, trainer.steps)
             hparams = OmegaConf.to_container(cfg.model)
 
-            @nnx.jit  # params are created sharded, never whole on one device
             def create():
                 model = model_entry.build(hparams, zoo_rngs.init_rngs(cfg.seed))
                 return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
 
-            model, optimizer = create()
+            (model, optimizer), self.plan = create_sharded(create, self.mesh, self.rules)
             self.param_count = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
             # Split once; from here on `self.state` is the single owner of the arrays.
             self.graphdef, self.state = nnx.split((model, optimizer))
@@ -90,11 +100,11 @@ class Trainer:
         self.step_key, self.eval_key = zoo_rngs.step_key(cfg.seed), zoo_rngs.eval_key(cfg.seed)
 
     def shard(self, batch: dict[str, Any]) -> dict[str, jax.Array]:
-        return sharding.shard_batch(batch, self.mesh)
+        return sharding.shard_batch(batch, self.mesh, self.rules)
 
     def evaluate(self) -> dict[str, float]:
         """Mean metrics over every eval example, each counted once."""
-        with sharding.activate(self.mesh):
+        with sharding.activate(self.mesh, self.rules):
             sums: Metrics | None = None
             for host_batch in self.eval_data:
                 batch = self.shard(host_batch)
@@ -106,13 +116,14 @@ class Trainer:
     def fit(self) -> RunResult:
         cfg, trainer = self.cfg, self.cfg.trainer
         total = int(trainer.steps)
-        reporter = Reporter(self.workdir, total)
+        reporter = Reporter(self.workdir, total, primary=jax.process_index() == 0)
         checkpointer = Checkpointer(os.path.join(self.workdir, "checkpoints"))
         config_dict = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
         windows = _LogWindows(reporter, self.schedule)
         eval_metrics: dict[str, float] = {}
         try:
             reporter.text("config", _as_markdown_code(OmegaConf.to_yaml(cfg, resolve=True)))
+            reporter.text("sharding_plan", _as_markdown_code(self.plan.table()))
             log.info(
                 "Training %s on %s for %d steps (batch %d) on mesh %s; %s parameters; workdir %s",
                 cfg.model.name,
@@ -123,9 +134,10 @@ class Trainer:
                 f"{self.param_count:,}",
                 self.workdir,
             )
+            log.info("%s", self.plan.table())
             iterator = iter(self.train_data)
             zeros: Metrics | None = None
-            with sharding.activate(self.mesh):
+            with sharding.activate(self.mesh, self.rules):
                 for step in range(1, total + 1):  # `step` counts the updates done after it
                     # Exactly one batch per step: the iterator's state always matches the step.
                     batch = self.shard(next(iterator))
@@ -152,7 +164,9 @@ class Trainer:
         log.info("Final eval @ step %d: %s", total, format_metrics(eval_metrics))
         model, _ = nnx.merge(self.graphdef, self.state, copy=True)
         model.eval()
-        return RunResult(model, self.state, eval_metrics, total, self.workdir, cfg)
+        return RunResult(
+            model, self.state, eval_metrics, total, self.workdir, cfg, self.mesh, self.rules
+        )
 
 
 class _LogWindows:

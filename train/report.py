@@ -26,11 +26,18 @@ def format_metrics(metrics: Mapping[str, float]) -> str:
 
 
 class Reporter:
-    def __init__(self, workdir: str, total_steps: int, start_step: int = 0):
-        self.writer = SummaryWriter(logdir=os.path.abspath(workdir), flush_secs=FLUSH_SECS)
+    """Writes events and console lines; in a multi-process job only the primary process does."""
+
+    def __init__(self, workdir: str, total_steps: int, start_step: int = 0, primary: bool = True):
+        self._primary = primary
+        self.writer = (
+            SummaryWriter(logdir=os.path.abspath(workdir), flush_secs=FLUSH_SECS)
+            if primary
+            else None
+        )
         self._total = total_steps
         self._progress: Progress | None = None
-        if CONSOLE.is_terminal:
+        if primary and CONSOLE.is_terminal:
             self._progress = Progress(
                 TextColumn("[bold]step"),
                 MofNCompleteColumn(),
@@ -46,9 +53,12 @@ class Reporter:
             self._progress.start()
 
     def text(self, tag: str, markdown: str) -> None:
-        self.writer.add_text(tag, markdown, global_step=0)
+        if self.writer is not None:
+            self.writer.add_text(tag, markdown, global_step=0)
 
     def scalars(self, prefix: str, step: int, values: Mapping[str, float]) -> None:
+        if self.writer is None:
+            return
         for name, value in values.items():
             self.writer.add_scalar(f"{prefix}/{name}", value, global_step=step)
 
@@ -60,14 +70,16 @@ class Reporter:
         if self._progress is not None:
             status = f"loss {metrics['loss']:.4g} | {rate}"
             self._progress.update(self._task, completed=step, status=status)
-        else:
+        elif self._primary:
             log.info("step %d/%d %s | %s", step, self._total, format_metrics(metrics), rate)
 
     def eval(self, step: int, metrics: Mapping[str, float]) -> None:
         self.scalars("eval", step, metrics)
-        log.info("eval @ step %d: %s", step, format_metrics(metrics))
+        if self._primary:
+            log.info("eval @ step %d: %s", step, format_metrics(metrics))
 
     def close(self) -> None:
         if self._progress is not None:
             self._progress.stop()
-        self.writer.close()
+        if self.writer is not None:
+            self.writer.close()

@@ -25,29 +25,49 @@ COUNT = "count"
 Metrics = dict[str, jax.Array]
 
 
-def make_train_step(graphdef: nnx.GraphDef, loss_fn: Callable) -> Callable:
-    """`train_step(state, sums, batch, key) -> (state, sums)`, where `sums` accumulates each
-    step's mean loss and metrics (and `count` the steps) until the caller fetches them."""
+def _loss_and_grads(graphdef: nnx.GraphDef, loss_fn: Callable, state, batch, key):
+    """Merge, switch to train mode and differentiate the batch-mean loss; the step number comes
+    from the optimizer's own counter, so it never crosses from the host."""
+    model, optimizer = nnx.merge(graphdef, state)
+    model.train()
+    rngs = zoo_rngs.call_rngs(key, optimizer.step[...])
 
     def objective(model, batch, rngs):
         loss, metrics = loss_fn(model, batch, rngs)
         return jnp.mean(loss), {name: jnp.mean(value) for name, value in metrics.items()}
 
+    (loss, metrics), grads = nnx.value_and_grad(objective, has_aux=True)(model, batch, rngs)
+    return model, optimizer, loss, metrics, grads
+
+
+def make_train_step(graphdef: nnx.GraphDef, loss_fn: Callable) -> Callable:
+    """`train_step(state, sums, batch, key) -> (state, sums)`, where `sums` accumulates each
+    step's mean loss and metrics (and `count` the steps) until the caller fetches them."""
+
     @functools.partial(jax.jit, donate_argnums=0)
     def train_step(state, sums: Metrics, batch: Mapping[str, jax.Array], key: jax.Array):
         # Read before merging: the merged modules update the same Variables in place.
         specs = jax.tree.map(lambda x: jax.typeof(x).sharding.spec, state)
-        model, optimizer = nnx.merge(graphdef, state)
-        model.train()
-        # The step number comes from the optimizer's own counter, so it never crosses from host.
-        rngs = zoo_rngs.call_rngs(key, optimizer.step[...])
-        grad_fn = nnx.value_and_grad(objective, has_aux=True)
-        (loss, metrics), grads = grad_fn(model, batch, rngs)
+        model, optimizer, loss, metrics, grads = _loss_and_grads(
+            graphdef, loss_fn, state, batch, key
+        )
         optimizer.update(model, grads)
         step_metrics = {"loss": loss, **metrics, COUNT: jnp.ones((), jnp.float32)}
         return _resharded(nnx.state((model, optimizer)), specs), _add(sums, step_metrics)
 
     return train_step
+
+
+def make_grad_step(graphdef: nnx.GraphDef, loss_fn: Callable) -> Callable:
+    """`grad_step(state, batch, key) -> (loss, grads)`: what `train_step` would apply, without
+    applying it (for checking that every mesh computes the same step)."""
+
+    @jax.jit
+    def grad_step(state, batch: Mapping[str, jax.Array], key: jax.Array):
+        _, _, loss, _, grads = _loss_and_grads(graphdef, loss_fn, state, batch, key)
+        return loss, grads
+
+    return grad_step
 
 
 def make_eval_step(graphdef: nnx.GraphDef, loss_fn: Callable) -> Callable:

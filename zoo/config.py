@@ -64,11 +64,42 @@ class OptimizerConfig:
     grad_clip_norm: float | None = None
 
 
+MESH_AXES = ("data", "fsdp", "tensor")
+
+DEFAULT_RULES: dict[str, Any] = {
+    "batch": ["data", "fsdp"],
+    "embed": "fsdp",
+    "mlp": "tensor",
+    "heads": "tensor",
+    "vocab": "tensor",
+    "conv_in": None,
+    "conv_out": "tensor",
+}
+"""Logical axis -> mesh axes: one axis, a list of axes, or None (replicated)."""
+
+
 @dataclasses.dataclass
 class MeshConfig:
-    data: int = 1
+    # Devices along each mesh axis; one may be -1: all the remaining devices.
+    data: int = -1
     fsdp: int = 1
     tensor: int = 1
+    rules: dict[str, Any] = dataclasses.field(default_factory=lambda: dict(DEFAULT_RULES))
+    # Simulated CPU devices for this process (0: what the platform has); must be set before
+    # JAX starts, so it works from the command line, not after JAX is already in use.
+    cpu_devices: int = 0
+
+
+@dataclasses.dataclass
+class DistributedConfig:
+    # Several processes (one per host, typically): set these, or let JAX read them from the
+    # environment (JAX_COORDINATOR_ADDRESS, SLURM, Open MPI, Kubernetes).
+    coordinator: str | None = None  # host:port of process 0
+    num_processes: int | None = None
+    process_id: int | None = None
+    # A process that has not been heard from for this long is dead: the others stop with an
+    # error instead of waiting for it forever.
+    heartbeat_timeout: int = 100
 
 
 @dataclasses.dataclass
@@ -78,6 +109,7 @@ class Config:
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     workdir: str = "runs/${model.name}/${now:%Y%m%d-%H%M%S}"
     seed: int = 0
 

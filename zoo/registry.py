@@ -142,20 +142,34 @@ def get_data(name: str) -> DataEntry:
     return _DATASETS[name]
 
 
-def create_model(name: str, *, seed: int = 0, mesh_shape: Any = None, **overrides: Any):
-    """Build a registered model with fresh parameters, e.g. `create_model("xor", hidden=16)`.
+def create_model(
+    name: str,
+    *,
+    seed: int = 0,
+    mesh: Mapping[str, Any] | None = None,
+    devices: Any = None,
+    **overrides: Any,
+) -> nnx.Module:
+    """Build a registered model with fresh parameters, e.g. `create_model("xor", num_hidden=16)`.
 
-    The model is created under a device mesh (by default one device) so that parameters are born
-    with the shardings their logical annotations ask for; `mesh_shape` takes the same keys as the
-    `mesh` config section.
+    The params are born sharded on a device mesh, as their logical annotations and the rules
+    ask; `mesh` takes the keys of the `mesh` config section (default: data parallel over every
+    device), `devices` restricts it to some devices. Call the model under
+    `train.sharding.activate(...)` (or use the trainer), since explicit sharding needs a mesh.
     """
     from train import rngs, sharding
+    from train.plan import create_sharded
 
     entry = get_model(name)
     hparams = entry.hparams(**overrides)
-    mesh = sharding.make_mesh(zoo_config.MeshConfig(**(mesh_shape or {})))
-    with sharding.activate(mesh):
-        return entry.build(hparams, rngs.init_rngs(seed))
+    mesh_cfg = zoo_config.checked_dict(zoo_config.MeshConfig, dict(mesh or {}), "mesh")
+    rules = sharding.AxisRules.from_mapping(mesh_cfg["rules"])
+    device_mesh = sharding.make_mesh(mesh_cfg, devices)
+    with sharding.activate(device_mesh, rules):
+        (model,), _ = create_sharded(
+            lambda: (entry.build(hparams, rngs.init_rngs(seed)),), device_mesh, rules
+        )
+    return model
 
 
 def _checked_params(what: str, schema: type, overrides: Mapping[str, Any]) -> dict[str, Any]:
