@@ -148,5 +148,5 @@ def test_run_time_error_exits_non_zero_and_keeps_checkpoints(tmp_path):
     result = run_cli("mesh.data=16", f"workdir={tmp_path}")
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
-    assert "data=16" in result.stderr and "8 available device(s)" in result.stderr
+    assert "data=16" in result.stderr and "8 are available" in result.stderr
     assert (checkpoint / "marker").read_text() == "kept"

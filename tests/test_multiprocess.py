@@ -10,9 +10,8 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 import deep_mlp
+import pytest
 from helpers import ROOT, read_events, run_cli, scalar_steps
 
 TESTS = os.path.dirname(os.path.abspath(__file__))

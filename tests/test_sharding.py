@@ -3,15 +3,15 @@
 
 from __future__ import annotations
 
+import deep_mlp
 import jax
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import read_events, run_cli
 from jax.sharding import PartitionSpec as P
 
-import deep_mlp
 import zoo
-from helpers import read_events, run_cli
 from train import sharding
 from train.loop import Trainer
 from train.steps import make_grad_step
@@ -106,18 +106,24 @@ def test_mesh_sizes_fill_and_mismatch():
     [
         (
             ["model=xor", "model.num_hidden=6", "mesh.tensor=4", "mesh.data=2"],
-            r"'hidden.bias' \(shape \(6,\)\) has dimension 0 of size 6 \('mlp'\), which mesh "
-            r"axes \['tensor'\] cannot split 4 ways",
+            (
+                r"'hidden.bias' \(shape \(6,\)\) has dimension 0 of size 6 \('mlp'\), which mesh "
+                r"axes \['tensor'\] cannot split 4 ways"
+            ),
         ),
         (
             [f"model={deep_mlp.MODEL}", "mesh.rules.embed=tensor"],
-            r"'layers.0.kernel' \(shape \(16, 64\)\) would use mesh axis 'tensor' twice: on "
-            r"dimension 0 and on dimension 1",
+            (
+                r"'layers.0.kernel' \(shape \(16, 64\)\) would use mesh axis 'tensor' twice: on "
+                r"dimension 0 and on dimension 1"
+            ),
         ),
         (
             [f"model={deep_mlp.MODEL}", "~mesh.rules.mlp"],
-            r"'head.kernel' \(shape \(64, 4\)\) on dimension 0 uses the logical axis 'mlp', "
-            r"which no sharding rule maps. Known logical axes: batch, conv_in",
+            (
+                r"'head.kernel' \(shape \(64, 4\)\) on dimension 0 uses the logical axis 'mlp', "
+                r"which no sharding rule maps. Known logical axes: batch, conv_in"
+            ),
         ),
         (["model=xor", "mesh.rules.mlp=gpu"], r"mesh.rules.mlp=\['gpu'\] is invalid"),
         (["model=xor", "mesh.data=3"], r"needs 3 devices but 8 are available"),

@@ -12,7 +12,6 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -83,7 +82,7 @@ def plan_state(state: nnx.State, mesh: Mesh, rules: AxisRules) -> ShardingPlan:
         shape = tuple(variable.shape)
         what = f"'{name}' (shape {shape})"
         spec = P() if logical is None else rules.spec(logical, shape, mesh, what)
-        itemsize = jnp.dtype(variable.dtype).itemsize
+        itemsize = variable.dtype.itemsize  # also right for typed PRNG keys
         total = math.prod(shape) * itemsize
         ways = math.prod(
             math.prod(mesh.shape[a] for a in ((e,) if isinstance(e, str) else e))
