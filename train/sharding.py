@@ -92,15 +92,24 @@ _ACTIVE_RULES: contextvars.ContextVar[AxisRules | None] = contextvars.ContextVar
 )
 
 
-def resolve_mesh_shape(sizes: Mapping[str, int], device_count: int) -> tuple[int, ...]:
-    """Sizes for (data, fsdp, tensor); one of them may be -1: all the remaining devices."""
+def check_mesh_sizes(sizes: Mapping[str, int]) -> list[int]:
+    """The (data, fsdp, tensor) sizes: positive, or -1 for at most one of them."""
     shape = [int(sizes[axis]) for axis in MESH_AXES]
-    given = ", ".join(f"{axis}={size}" for axis, size in zip(MESH_AXES, shape, strict=True))
     if shape.count(-1) > 1 or any(size == 0 or size < -1 for size in shape):
+        given = ", ".join(
+            f"mesh.{axis}={size}" for axis, size in zip(MESH_AXES, shape, strict=True)
+        )
         raise ZooError(
             f"Invalid mesh ({given}): sizes are positive, and at most one may be -1 "
             "(all the remaining devices)."
         )
+    return shape
+
+
+def resolve_mesh_shape(sizes: Mapping[str, int], device_count: int) -> tuple[int, ...]:
+    """Sizes for (data, fsdp, tensor); one of them may be -1: all the remaining devices."""
+    shape = check_mesh_sizes(sizes)
+    given = ", ".join(f"{axis}={size}" for axis, size in zip(MESH_AXES, shape, strict=True))
     known = math.prod(size for size in shape if size != -1)
     if -1 in shape:
         if device_count % known:

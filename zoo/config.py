@@ -281,6 +281,10 @@ def _check_values(cfg: DictConfig) -> None:
     for key in ("eval_every", "checkpoint_every"):
         if trainer[key] < 0:
             raise ZooError(f"trainer.{key}={trainer[key]} must be 0 (off) or positive.")
+    from train.sharding import AxisRules, check_mesh_sizes  # train imports this module
+
+    check_mesh_sizes(cfg.mesh)
+    AxisRules.from_mapping(cfg.mesh.rules)
     optimizer = cfg.optimizer
     if optimizer.learning_rate <= 0:
         raise ZooError(f"optimizer.learning_rate={optimizer.learning_rate} must be positive.")
