@@ -27,7 +27,14 @@ def format_metrics(metrics: Mapping[str, float]) -> str:
 
 class Reporter:
     def __init__(self, workdir: str, total_steps: int, start_step: int = 0):
-        self.writer = SummaryWriter(logdir=os.path.abspath(workdir), flush_secs=FLUSH_SECS)
+        # A run resumed from step s writes nothing at steps <= s. Events that an interrupted run
+        # wrote after its last checkpoint (steps > s) are written again by the resumed run:
+        # `purge_step` marks the new event file so that TensorBoard drops the old ones.
+        self.writer = SummaryWriter(
+            logdir=os.path.abspath(workdir),
+            flush_secs=FLUSH_SECS,
+            purge_step=start_step + 1 if start_step else None,
+        )
         self._total = total_steps
         self._progress: Progress | None = None
         if CONSOLE.is_terminal:
@@ -45,8 +52,8 @@ class Reporter:
             )
             self._progress.start()
 
-    def text(self, tag: str, markdown: str) -> None:
-        self.writer.add_text(tag, markdown, global_step=0)
+    def text(self, tag: str, markdown: str, step: int = 0) -> None:
+        self.writer.add_text(tag, markdown, global_step=step)
 
     def scalars(self, prefix: str, step: int, values: Mapping[str, float]) -> None:
         for name, value in values.items():

@@ -19,6 +19,7 @@ import hydra
 from omegaconf import DictConfig
 
 import zoo
+from train.signals import Interrupted
 from zoo.console import CONSOLE
 
 EXIT_BAD_INPUT = 2
@@ -41,6 +42,9 @@ def _train(cfg: DictConfig) -> None:
     except zoo.ZooError as e:
         logging.getLogger("zoo").error("error: %s", e)
         sys.exit(EXIT_BAD_INPUT)
+    except Interrupted as e:  # SIGTERM/SIGINT: checkpoint saved, logs flushed
+        logging.getLogger("zoo").warning("%s", e)
+        sys.exit(e.exit_code)
 
 
 def load_plugins(env: str = "ZOO_PLUGINS") -> None:

@@ -1,0 +1,113 @@
+"""Choosing the checkpoint to resume from, and refusing configs that would change the run.
+
+A resumed run must continue the very run that wrote the checkpoint. So its config may differ only
+in keys that decide how long it runs and what it writes on the way (`RESUMABLE`); any other
+change (model, data, optimizer, seed, batch size) stops it with the list of changed keys.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from train.checkpoint import Checkpointer
+from zoo.config import resume_step
+from zoo.errors import ZooError
+
+log = logging.getLogger("zoo")
+
+RESUMABLE = (
+    "trainer.steps",
+    "trainer.log_every",
+    "trainer.eval_every",
+    "trainer.checkpoint_every",
+    "trainer.keep",
+    "trainer.best_metric",
+    "trainer.best_mode",
+    "trainer.resume",
+    "trainer.nan_policy",
+    "mesh.",  # the state is resharded onto the new mesh as it is restored
+    "workdir",
+)
+"""Keys (or prefixes, ending in '.') that a resumed run may change."""
+
+
+def flatten(node: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    for key, value in node.items():
+        if isinstance(value, Mapping):
+            yield from flatten(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def resumable(key: str) -> bool:
+    return any(key == k or (k.endswith(".") and key.startswith(k)) for k in RESUMABLE)
+
+
+def config_changes(
+    saved: Mapping[str, Any], current: Mapping[str, Any]
+) -> tuple[list[str], list[str]]:
+    """(changes that are refused, changes that are allowed), each as 'key: old -> new'."""
+    old, new = dict(flatten(saved)), dict(flatten(current))
+    refused, allowed = [], []
+    for key in sorted(old.keys() | new.keys()):
+        if old.get(key, "<absent>") != new.get(key, "<absent>"):
+            change = f"{key}: {old.get(key, '<absent>')} -> {new.get(key, '<absent>')}"
+            (allowed if resumable(key) else refused).append(change)
+    return refused, [c for c in allowed if not c.startswith(("trainer.resume:", "workdir:"))]
+
+
+def candidates(checkpointer: Checkpointer, resume: str) -> list[int]:
+    """The steps to try, best first, for `trainer.resume`; [] means start fresh."""
+    steps = checkpointer.all_steps()
+    where = checkpointer.directory
+    if resume == "never":
+        if steps:
+            raise ZooError(
+                f"trainer.resume=never, but {where} already holds checkpoints at steps "
+                f"{_listed(steps)}; they are never overwritten. Use another workdir, move them "
+                "away, or resume with trainer.resume=auto."
+            )
+        return []
+    wanted = resume_step(resume)
+    if wanted is None:  # auto
+        return sorted(steps, reverse=True)
+    if wanted not in steps:
+        raise ZooError(
+            f"trainer.resume={wanted}: there is no checkpoint at step {wanted} in {where}; "
+            f"saved steps: {_listed(steps) if steps else 'none'}."
+        )
+    later = [s for s in steps if s > wanted]
+    if later:
+        raise ZooError(
+            f"trainer.resume={wanted}: {where} also holds later checkpoints (steps "
+            f"{_listed(later)}) that resuming from step {wanted} would overwrite. Move them "
+            "away first, or resume with trainer.resume=auto."
+        )
+    return [wanted]
+
+
+def check_config(step: int, path: str, saved: Mapping[str, Any], current: Mapping[str, Any]):
+    """Refuse a resume whose config changes what is trained; log the allowed changes."""
+    refused, allowed = config_changes(saved, current)
+    if refused:
+        raise ZooError(
+            f"Cannot resume from the checkpoint at step {step} ({path}): the config changes what "
+            f"is trained: {'; '.join(refused)}. A resumed run may change only "
+            f"{', '.join(k.rstrip('.') + ('.*' if k.endswith('.') else '') for k in RESUMABLE)}. "
+            "Run with the original values, or use another workdir to start a new run."
+        )
+    if allowed:
+        log.info("Resuming with changed settings: %s", "; ".join(allowed))
+
+
+def reason(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    if len(text) > 300:
+        text = text[:300] + " ..."
+    return f"{type(error).__name__}: {text}"
+
+
+def _listed(steps: list[int]) -> str:
+    return ", ".join(map(str, steps))
