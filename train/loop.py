@@ -240,6 +240,7 @@ class Trainer:
             try:
                 saved_config = checkpointer.restore_config(step)
             except Exception as e:  # noqa: BLE001  (any read failure: try an older step)
+                resume.quiet_closed_loop_noise()
                 unreadable.append((step, resume.reason(e)))
                 if explicit:
                     break
@@ -251,6 +252,7 @@ class Trainer:
                     step, abstract_like(self.state), iterator, abstract_like(zeros)
                 )
             except Exception as e:  # noqa: BLE001
+                resume.quiet_closed_loop_noise()
                 unreadable.append((step, resume.reason(e)))
                 if explicit:
                     break
@@ -282,18 +284,21 @@ class Trainer:
                 eval_step=int(meta["eval"]["step"]),
                 eval_metrics=dict(meta["eval"]["metrics"]),
             )
+        if unreadable and explicit:
+            step, why = unreadable[0]
+            raise ZooError(
+                f"Cannot resume from trainer.resume={step}: the checkpoint at "
+                f"{checkpointer.step_path(step)} cannot be read ({why}). Nothing was changed; "
+                "trainer.resume=auto falls back to the latest readable earlier step."
+            )
         if unreadable:
             details = "; ".join(
-                f"step {s} at {checkpointer.step_path(s)}: {why}" for s, why in unreadable
+                f"step {s} at {checkpointer.step_path(s)}: {w}" for s, w in unreadable
             )
             raise ZooError(
                 f"Cannot resume: no checkpoint in {checkpointer.directory} can be read "
-                f"({details}). Nothing was changed; move the damaged checkpoints away to "
-                "fall back further or start over, or use another workdir."
-                if not explicit
-                else f"Cannot resume from trainer.resume={steps[0]}: the checkpoint "
-                f"({details}) cannot be read. Nothing was changed; try trainer.resume=auto "
-                "to fall back to an earlier readable step."
+                f"({details}). Nothing was changed; move the damaged checkpoints away to start "
+                "over, or use another workdir."
             )
         return fresh
 

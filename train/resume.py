@@ -8,6 +8,7 @@ change (model, data, optimizer, seed, batch size) stops it with the list of chan
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -102,10 +103,31 @@ def check_config(step: int, path: str, saved: Mapping[str, Any], current: Mappin
         log.info("Resuming with changed settings: %s", "; ".join(allowed))
 
 
+def quiet_closed_loop_noise() -> None:
+    """After a failed restore, the reads still in flight finish on Orbax's event loop after it
+    has closed, and each reports `RuntimeError: Event loop is closed` as an unraisable
+    exception: a screenful of tracebacks that say nothing about the checkpoint. Send those to
+    train.log only (for the rest of the process); every other unraisable exception is shown."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_zoo_quiet", False):
+        return
+
+    def hook(unraisable) -> None:
+        if isinstance(unraisable.exc_value, RuntimeError) and "Event loop is closed" in str(
+            unraisable.exc_value
+        ):
+            logging.getLogger("train.checkpoint").debug("after a failed restore: %s", unraisable)
+            return
+        previous(unraisable)
+
+    hook._zoo_quiet = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
+
+
 def reason(error: BaseException) -> str:
     text = " ".join(str(error).split())
-    if len(text) > 300:
-        text = text[:300] + " ..."
+    if len(text) > 200:
+        text = text[:200] + " ..."
     return f"{type(error).__name__}: {text}"
 
 
