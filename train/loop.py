@@ -53,6 +53,7 @@ class RunResult:
     step: int
     workdir: str
     config: DictConfig
+    start_step: int = 0  # the checkpoint's step this run resumed from; 0: a fresh start
 
 
 def run(cfg: DictConfig) -> RunResult:
@@ -148,6 +149,7 @@ class Trainer:
                 example = self.shard(next(iter(self.train_data)))  # a fresh iterator: a peek
                 zeros = zero_metrics(self.train_step, self.state, {}, example, self.step_key)
                 start = self._resume(checkpointer, iterator, zeros, config_dict)
+            resumed_from = start.step
             if start.step > total:
                 raise ZooError(
                     f"trainer.steps={total} is below step {start.step}, where the checkpoint in "
@@ -176,7 +178,9 @@ class Trainer:
         log.info("Final eval @ step %d: %s", start.eval_step, format_metrics(start.eval_metrics))
         model, _ = nnx.merge(self.graphdef, self.state, copy=True)
         model.eval()
-        return RunResult(model, self.state, start.eval_metrics, total, self.workdir, cfg)
+        return RunResult(
+            model, self.state, start.eval_metrics, total, self.workdir, cfg, resumed_from
+        )
 
     def _loop(self, run, iterator, zeros, checkpointer, reporter, config_dict) -> None:
         """Steps `run.step + 1 .. trainer.steps`; `run` (a `_Progress`) is updated as it goes."""
