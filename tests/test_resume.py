@@ -181,12 +181,16 @@ def test_save_killed_midway_is_skipped_on_resume(uninterrupted, tmp_path):
     assert_same_bits(restore_final("xor", tmp_path), full_state)
 
 
-def test_unreadable_checkpoint_is_named_and_auto_falls_back(uninterrupted, tmp_path):
+@pytest.mark.parametrize("damage", ["truncated", "deleted"])
+def test_unreadable_checkpoint_is_named_and_auto_falls_back(uninterrupted, tmp_path, damage):
     full_dir, full_state, _ = uninterrupted("xor")
     shutil.copytree(full_dir, tmp_path, dirs_exist_ok=True)
     damaged = tmp_path / "checkpoints" / str(STEPS)
-    for chunk in (damaged / "state" / "d").iterdir():  # truncate the array data
-        chunk.write_bytes(chunk.read_bytes()[:50])
+    if damage == "truncated":
+        for chunk in (damaged / "state" / "d").iterdir():  # the arrays' data
+            chunk.write_bytes(chunk.read_bytes()[:50])
+    else:
+        (damaged / "state" / "manifest.ocdbt").unlink()
     args = [*command("xor", tmp_path)]
 
     explicit = run_cli(*args, f"trainer.resume={STEPS}")
@@ -237,11 +241,14 @@ def test_checkpoint_restores_onto_other_meshes(uninterrupted, tmp_path):
     assert len(result.model.fc1.kernel[...].sharding.device_set) == 4
 
 
+def snapshot(directory) -> dict[str, bytes]:
+    return {str(p): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
 def test_changed_config_is_refused_with_a_diff_and_allowed_changes_resume(uninterrupted, tmp_path):
     full_dir, _, full_losses = uninterrupted("xor")
     shutil.copytree(full_dir, tmp_path, dirs_exist_ok=True)
-    before = {p.name: p.stat().st_size for p in tmp_path.iterdir() if p.name != "train.log"}
-    checkpoints = sorted(os.listdir(tmp_path / "checkpoints"))
+    before = snapshot(tmp_path)
     args = command("xor", tmp_path)
 
     changed = run_cli(*args, "model.num_hidden=16", "optimizer.learning_rate=0.5", "seed=3")
@@ -257,10 +264,8 @@ def test_changed_config_is_refused_with_a_diff_and_allowed_changes_resume(uninte
     assert "trainer.steps" in message  # says what may change
     never = run_cli(*args, "trainer.resume=never")
     assert never.returncode == 2 and "trainer.resume=never" in never.stderr
-    # Nothing was written: no new event file, every checkpoint as it was.
-    after = {p.name: p.stat().st_size for p in tmp_path.iterdir() if p.name != "train.log"}
-    assert after == before
-    assert sorted(os.listdir(tmp_path / "checkpoints")) == checkpoints
+    # Nothing was written: the checkpoints, event files, train.log and .hydra/ as they were.
+    assert snapshot(tmp_path) == before
 
     longer = run_cli(*args, f"trainer.steps={STEPS + 10}", "trainer.log_every=5")
     assert longer.returncode == 0, longer.stderr

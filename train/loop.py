@@ -160,7 +160,12 @@ class Trainer:
             reporter.text("config", config_text, step=start.step)
             log.info(
                 "%s %s on %s for %d steps (batch %d) on mesh %s; %s parameters; workdir %s",
-                f"Resuming at step {start.step}: training" if start.step else "Training",
+                (
+                    ("Already complete: " if start.step == total else "")
+                    + f"Resuming at step {start.step}: training"
+                )
+                if start.step
+                else "Training",
                 cfg.model.name,
                 cfg.data.name,
                 total,

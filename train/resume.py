@@ -7,10 +7,14 @@ change (model, data, optimizer, seed, batch size) stops it with the list of chan
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import sys
 from collections.abc import Iterator, Mapping
 from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
 
 from train.checkpoint import Checkpointer
 from zoo.config import resume_step
@@ -61,8 +65,11 @@ def config_changes(
 
 def candidates(checkpointer: Checkpointer, resume: str) -> list[int]:
     """The steps to try, best first, for `trainer.resume`; [] means start fresh."""
-    steps = checkpointer.all_steps()
-    where = checkpointer.directory
+    return _candidates(checkpointer.all_steps(), checkpointer.directory, resume)
+
+
+def _candidates(steps: list[int], where: str, resume: str) -> list[int]:
+    steps = sorted(steps)
     if resume == "never":
         if steps:
             raise ZooError(
@@ -89,7 +96,33 @@ def candidates(checkpointer: Checkpointer, resume: str) -> list[int]:
     return [wanted]
 
 
-def check_config(step: int, path: str, saved: Mapping[str, Any], current: Mapping[str, Any]):
+def precheck(cfg: DictConfig) -> None:
+    """The CLI's early check, before Hydra writes into the workdir: the same refusals as the
+    trainer's (`trainer.resume` that cannot apply, a config that changes what is trained),
+    from the checkpoints' JSON configs alone. Unreadable checkpoints are left to the trainer."""
+    where = os.path.join(os.path.abspath(cfg.workdir), "checkpoints")
+    if not os.path.isdir(where):
+        return
+    steps = [int(name) for name in os.listdir(where) if name.isdigit()]
+    current = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    for step in _candidates(steps, where, str(cfg.trainer.resume)):
+        path = os.path.join(where, str(step))
+        try:
+            with open(os.path.join(path, "config", "metadata")) as f:
+                saved = json.load(f)
+        except (OSError, ValueError):
+            continue
+        check_config(step, path, saved, current, log_allowed=False)
+        return
+
+
+def check_config(
+    step: int,
+    path: str,
+    saved: Mapping[str, Any],
+    current: Mapping[str, Any],
+    log_allowed: bool = True,
+) -> None:
     """Refuse a resume whose config changes what is trained; log the allowed changes."""
     refused, allowed = config_changes(saved, current)
     if refused:
@@ -99,7 +132,7 @@ def check_config(step: int, path: str, saved: Mapping[str, Any], current: Mappin
             f"{', '.join(k.rstrip('.') + ('.*' if k.endswith('.') else '') for k in RESUMABLE)}. "
             "Run with the original values, or use another workdir to start a new run."
         )
-    if allowed:
+    if allowed and log_allowed:
         log.info("Resuming with changed settings: %s", "; ".join(allowed))
 
 

@@ -19,6 +19,7 @@ import hydra
 from omegaconf import DictConfig
 
 import zoo
+from train import resume
 from train.signals import Interrupted
 from zoo.console import CONSOLE
 
@@ -65,7 +66,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     args, _ = get_args_parser().parse_known_args(argv)
     if not (args.help or args.hydra_help or args.multirun or args.info):
         try:
-            zoo.compose(args.overrides)
+            cfg = zoo.compose(args.overrides)
+            # Refuse a resume that cannot apply before Hydra writes .hydra/ into the workdir.
+            resume.precheck(cfg)
         except zoo.ZooError as e:
             _fail(str(e))
     sys.argv = [sys.argv[0], *argv]
