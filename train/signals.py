@@ -35,10 +35,17 @@ class StopRequests:
         self.signum: int | None = None
 
     def _handle(self, signum: int, frame) -> None:
+        name = signal.Signals(signum).name
         if self.signum is not None:
-            os.write(2, f"\n{signal.Signals(signum).name} again: exiting at once.\n".encode())
+            os.write(2, f"\n{name} again: exiting at once.\n".encode())
             os._exit(128 + signum)
         self.signum = signum
+        # Straight to stderr: a signal handler must not take the logging locks.
+        os.write(
+            2,
+            f"\n{name}: finishing this step, then saving a checkpoint; send it again to exit "
+            "at once.\n".encode(),
+        )
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[StopRequests]:
