@@ -155,9 +155,6 @@ class Checkpointer:
         self._manager.reload()
         return target
 
-    def wait(self) -> None:
-        self._manager.wait_until_finished()
-
     def close(self) -> None:
         self._manager.wait_until_finished()
         self._manager.close()
