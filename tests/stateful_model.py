@@ -13,16 +13,27 @@ NAME = "test_dropout_bn"
 
 
 class DropoutBatchNormNet(nnx.Module):
-    def __init__(self, hidden: int = 16, rate: float = 0.3, *, rngs: nnx.Rngs):
+    def __init__(self, hidden: int = 16, rate: float = 0.3, embed: int = 0, *, rngs: nnx.Rngs):
+        """`embed` > 0 puts a 2 -> embed projection first, whose output dim (and fc1's input
+        dim) is the logical `embed` axis, sharded over the mesh's `fsdp` axis."""
         kernel, zeros, ones = (
             nnx.initializers.lecun_normal(),
             nnx.initializers.zeros_init(),
             nnx.initializers.ones_init(),
         )
+        self.embed = nnx.data(None)
+        if embed:
+            self.embed = nnx.Linear(
+                2,
+                embed,
+                use_bias=False,
+                kernel_init=nnx.with_partitioning(kernel, (None, "embed")),
+                rngs=rngs,
+            )
         # No bias before BatchNorm: it would get a zero gradient, which Adam turns into noise
         # that differs between meshes.
         self.fc1 = nnx.Linear(
-            2,
+            embed or 2,
             hidden,
             use_bias=False,
             kernel_init=nnx.with_partitioning(kernel, ("embed", "mlp")),
@@ -44,6 +55,9 @@ class DropoutBatchNormNet(nnx.Module):
         )
 
     def __call__(self, x):
+        if self.embed is not None:
+            # The batch is sharded over fsdp too, so the embed dim's sum lands unsharded.
+            x = self.embed(x, out_sharding=P(BATCH_AXES, None))
         h = self.drop(nnx.relu(self.bn(self.fc1(x))))
         return self.fc2(h, out_sharding=logical_spec("batch", None))
 

@@ -38,8 +38,9 @@ def test_python_examples_run(tmp_path):
     assert result.returncode == 0, result.stderr
     printed = result.stdout.splitlines()
     assert "xor" in printed[0] and printed[1] == "(2, 16)"
-    assert float(printed[-1]) >= 0.9  # the user model's eval accuracy
+    assert float(printed[-2]) >= 0.9  # the user model's eval accuracy
     assert (tmp_path / "runs" / "readme-mlp" / "checkpoints" / "300").is_dir()
+    assert printed[-1] == "200 200 300"  # the second run resumed from the first's checkpoint
 
 
 def test_error_examples_match_real_output():

@@ -19,17 +19,29 @@ from flax import nnx
 from omegaconf import DictConfig, OmegaConf
 
 from data import pipeline
-from train import distributed, sharding
+from train import distributed, resume, sharding
 from train import rngs as zoo_rngs
-from train.checkpoint import Checkpointer
+from train.checkpoint import FORMAT as CHECKPOINT_FORMAT
+from train.checkpoint import Checkpointer, abstract_like
 from train.optim import make_optimizer
 from train.plan import create_sharded
 from train.report import Reporter, format_metrics
-from train.steps import Metrics, make_eval_step, make_train_step, means, zero_metrics
+from train.signals import Interrupted, StopRequests
+from train.steps import (
+    COUNT,
+    Metrics,
+    health,
+    make_eval_step,
+    make_train_step,
+    means,
+    zero_metrics,
+)
 from zoo import registry
+from zoo.config import resume_step
 from zoo.errors import ZooError
 
 log = logging.getLogger("zoo")
+_timing_log = logging.getLogger("train.checkpoint")  # train.log only, not the console
 
 
 @dataclasses.dataclass
@@ -44,6 +56,7 @@ class RunResult:
     config: DictConfig
     mesh: jax.sharding.Mesh
     rules: sharding.AxisRules
+    start_step: int = 0  # the checkpoint's step this run resumed from; 0: a fresh start
 
     def activate(self):
         """The mesh and rules the model was trained under: call the model inside it."""
@@ -95,7 +108,11 @@ class Trainer:
             self.param_count = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
             # Split once; from here on `self.state` is the single owner of the arrays.
             self.graphdef, self.state = nnx.split((model, optimizer))
-        self.train_step = make_train_step(self.graphdef, model_entry.loss)
+        policy = OmegaConf.to_container(trainer, enum_to_str=True)["nan_policy"]
+        self.skip_nonfinite = policy == "skip"
+        self.train_step = make_train_step(
+            self.graphdef, model_entry.loss, skip_nonfinite=self.skip_nonfinite
+        )
         self.eval_step = make_eval_step(self.graphdef, model_entry.loss)
         self.step_key, self.eval_key = zoo_rngs.step_key(cfg.seed), zoo_rngs.eval_key(cfg.seed)
 
@@ -113,19 +130,55 @@ class Trainer:
                 sums = self.eval_step(self.state, sums, batch, self.eval_key)
             return means(sums)
 
+    def eval_metric_names(self) -> list[str]:
+        with sharding.activate(self.mesh, self.rules):
+            batch = self.shard(self.eval_data[0])
+            shapes = jax.eval_shape(self.eval_step, self.state, {}, batch, self.eval_key)
+        return sorted(name for name in shapes if name != COUNT)
+
     def fit(self) -> RunResult:
         cfg, trainer = self.cfg, self.cfg.trainer
         total = int(trainer.steps)
-        reporter = Reporter(self.workdir, total, primary=jax.process_index() == 0)
-        checkpointer = Checkpointer(os.path.join(self.workdir, "checkpoints"))
         config_dict = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-        windows = _LogWindows(reporter, self.schedule)
-        eval_metrics: dict[str, float] = {}
+        settings = config_dict["trainer"]
+        if settings["best_metric"] and settings["best_metric"] not in self.eval_metric_names():
+            raise ZooError(
+                f"trainer.best_metric={settings['best_metric']} is not an eval metric of model "
+                f"'{cfg.model.name}'; valid: {', '.join(self.eval_metric_names())}."
+            )
+        checkpointer = Checkpointer(
+            os.path.join(self.workdir, "checkpoints"),
+            keep=settings["keep"],
+            best_metric=settings["best_metric"],
+            best_mode=settings["best_mode"],
+        )
+        reporter = None
         try:
-            reporter.text("config", _as_markdown_code(OmegaConf.to_yaml(cfg, resolve=True)))
-            reporter.text("sharding_plan", _as_markdown_code(self.plan.table()))
+            iterator = iter(self.train_data)
+            with sharding.activate(self.mesh, self.rules):
+                example = self.shard(next(iter(self.train_data)))  # a fresh iterator: a peek
+                zeros = zero_metrics(self.train_step, self.state, {}, example, self.step_key)
+                start = self._resume(checkpointer, iterator, zeros, config_dict)
+            resumed_from = start.step
+            if start.step > total:
+                raise ZooError(
+                    f"trainer.steps={total} is below step {start.step}, where the checkpoint in "
+                    f"{checkpointer.directory} already is; use trainer.steps >= {start.step}."
+                )
+            reporter = Reporter(
+                self.workdir, total, start_step=start.step, primary=jax.process_index() == 0
+            )
+            config_text = _as_markdown_code(OmegaConf.to_yaml(cfg, resolve=True))
+            reporter.text("config", config_text, step=start.step)
+            reporter.text("sharding_plan", _as_markdown_code(self.plan.table()), step=start.step)
             log.info(
-                "Training %s on %s for %d steps (batch %d) on mesh %s; %s parameters; workdir %s",
+                "%s %s on %s for %d steps (batch %d) on mesh %s; %s parameters; workdir %s",
+                (
+                    ("Already complete: " if start.step == total else "")
+                    + f"Resuming at step {start.step}: training"
+                )
+                if start.step
+                else "Training",
                 cfg.model.name,
                 cfg.data.name,
                 total,
@@ -135,67 +188,251 @@ class Trainer:
                 self.workdir,
             )
             log.info("%s", self.plan.table())
-            iterator = iter(self.train_data)
-            zeros: Metrics | None = None
-            with sharding.activate(self.mesh, self.rules):
-                for step in range(1, total + 1):  # `step` counts the updates done after it
-                    # Exactly one batch per step: the iterator's state always matches the step.
-                    batch = self.shard(next(iterator))
-                    if zeros is None:
-                        sums = zeros = zero_metrics(
-                            self.train_step, self.state, {}, batch, self.step_key
-                        )
-                    self.state, sums = self.train_step(self.state, sums, batch, self.step_key)
-                    if step % trainer.log_every == 0 or step == total:
-                        windows.close(step, sums)
-                        sums = zeros
-                    if (trainer.eval_every and step % trainer.eval_every == 0) or step == total:
-                        windows.report_pending()
-                        eval_metrics = self.evaluate()
-                        reporter.eval(step, eval_metrics)
-                    if (
-                        trainer.checkpoint_every and step % trainer.checkpoint_every == 0
-                    ) or step == total:
-                        checkpointer.save(step, self.state, iterator, config_dict)
+            self._loop(start, iterator, zeros, checkpointer, reporter, config_dict)
         finally:
             checkpointer.close()
-            reporter.close()
+            if reporter is not None:
+                reporter.close()
 
-        log.info("Final eval @ step %d: %s", total, format_metrics(eval_metrics))
+        log.info("Final eval @ step %d: %s", start.eval_step, format_metrics(start.eval_metrics))
         model, _ = nnx.merge(self.graphdef, self.state, copy=True)
         model.eval()
         return RunResult(
-            model, self.state, eval_metrics, total, self.workdir, cfg, self.mesh, self.rules
+            model,
+            self.state,
+            start.eval_metrics,
+            total,
+            self.workdir,
+            cfg,
+            self.mesh,
+            self.rules,
+            start_step=resumed_from,
         )
+
+    def _loop(self, run, iterator, zeros, checkpointer, reporter, config_dict) -> None:
+        """Steps `run.step + 1 .. trainer.steps`; `run` (a `_Progress`) is updated as it goes."""
+        trainer = self.cfg.trainer
+        total = int(trainer.steps)
+        windows = _LogWindows(
+            reporter, self.schedule, checkpointer, run.step, run.window_start, self.skip_nonfinite
+        )
+        sums = run.window
+        stop = StopRequests()
+        key_data = jax.random.key_data(self.step_key).tolist()
+        with stop.installed(), sharding.activate(self.mesh, self.rules):
+            for step in range(run.step + 1, total + 1):  # `step` counts the batches consumed
+                # Exactly one batch per step: the iterator's state always matches the step.
+                batch = self.shard(next(iterator))
+                self.state, sums = self.train_step(self.state, sums, batch, self.step_key)
+                if step % trainer.log_every == 0 or step == total:
+                    windows.close(step, sums)
+                    sums = zeros
+                if (trainer.eval_every and step % trainer.eval_every == 0) or step == total:
+                    windows.report_pending()
+                    run.eval_metrics, run.eval_step = self.evaluate(), step
+                    reporter.eval(step, run.eval_metrics)
+                due = trainer.checkpoint_every and step % trainer.checkpoint_every == 0
+                if due or step == total or stop.signum is not None:
+                    # Never save a state that a NaN/Inf loss has reached (nan_policy=stop).
+                    windows.report_pending()
+                    windows.check(sums)
+                    meta = {
+                        "seed": self.cfg.seed,
+                        "base_key": key_data,
+                        "window_start": windows.window_start,
+                        "eval": {"step": run.eval_step, "metrics": run.eval_metrics},
+                    }
+                    started = time.perf_counter()
+                    checkpointer.save(
+                        step,
+                        self.state,
+                        iterator,
+                        config_dict,
+                        window=sums,
+                        meta=meta,
+                        metrics=run.eval_metrics if run.eval_step == step else None,
+                    )
+                    _timing_log.info(
+                        "Checkpoint %d: %.3f s blocking", step, time.perf_counter() - started
+                    )
+                if stop.signum is not None:
+                    raise Interrupted(stop.signum, step, checkpointer.step_path(step))
+                run.step = step
+
+    def _resume(self, checkpointer, iterator, zeros, config_dict) -> _Progress:
+        """Where the loop starts: the restored checkpoint that `trainer.resume` picks, or step 0.
+        Restores the state (resharded onto this run's mesh), the window sums and the iterator."""
+        fresh = _Progress(step=0, window=zeros, window_start=0, eval_step=0, eval_metrics={})
+        steps = resume.candidates(checkpointer, str(self.cfg.trainer.resume))
+        explicit = resume_step(self.cfg.trainer.resume) is not None
+        unreadable: list[tuple[int, str]] = []
+        for step in steps:
+            path = checkpointer.step_path(step)
+            try:
+                saved_config = checkpointer.restore_config(step)
+            except Exception as e:  # noqa: BLE001  (any read failure: try an older step)
+                resume.quiet_closed_loop_noise()
+                unreadable.append((step, resume.reason(e)))
+                if explicit:
+                    break
+                continue
+            resume.check_config(step, path, saved_config, config_dict)
+            started = time.perf_counter()
+            try:
+                restored = checkpointer.restore(
+                    step, abstract_like(self.state), iterator, abstract_like(zeros)
+                )
+            except Exception as e:  # noqa: BLE001
+                resume.quiet_closed_loop_noise()
+                unreadable.append((step, resume.reason(e)))
+                if explicit:
+                    break
+                continue
+            self._check_meta(step, path, restored["meta"])
+            for bad_step, why in unreadable:
+                aside = checkpointer.set_aside(bad_step)
+                log.warning(
+                    "Checkpoint at step %d (%s) cannot be read (%s); kept as %s. "
+                    "Falling back to step %d.",
+                    bad_step,
+                    checkpointer.step_path(bad_step),
+                    why,
+                    aside,
+                    step,
+                )
+            _timing_log.info(
+                "Restored step %d from %s in %.3f s",
+                step,
+                path,
+                time.perf_counter() - started,
+            )
+            self.state = restored["state"]
+            meta = restored["meta"]
+            return _Progress(
+                step=step,
+                window=restored["window"],
+                window_start=int(meta["window_start"]),
+                eval_step=int(meta["eval"]["step"]),
+                eval_metrics=dict(meta["eval"]["metrics"]),
+            )
+        if unreadable and explicit:
+            step, why = unreadable[0]
+            raise ZooError(
+                f"Cannot resume from trainer.resume={step}: the checkpoint at "
+                f"{checkpointer.step_path(step)} cannot be read ({why}). Nothing was changed; "
+                "trainer.resume=auto falls back to the latest readable earlier step."
+            )
+        if unreadable:
+            details = "; ".join(
+                f"step {s} at {checkpointer.step_path(s)}: {w}" for s, w in unreadable
+            )
+            raise ZooError(
+                f"Cannot resume: no checkpoint in {checkpointer.directory} can be read "
+                f"({details}). Nothing was changed; move the damaged checkpoints away to start "
+                "over, or use another workdir."
+            )
+        return fresh
+
+    def _check_meta(self, step: int, path: str, meta: dict[str, Any]) -> None:
+        expected = jax.random.key_data(self.step_key).tolist()
+        if meta.get("format") != CHECKPOINT_FORMAT or meta.get("base_key") != expected:
+            raise ZooError(
+                f"The checkpoint at step {step} ({path}) was written by an incompatible version "
+                f"of zoo (format {meta.get('format')}, expected {CHECKPOINT_FORMAT}; or another "
+                "base PRNG key for this seed). Use another workdir to start a new run."
+            )
+
+
+@dataclasses.dataclass
+class _Progress:
+    """Where a run is: the last step done, the open log window, the last eval."""
+
+    step: int
+    window: Metrics
+    window_start: int
+    eval_step: int
+    eval_metrics: dict[str, float]
+
+
+class NonFiniteLoss(ZooError):
+    """The training loss became NaN or Inf under `trainer.nan_policy=stop`."""
 
 
 class _LogWindows:
     """Training metrics, summed on device over each window of `log_every` steps.
 
-    A closed window is fetched only when the next one closes (or an eval needs the console), by
-    which time the device has long finished it: the host never waits on the device to log."""
+    A closed window is fetched only when the next one closes (or an eval or a checkpoint needs
+    it), by which time the device has long finished it: the host never waits on the device to
+    log. The open window's sums go into checkpoints, so a resumed run logs the same numbers."""
 
-    def __init__(self, reporter: Reporter, schedule: Callable):
+    def __init__(
+        self,
+        reporter: Reporter,
+        schedule: Callable,
+        checkpointer: Checkpointer,
+        step: int,
+        window_start: int,
+        skip_nonfinite: bool,
+    ):
         self._reporter = reporter
+        self._checkpointer = checkpointer
         self._learning_rate = jax.jit(schedule)  # one compilation, not one per eager op
-        self._pending: tuple[int, Metrics, float] | None = None
-        self._start_step, self._start_time = 0, time.perf_counter()
+        self._pending: tuple[int, int, Metrics, float] | None = None
+        self._skip = skip_nonfinite
+        self.window_start = window_start  # the open window holds steps window_start+1 ...
+        self._speed_step, self._speed_time = step, time.perf_counter()
 
     def close(self, step: int, sums: Metrics) -> None:
         now = time.perf_counter()
-        window = (step, sums, (step - self._start_step) / (now - self._start_time))
-        self._start_step, self._start_time = step, now
+        speed = (step - self._speed_step) / (now - self._speed_time)
+        window = (self.window_start, step, sums, speed)
+        self.window_start = self._speed_step = step
+        self._speed_time = now
         self.report_pending()
         self._pending = window
 
     def report_pending(self) -> None:
         if self._pending is None:
             return
-        step, sums, steps_per_sec = self._pending
+        start, step, sums, steps_per_sec = self._pending
         self._pending = None
+        self._check_health(start, step, sums)
         metrics = means(sums)
         metrics["learning_rate"] = float(self._learning_rate(step - 1))
         self._reporter.train_window(step, metrics, {"steps_per_sec": steps_per_sec})
+
+    def check(self, sums: Metrics) -> None:
+        """Before a checkpoint: stop if the open window met a NaN/Inf loss (nan_policy=stop)."""
+        if not self._skip:
+            self._check_health(self.window_start, None, sums)
+
+    def _check_health(self, start: int, end: int | None, sums: Metrics) -> None:
+        bad, first = health(sums)
+        if not bad:
+            return
+        if self._skip:
+            log.warning(
+                "Skipped %d update(s) with a NaN or Inf train/loss in steps %d-%d, the first at "
+                "step %d (trainer.nan_policy=skip).",
+                bad,
+                start + 1,
+                end,
+                start + first,
+            )
+            return
+        self._pending = None
+        step = self._checkpointer.latest_step()
+        last = (
+            "Stopped; no checkpoint had been saved."
+            if step is None
+            else f"Stopped without saving a later state: the last good checkpoint is step {step} "
+            f"({self._checkpointer.step_path(step)})."
+        )
+        raise NonFiniteLoss(
+            f"train/loss became NaN or Inf at step {start + first} "
+            f"(trainer.nan_policy=stop). {last} Lower the learning rate, or resume with "
+            "trainer.nan_policy=skip to drop such updates."
+        )
 
 
 def _as_markdown_code(text: str) -> str:

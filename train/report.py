@@ -30,8 +30,15 @@ class Reporter:
 
     def __init__(self, workdir: str, total_steps: int, start_step: int = 0, primary: bool = True):
         self._primary = primary
+        # A run resumed from step s writes nothing at steps <= s. Events that an interrupted run
+        # wrote after its last checkpoint (steps > s) are written again by the resumed run:
+        # `purge_step` marks the new event file so that TensorBoard drops the old ones.
         self.writer = (
-            SummaryWriter(logdir=os.path.abspath(workdir), flush_secs=FLUSH_SECS)
+            SummaryWriter(
+                logdir=os.path.abspath(workdir),
+                flush_secs=FLUSH_SECS,
+                purge_step=start_step + 1 if start_step else None,
+            )
             if primary
             else None
         )
@@ -52,9 +59,9 @@ class Reporter:
             )
             self._progress.start()
 
-    def text(self, tag: str, markdown: str) -> None:
+    def text(self, tag: str, markdown: str, step: int = 0) -> None:
         if self.writer is not None:
-            self.writer.add_text(tag, markdown, global_step=0)
+            self.writer.add_text(tag, markdown, global_step=step)
 
     def scalars(self, prefix: str, step: int, values: Mapping[str, float]) -> None:
         if self.writer is None:

@@ -21,6 +21,12 @@ from train import rngs as zoo_rngs
 
 COUNT = "count"
 """The sum of example weights (training: steps) under which the other sums are accumulated."""
+NONFINITE = "nonfinite_steps"
+"""Training: how many steps of the window had a NaN or Inf loss."""
+FIRST_NONFINITE = "first_nonfinite"
+"""Training: the position in the window (1-based) of its first step with a NaN or Inf loss; 0:
+none. Counters, not means: `means` leaves them out, `health` reads them."""
+_COUNTERS = (COUNT, NONFINITE, FIRST_NONFINITE)
 
 Metrics = dict[str, jax.Array]
 
@@ -40,20 +46,44 @@ def _loss_and_grads(graphdef: nnx.GraphDef, loss_fn: Callable, state, batch, key
     return model, optimizer, loss, metrics, grads
 
 
-def make_train_step(graphdef: nnx.GraphDef, loss_fn: Callable) -> Callable:
+def make_train_step(
+    graphdef: nnx.GraphDef, loss_fn: Callable, skip_nonfinite: bool = False
+) -> Callable:
     """`train_step(state, sums, batch, key) -> (state, sums)`, where `sums` accumulates each
-    step's mean loss and metrics (and `count` the steps) until the caller fetches them."""
+    step's mean loss and metrics (and `count` the steps) until the caller fetches them.
+
+    A step whose loss is NaN or Inf is counted in `sums` (see `NONFINITE`); with
+    `skip_nonfinite` its update is dropped: the whole state (params, optimizer, BatchNorm
+    statistics, RNG counts) comes out as it went in."""
 
     @functools.partial(jax.jit, donate_argnums=0)
     def train_step(state, sums: Metrics, batch: Mapping[str, jax.Array], key: jax.Array):
         # Read before merging: the merged modules update the same Variables in place.
         specs = jax.tree.map(lambda x: jax.typeof(x).sharding.spec, state)
+        before = jax.tree.leaves(state)
         model, optimizer, loss, metrics, grads = _loss_and_grads(
             graphdef, loss_fn, state, batch, key
         )
         optimizer.update(model, grads)
-        step_metrics = {"loss": loss, **metrics, COUNT: jnp.ones((), jnp.float32)}
-        return _resharded(nnx.state((model, optimizer)), specs), _add(sums, step_metrics)
+        finite = jnp.isfinite(loss)
+        new_state = _resharded(nnx.state((model, optimizer)), specs)
+        if skip_nonfinite:
+            after, treedef = jax.tree.flatten(new_state)
+            new_state = jax.tree.unflatten(
+                treedef, [jnp.where(finite, a, b) for a, b in zip(after, before, strict=True)]
+            )
+        step_metrics = {
+            "loss": loss,
+            **metrics,
+            COUNT: jnp.ones((), jnp.float32),
+            NONFINITE: (~finite).astype(jnp.float32),
+        }
+        new_sums = _add(sums, step_metrics)
+        first = sums.get(FIRST_NONFINITE, jnp.zeros((), jnp.float32))
+        new_sums[FIRST_NONFINITE] = jnp.where(
+            (first == 0) & ~finite, new_sums[COUNT], first
+        ).astype(jnp.float32)
+        return new_state, new_sums
 
     return train_step
 
@@ -107,8 +137,16 @@ def zero_metrics(step_fn: Callable, *args: Any) -> Metrics:
 def means(sums: Mapping[str, Any]) -> dict[str, float]:
     """Host-side means of fetched sums (a blocking fetch: call it on finished windows only)."""
     host = jax.device_get(dict(sums))
-    count = float(host.pop(COUNT))
-    return {name: float(value) / count for name, value in host.items()}
+    count = float(host[COUNT])
+    return {name: float(value) / count for name, value in host.items() if name not in _COUNTERS}
+
+
+def health(sums: Mapping[str, Any]) -> tuple[int, int]:
+    """(steps with a NaN/Inf loss, 1-based position of the first in the window; 0: none)."""
+    if NONFINITE not in sums:
+        return 0, 0
+    host = jax.device_get({k: sums[k] for k in (NONFINITE, FIRST_NONFINITE)})
+    return int(host[NONFINITE]), int(host[FIRST_NONFINITE])
 
 
 def _add(sums: Metrics, values: Metrics) -> Metrics:

@@ -8,7 +8,8 @@ result = zoo.run(zoo.compose(["model=xor", "trainer.steps=500"]))
 
 import data  # noqa: F401  (registers the built-in data sets)
 import models  # noqa: F401  (registers the built-in models)
-from train.loop import RunResult, run
+from train.loop import NonFiniteLoss, RunResult, run
+from train.signals import Interrupted
 from zoo.config import compose
 from zoo.errors import ZooError
 from zoo.registry import (
@@ -23,7 +24,9 @@ from zoo.registry import (
 )
 
 __all__ = [
+    "Interrupted",
     "ModelEntry",
+    "NonFiniteLoss",
     "RunResult",
     "Splits",
     "ZooError",

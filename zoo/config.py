@@ -33,6 +33,16 @@ class OptimizerName(str, enum.Enum):
     adamw = "adamw"
 
 
+class BestMode(str, enum.Enum):
+    min = "min"
+    max = "max"
+
+
+class NanPolicy(str, enum.Enum):
+    stop = "stop"
+    skip = "skip"
+
+
 class ScheduleName(str, enum.Enum):
     constant = "constant"
     cosine = "cosine"
@@ -48,6 +58,18 @@ class TrainerConfig:
     log_every: int = 50
     # Checkpoint every N steps and always after the last step; 0: only then.
     checkpoint_every: int = 0
+    # Keep the latest N checkpoints (and the best one, with `best_metric`).
+    keep: int = 3
+    # Also keep the checkpoint with the best value of this eval metric (e.g. `loss`, `accuracy`)
+    # among those saved at an eval step; null: keep only the latest.
+    best_metric: str | None = None
+    best_mode: BestMode = BestMode.min  # `min` for a loss, `max` for an accuracy
+    # `auto`: continue from the latest readable checkpoint in the workdir, if any; `never`: start
+    # fresh (refused if the workdir holds checkpoints); a step number: continue from that one.
+    resume: str = "auto"
+    # A NaN or Inf training loss: `stop` the run (keeping the last good checkpoint), or `skip`
+    # that step's update and go on.
+    nan_policy: NanPolicy = NanPolicy.stop
 
 
 @dataclasses.dataclass
@@ -281,6 +303,15 @@ def _check_values(cfg: DictConfig) -> None:
     for key in ("eval_every", "checkpoint_every"):
         if trainer[key] < 0:
             raise ZooError(f"trainer.{key}={trainer[key]} must be 0 (off) or positive.")
+    if trainer.keep < 1:
+        raise ZooError(
+            f"trainer.keep={trainer.keep} must be at least 1: the latest checkpoint is always kept."
+        )
+    if resume_step(trainer.resume) is None and trainer.resume not in ("auto", "never"):
+        raise ZooError(
+            f"trainer.resume={trainer.resume} must be 'auto', 'never' or a step number (an "
+            "integer >= 0)."
+        )
     from train.sharding import AxisRules, check_mesh_sizes  # train imports this module
 
     check_mesh_sizes(cfg.mesh)
@@ -293,6 +324,12 @@ def _check_values(cfg: DictConfig) -> None:
             f"optimizer.warmup_steps={optimizer.warmup_steps} must lie between 0 and "
             f"trainer.steps={trainer.steps}."
         )
+
+
+def resume_step(resume: Any) -> int | None:
+    """The step that `trainer.resume` names, or None for `auto`/`never`/anything else."""
+    text = str(resume).strip()
+    return int(text) if text.isdigit() else None
 
 
 def check_choices(overrides: Sequence[str]) -> None:

@@ -19,6 +19,8 @@ import hydra
 from omegaconf import DictConfig
 
 import zoo
+from train import resume
+from train.signals import Interrupted
 from zoo.console import CONSOLE
 
 EXIT_BAD_INPUT = 2
@@ -41,6 +43,9 @@ def _train(cfg: DictConfig) -> None:
     except zoo.ZooError as e:
         logging.getLogger("zoo").error("error: %s", e)
         sys.exit(EXIT_BAD_INPUT)
+    except Interrupted as e:  # SIGTERM/SIGINT: checkpoint saved, logs flushed
+        logging.getLogger("zoo").warning("%s", e)
+        sys.exit(e.exit_code)
 
 
 def load_plugins(env: str = "ZOO_PLUGINS") -> None:
@@ -61,7 +66,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     args, _ = get_args_parser().parse_known_args(argv)
     if not (args.help or args.hydra_help or args.multirun or args.info):
         try:
-            zoo.compose(args.overrides)
+            cfg = zoo.compose(args.overrides)
+            # Refuse a resume that cannot apply before Hydra writes .hydra/ into the workdir.
+            resume.precheck(cfg)
         except zoo.ZooError as e:
             _fail(str(e))
     sys.argv = [sys.argv[0], *argv]

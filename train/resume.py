@@ -1,0 +1,168 @@
+"""Choosing the checkpoint to resume from, and refusing configs that would change the run.
+
+A resumed run must continue the very run that wrote the checkpoint. So its config may differ only
+in keys that decide how long it runs and what it writes on the way (`RESUMABLE`); any other
+change (model, data, optimizer, seed, batch size) stops it with the list of changed keys.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from train.checkpoint import Checkpointer
+from zoo.config import resume_step
+from zoo.errors import ZooError
+
+log = logging.getLogger("zoo")
+
+RESUMABLE = (
+    "trainer.steps",
+    "trainer.log_every",
+    "trainer.eval_every",
+    "trainer.checkpoint_every",
+    "trainer.keep",
+    "trainer.best_metric",
+    "trainer.best_mode",
+    "trainer.resume",
+    "trainer.nan_policy",
+    "mesh.",  # the state is resharded onto the new mesh as it is restored
+    "workdir",
+)
+"""Keys (or prefixes, ending in '.') that a resumed run may change."""
+
+
+def flatten(node: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    for key, value in node.items():
+        if isinstance(value, Mapping):
+            yield from flatten(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def resumable(key: str) -> bool:
+    return any(key == k or (k.endswith(".") and key.startswith(k)) for k in RESUMABLE)
+
+
+def config_changes(
+    saved: Mapping[str, Any], current: Mapping[str, Any]
+) -> tuple[list[str], list[str]]:
+    """(changes that are refused, changes that are allowed), each as 'key: old -> new'."""
+    old, new = dict(flatten(saved)), dict(flatten(current))
+    refused, allowed = [], []
+    for key in sorted(old.keys() | new.keys()):
+        if old.get(key, "<absent>") != new.get(key, "<absent>"):
+            change = f"{key}: {old.get(key, '<absent>')} -> {new.get(key, '<absent>')}"
+            (allowed if resumable(key) else refused).append(change)
+    return refused, [c for c in allowed if not c.startswith(("trainer.resume:", "workdir:"))]
+
+
+def candidates(checkpointer: Checkpointer, resume: str) -> list[int]:
+    """The steps to try, best first, for `trainer.resume`; [] means start fresh."""
+    return _candidates(checkpointer.all_steps(), checkpointer.directory, resume)
+
+
+def _candidates(steps: list[int], where: str, resume: str) -> list[int]:
+    steps = sorted(steps)
+    if resume == "never":
+        if steps:
+            raise ZooError(
+                f"trainer.resume=never, but {where} already holds checkpoints at steps "
+                f"{_listed(steps)}; they are never overwritten. Use another workdir, move them "
+                "away, or resume with trainer.resume=auto."
+            )
+        return []
+    wanted = resume_step(resume)
+    if wanted is None:  # auto
+        return sorted(steps, reverse=True)
+    if wanted not in steps:
+        raise ZooError(
+            f"trainer.resume={wanted}: there is no checkpoint at step {wanted} in {where}; "
+            f"saved steps: {_listed(steps) if steps else 'none'}."
+        )
+    later = [s for s in steps if s > wanted]
+    if later:
+        raise ZooError(
+            f"trainer.resume={wanted}: {where} also holds later checkpoints (steps "
+            f"{_listed(later)}) that resuming from step {wanted} would overwrite. Move them "
+            "away first, or resume with trainer.resume=auto."
+        )
+    return [wanted]
+
+
+def precheck(cfg: DictConfig) -> None:
+    """The CLI's early check, before Hydra writes into the workdir: the same refusals as the
+    trainer's (`trainer.resume` that cannot apply, a config that changes what is trained),
+    from the checkpoints' JSON configs alone. Unreadable checkpoints are left to the trainer."""
+    where = os.path.join(os.path.abspath(cfg.workdir), "checkpoints")
+    if not os.path.isdir(where):
+        return
+    steps = [int(name) for name in os.listdir(where) if name.isdigit()]
+    current = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    for step in _candidates(steps, where, str(cfg.trainer.resume)):
+        path = os.path.join(where, str(step))
+        try:
+            with open(os.path.join(path, "config", "metadata")) as f:
+                saved = json.load(f)
+        except (OSError, ValueError):
+            continue
+        check_config(step, path, saved, current, log_allowed=False)
+        return
+
+
+def check_config(
+    step: int,
+    path: str,
+    saved: Mapping[str, Any],
+    current: Mapping[str, Any],
+    log_allowed: bool = True,
+) -> None:
+    """Refuse a resume whose config changes what is trained; log the allowed changes."""
+    refused, allowed = config_changes(saved, current)
+    if refused:
+        raise ZooError(
+            f"Cannot resume from the checkpoint at step {step} ({path}): the config changes what "
+            f"is trained: {'; '.join(refused)}. A resumed run may change only "
+            f"{', '.join(k.rstrip('.') + ('.*' if k.endswith('.') else '') for k in RESUMABLE)}. "
+            "Run with the original values, or use another workdir to start a new run."
+        )
+    if allowed and log_allowed:
+        log.info("Resuming with changed settings: %s", "; ".join(allowed))
+
+
+def quiet_closed_loop_noise() -> None:
+    """After a failed restore, the reads still in flight finish on Orbax's event loop after it
+    has closed, and each reports `RuntimeError: Event loop is closed` as an unraisable
+    exception: a screenful of tracebacks that say nothing about the checkpoint. Send those to
+    train.log only (for the rest of the process); every other unraisable exception is shown."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_zoo_quiet", False):
+        return
+
+    def hook(unraisable) -> None:
+        if isinstance(unraisable.exc_value, RuntimeError) and "Event loop is closed" in str(
+            unraisable.exc_value
+        ):
+            logging.getLogger("train.checkpoint").debug("after a failed restore: %s", unraisable)
+            return
+        previous(unraisable)
+
+    hook._zoo_quiet = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
+
+
+def reason(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    if len(text) > 200:
+        text = text[:200] + " ..."
+    return f"{type(error).__name__}: {text}"
+
+
+def _listed(steps: list[int]) -> str:
+    return ", ".join(map(str, steps))
