@@ -57,7 +57,7 @@ class DropoutBatchNormNet(nnx.Module):
     def __call__(self, x):
         if self.embed is not None:
             # The batch is sharded over fsdp too, so the embed dim's sum lands unsharded.
-            x = self.embed(x, out_sharding=P(BATCH_AXES, None))
+            x = self.embed(x, out_sharding=logical_spec("batch", None))
         h = self.drop(nnx.relu(self.bn(self.fc1(x))))
         return self.fc2(h, out_sharding=logical_spec("batch", None))
 
