@@ -218,9 +218,9 @@ def test_checkpoint_restores_onto_other_meshes(uninterrupted, tmp_path):
     kernel = full_state[0]["embed"]["kernel"][...]
     assert jax.typeof(kernel).sharding.spec == jax.sharding.PartitionSpec(None, "fsdp")
     assert len(kernel.sharding.device_set) == 8
-    for mesh, devices in [((), 1), (("mesh.data=2", "mesh.tensor=2"), 4)]:
+    for mesh, devices in [(("mesh.data=1",), 1), (("mesh.data=2", "mesh.tensor=2"), 4)]:
         overrides = [*command("dropout_bn_fsdp8", full_dir), "mesh.fsdp=1", *mesh]
-        trainer = Trainer(zoo.compose(overrides))
+        trainer = Trainer(zoo.compose(overrides), jax.devices()[:devices])
         checkpointer = Checkpointer(full_dir / "checkpoints")
         try:
             restored = checkpointer.restore_state(STEPS, abstract_like(trainer.state))
@@ -236,7 +236,7 @@ def test_checkpoint_restores_onto_other_meshes(uninterrupted, tmp_path):
     # Resuming on another mesh is allowed: the run goes on from the restored step.
     shutil.copytree(full_dir, tmp_path, dirs_exist_ok=True)
     more = [*command("dropout_bn_fsdp8", tmp_path), "mesh.fsdp=1", "mesh.data=2", "mesh.tensor=2"]
-    result = zoo.run(zoo.compose([*more, f"trainer.steps={STEPS + 20}"]))
+    result = Trainer(zoo.compose([*more, f"trainer.steps={STEPS + 20}"]), jax.devices()[:4]).fit()
     assert result.step == STEPS + 20
     assert len(result.model.fc1.kernel[...].sharding.device_set) == 4
 
