@@ -149,7 +149,7 @@ def quiet_closed_loop_noise() -> None:
         if isinstance(unraisable.exc_value, RuntimeError) and "Event loop is closed" in str(
             unraisable.exc_value
         ):
-            logging.getLogger("train.checkpoint").debug("after a failed restore: %s", unraisable)
+            logging.getLogger("train.checkpoint").info("after a failed restore: %s", unraisable)
             return
         previous(unraisable)
 
