@@ -278,23 +278,19 @@ class Trainer:
         unreadable: list[tuple[int, str]] = []
         for step in steps:
             path = checkpointer.step_path(step)
-            try:
-                saved_config = checkpointer.restore_config(step)
-            except Exception as e:  # noqa: BLE001  (any read failure: try an older step)
-                resume.quiet_closed_loop_noise()
-                unreadable.append((step, resume.reason(e)))
-                if explicit:
-                    break
-                continue
-            resume.check_config(step, path, saved_config, config_dict)
-            started = time.perf_counter()
-            try:
-                restored = checkpointer.restore(
-                    step, abstract_like(self.state), iterator, abstract_like(zeros)
+            saved_config, error = _read(checkpointer.restore_config, step)
+            if error is None:
+                resume.check_config(step, path, saved_config, config_dict)
+                started = time.perf_counter()
+                restored, error = _read(
+                    checkpointer.restore,
+                    step,
+                    abstract_like(self.state),
+                    iterator,
+                    abstract_like(zeros),
                 )
-            except Exception as e:  # noqa: BLE001
-                resume.quiet_closed_loop_noise()
-                unreadable.append((step, resume.reason(e)))
+            if error is not None:
+                unreadable.append((step, error))
                 if explicit:
                     break
                 continue
@@ -443,6 +439,15 @@ class _LogWindows:
             f"(trainer.nan_policy=stop). {last} Lower the learning rate, or resume with "
             "trainer.nan_policy=skip to drop such updates."
         )
+
+
+def _read(load: Callable[..., Any], *args: Any) -> tuple[Any, str | None]:
+    """`(load(*args), None)`, or `(None, why)` when the checkpoint cannot be read at all."""
+    try:
+        return load(*args), None
+    except Exception as e:  # noqa: BLE001  (any read failure: the caller tries an older step)
+        resume.quiet_closed_loop_noise()
+        return None, resume.reason(e)
 
 
 def _as_markdown_code(text: str) -> str:
