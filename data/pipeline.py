@@ -9,7 +9,7 @@ dataset whose iterator state checkpoints and restores exactly.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import grain
 import numpy as np
@@ -20,6 +20,8 @@ MASK = "mask"
 """Eval batches carry this column: 1.0 for a real example, 0.0 for padding."""
 
 _ENDLESS = 2**62
+
+Batch = dict[str, np.ndarray]
 
 
 def _length(arrays: Mapping[str, np.ndarray], what: str) -> int:
@@ -94,15 +96,22 @@ def train_batches(
     seed: int,
     shard_index: int = 0,
     shard_count: int = 1,
+    transform: Callable[[Batch], Batch] | None = None,
+    augment: Callable[[Batch, np.random.Generator], Batch] | None = None,
 ) -> grain.IterDataset:
-    """Endless shuffled training batches; this process's share of each global batch."""
+    """Endless shuffled training batches; this process's share of each global batch.
+
+    `augment(batch, rng)` gets a generator that Grain derives from (seed, shard, batch index):
+    the same augmentations on every rerun and after a resume, and different ones per process."""
     _check_batch(batch_size, shard_count)
     gather = _TrainBatch(arrays, batch_size, seed, shard_index, shard_count)
-    return (
-        grain.MapDataset.range(_ENDLESS)
-        .map(gather)
-        .to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
-    )
+    dataset = grain.MapDataset.range(_ENDLESS).map(gather)
+    if augment is not None:
+        augment_seed = int(np.random.SeedSequence([seed, shard_index]).generate_state(1)[0])
+        dataset = dataset.random_map(augment, seed=augment_seed)
+    if transform is not None:
+        dataset = dataset.map(transform)
+    return dataset.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
 
 
 def eval_batches(
@@ -110,8 +119,10 @@ def eval_batches(
     batch_size: int,
     shard_index: int = 0,
     shard_count: int = 1,
+    transform: Callable[[Batch], Batch] | None = None,
 ) -> grain.MapDataset:
     """One ordered pass over every example exactly once, in fixed-shape batches with a `mask`."""
     _check_batch(batch_size, shard_count)
     gather = _EvalBatch(arrays, batch_size, shard_index, shard_count)
-    return grain.MapDataset.range(math.ceil(gather._n / batch_size)).map(gather)
+    dataset = grain.MapDataset.range(math.ceil(gather._n / batch_size)).map(gather)
+    return dataset if transform is None else dataset.map(transform)

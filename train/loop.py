@@ -93,18 +93,29 @@ class Trainer:
                 f"axes (data*fsdp = {shards}); use a multiple of {shards}."
             )
 
-        splits = registry.get_data(cfg.data.name).splits(OmegaConf.to_container(cfg.data))
+        data_entry = registry.get_data(cfg.data.name)
+        splits = data_entry.splits(OmegaConf.to_container(cfg.data))
         process, processes = jax.process_index(), jax.process_count()
         self.train_data = pipeline.train_batches(
-            splits.train, trainer.batch_size, cfg.seed, shard_index=process, shard_count=processes
+            splits.train,
+            trainer.batch_size,
+            cfg.seed,
+            shard_index=process,
+            shard_count=processes,
+            transform=splits.transform,
+            augment=splits.augment,
         )
         self.eval_data = pipeline.eval_batches(
-            splits.eval, trainer.batch_size, shard_index=process, shard_count=processes
+            splits.eval,
+            trainer.batch_size,
+            shard_index=process,
+            shard_count=processes,
+            transform=splits.transform,
         )
 
         with sharding.activate(self.mesh, self.rules):
             tx, self.schedule = make_optimizer(cfg.optimizer, trainer.steps)
-            hparams = OmegaConf.to_container(cfg.model)
+            hparams = model_entry.resolve(OmegaConf.to_container(cfg.model), data_entry)
 
             def create():
                 model = model_entry.build(hparams, zoo_rngs.init_rngs(cfg.seed))

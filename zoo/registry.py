@@ -8,6 +8,9 @@ the model's config schema: the CLI's `model.<param>=...` overrides, `--cfg job` 
 declared exactly once.
 
 Data sets work the same way: a loader function whose keyword parameters are the `data.*` config.
+A data set also states what models must know about it (`info`, e.g. `input_shape` and
+`num_classes`): a model parameter of the same name left at `None` takes the data set's value, so
+`model=cnn data=digits` builds a CNN for 8x8 images without anything else to say.
 """
 
 from __future__ import annotations
@@ -48,17 +51,46 @@ class ModelEntry:
         """The constructor's keyword arguments: defaults, then type-checked overrides."""
         return _checked_params(f"model '{self.name}'", self.config, overrides)
 
+    def resolve(self, hparams: Mapping[str, Any], data: DataEntry) -> dict[str, Any]:
+        """`hparams` with each parameter left at None that the data set knows filled in."""
+        resolved = dict(hparams)
+        for key, value in data.info.items():
+            if key in resolved and resolved[key] is None:
+                resolved[key] = list(value) if isinstance(value, tuple) else value
+        return resolved
+
     def build(self, hparams: Mapping[str, Any], rngs: nnx.Rngs) -> nnx.Module:
         params = {k: v for k, v in hparams.items() if k != "name"}
+        missing = [k for k, v in params.items() if v is None and k in _DATA_FACTS]
+        if missing:
+            raise ZooError(
+                f"Model '{self.name}' needs {', '.join(missing)}, which come from its data set: "
+                f"resolve the parameters with a data set first, or set model.{missing[0]}."
+            )
         return self.constructor(**params, rngs=rngs)
+
+
+Batch = dict[str, np.ndarray]
 
 
 @dataclasses.dataclass(frozen=True)
 class Splits:
-    """A data set held in memory: column name -> array, the same leading length per split."""
+    """A data set held in memory: column name -> array, the same leading length per split.
+
+    `transform` runs on every batch of both splits (e.g. uint8 pixels -> normalised float32);
+    `augment` on training batches only, before `transform`, with a generator seeded from the run's
+    seed and the batch's index, so augmentations are the same on every rerun and after a resume.
+    Both work on whole batches, since one vectorised call per batch costs far less than one per
+    example."""
 
     train: Mapping[str, np.ndarray]
     eval: Mapping[str, np.ndarray]
+    transform: Callable[[Batch], Batch] | None = None
+    augment: Callable[[Batch, np.random.Generator], Batch] | None = None
+
+
+_DATA_FACTS = ("input_shape", "num_classes")
+"""What a data set may tell models in its `info`."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +98,7 @@ class DataEntry:
     name: str
     load: Callable[..., Splits]
     config: type
+    info: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def splits(self, params: Mapping[str, Any]) -> Splits:
         return self.load(**{k: v for k, v in params.items() if k != "name"})
@@ -104,15 +137,27 @@ def register_model(
     return register if constructor is None else register(constructor)
 
 
-def register_data(name: str, load: Callable[..., Splits] | None = None) -> Any:
-    """Register a data-set loader under `name`; usable as a function decorator."""
+def register_data(
+    name: str,
+    load: Callable[..., Splits] | None = None,
+    *,
+    input_shape: tuple[int, ...] | None = None,
+    num_classes: int | None = None,
+) -> Any:
+    """Register a data-set loader under `name`; usable as a function decorator.
+
+    `input_shape` (one example's, e.g. `(28, 28, 1)`) and `num_classes` are what models built
+    for this data set need to know; see `ModelEntry.resolve`."""
 
     def register(fn: Callable[..., Splits]) -> Callable[..., Splits]:
         if name in _DATASETS:
             raise ZooError(f"A data set named '{name}' is already registered; choose another.")
         schema = _signature_dataclass(fn, name, f"{_camel(name)}DataConfig")
         zoo_config.store_data(name, schema)
-        _DATASETS[name] = DataEntry(name, fn, schema)
+        info = {"input_shape": input_shape, "num_classes": num_classes}
+        _DATASETS[name] = DataEntry(
+            name, fn, schema, {k: v for k, v in info.items() if v is not None}
+        )
         return fn
 
     return register if load is None else register(load)
@@ -145,12 +190,16 @@ def get_data(name: str) -> DataEntry:
 def create_model(
     name: str,
     *,
+    data: str | None = None,
     seed: int = 0,
     mesh: Mapping[str, Any] | None = None,
     devices: Any = None,
     **overrides: Any,
 ) -> nnx.Module:
     """Build a registered model with fresh parameters, e.g. `create_model("xor", num_hidden=16)`.
+
+    Parameters the data set decides (`input_shape`, `num_classes`) come from `data` (default: the
+    model's own default data set) unless given.
 
     The params are born sharded on a device mesh, as their logical annotations and the rules
     ask; `mesh` takes the keys of the `mesh` config section (default: data parallel over every
@@ -161,7 +210,7 @@ def create_model(
     from train.plan import create_sharded
 
     entry = get_model(name)
-    hparams = entry.hparams(**overrides)
+    hparams = entry.resolve(entry.hparams(**overrides), get_data(data or entry.default_data))
     mesh_cfg = zoo_config.checked_dict(zoo_config.MeshConfig, dict(mesh or {}), "mesh")
     rules = sharding.AxisRules.from_mapping(mesh_cfg["rules"])
     device_mesh = sharding.make_mesh(mesh_cfg, devices)
