@@ -108,9 +108,9 @@ def train_batches(
     dataset = grain.MapDataset.range(_ENDLESS).map(gather)
     if augment is not None:
         augment_seed = int(np.random.SeedSequence([seed, shard_index]).generate_state(1)[0])
-        dataset = dataset.random_map(augment, seed=augment_seed)
+        dataset = dataset.random_map(lambda b, rng: {**b, **augment(b, rng)}, seed=augment_seed)
     if transform is not None:
-        dataset = dataset.map(transform)
+        dataset = dataset.map(_updating(transform))
     return dataset.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
 
 
@@ -125,4 +125,9 @@ def eval_batches(
     _check_batch(batch_size, shard_count)
     gather = _EvalBatch(arrays, batch_size, shard_index, shard_count)
     dataset = grain.MapDataset.range(math.ceil(gather._n / batch_size)).map(gather)
-    return dataset if transform is None else dataset.map(transform)
+    return dataset if transform is None else dataset.map(_updating(transform))
+
+
+def _updating(transform: Callable[[Batch], Batch]) -> Callable[[Batch], Batch]:
+    """A transform returns the columns it changes; the others (the eval `mask`) pass through."""
+    return lambda batch: {**batch, **transform(batch)}

@@ -80,7 +80,7 @@ class Splits:
     `transform` runs on every batch of both splits (e.g. uint8 pixels -> normalised float32);
     `augment` on training batches only, before `transform`, with a generator seeded from the run's
     seed and the batch's index, so augmentations are the same on every rerun and after a resume.
-    Both work on whole batches, since one vectorised call per batch costs far less than one per
+    Each returns the columns it changes; the others pass through. Both work on whole batches, since one vectorised call per batch costs far less than one per
     example."""
 
     train: Mapping[str, np.ndarray]

@@ -1,0 +1,90 @@
+"""Layers with logical sharding annotations, so every model of the zoo shards the same way.
+
+Each param names its dimensions with logical axes (`embed`, `mlp`, `heads`, `conv_in`,
+`conv_out`); the run's `mesh.rules` map them onto the mesh. A 1-D param (bias, norm scale) is
+never put on an axis that also shards the batch (`embed` -> `fsdp` by default): the elementwise
+op with a batch-sharded activation would use that mesh axis twice.
+"""
+
+from __future__ import annotations
+
+from flax import nnx
+
+Axes = tuple[str | None, ...]
+_ZEROS, _ONES = nnx.initializers.zeros_init(), nnx.initializers.ones_init()
+_LECUN = nnx.initializers.lecun_normal()
+
+
+def dense(
+    din: int,
+    dout: int,
+    axes: Axes,
+    *,
+    rngs: nnx.Rngs,
+    use_bias: bool = True,
+) -> nnx.Linear:
+    """A Linear layer whose kernel is annotated `axes` = (input axis, output axis); its bias
+    follows the output axis unless that is `embed`."""
+    bias_axis = None if axes[1] == "embed" else axes[1]
+    return nnx.Linear(
+        din,
+        dout,
+        use_bias=use_bias,
+        kernel_init=nnx.with_partitioning(_LECUN, axes),
+        bias_init=nnx.with_partitioning(_ZEROS, (bias_axis,)),
+        rngs=rngs,
+    )
+
+
+def conv(
+    cin: int,
+    cout: int,
+    kernel_size: int,
+    *,
+    rngs: nnx.Rngs,
+    strides: int = 1,
+    use_bias: bool = False,
+    padding: str = "SAME",
+    out_axis: str = "conv_out",
+) -> nnx.Conv:
+    """A 2-D convolution, channels last, kernel annotated (None, None, conv_in, `out_axis`).
+    No bias by default: convolutions here are followed by a BatchNorm, whose shift replaces it."""
+    bias_axis = None if out_axis == "embed" else out_axis
+    return nnx.Conv(
+        cin,
+        cout,
+        (kernel_size, kernel_size),
+        strides=strides,
+        padding=padding,
+        use_bias=use_bias,
+        kernel_init=nnx.with_partitioning(
+            nnx.initializers.he_normal(), (None, None, "conv_in", out_axis)
+        ),
+        bias_init=nnx.with_partitioning(_ZEROS, (bias_axis,)),
+        rngs=rngs,
+    )
+
+
+def batch_norm(
+    features: int, *, rngs: nnx.Rngs, axis: str | None = "conv_out", zero_scale: bool = False
+) -> nnx.BatchNorm:
+    """BatchNorm with momentum 0.9: the running statistics of a short run settle within a few
+    hundred steps (Flax's default 0.99 needs thousands). `zero_scale` starts the layer at zero,
+    so a residual block starts as the identity."""
+    return nnx.BatchNorm(
+        features,
+        momentum=0.9,
+        scale_init=nnx.with_partitioning(_ZEROS if zero_scale else _ONES, (axis,)),
+        bias_init=nnx.with_partitioning(_ZEROS, (axis,)),
+        rngs=rngs,
+    )
+
+
+def layer_norm(features: int, *, rngs: nnx.Rngs) -> nnx.LayerNorm:
+    """LayerNorm over `embed` features; its params are replicated (see the module docstring)."""
+    return nnx.LayerNorm(
+        features,
+        scale_init=nnx.with_partitioning(_ONES, (None,)),
+        bias_init=nnx.with_partitioning(_ZEROS, (None,)),
+        rngs=rngs,
+    )

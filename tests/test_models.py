@@ -1,0 +1,142 @@
+"""Every model of the vision zoo, small, on real data (digits) and a real 8-device mesh: it builds
+with params born sharded as annotated, trains (loss goes down), evaluates; plus the two ways NNX
+holds randomness (vit: call-time keys; cnn: module-bound stream) and BatchNorm's two modes."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from helpers import read_events, scalar_steps
+
+import zoo
+from train import rngs as zoo_rngs
+from train import sharding
+from train.loop import Trainer
+from zoo.registry import get_data
+
+# Small versions of each model, so that a few dozen steps on 8 simulated devices take seconds.
+SMALL = {
+    "mlp": ["model.hidden_sizes=[32,32,32]"],
+    "cnn": ["model.channels=[8,16,16]"],
+    "resnet": ["model.width=8", "model.stage_sizes=[1,1]"],
+    "vit": ["model.patch_size=2", "model.dim=16", "model.depth=2", "model.num_heads=2"],
+}
+MESH = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
+
+
+def config(name: str, workdir, *extra: str):
+    return zoo.compose(
+        [
+            f"model={name}",
+            "data=digits",
+            f"workdir={workdir}",
+            "trainer.steps=60",
+            "trainer.batch_size=64",
+            "trainer.log_every=20",
+            "optimizer.warmup_steps=0",
+            "optimizer.schedule=constant",
+            *MESH,
+            *SMALL[name],
+            *extra,
+        ]
+    )
+
+
+@pytest.fixture(scope="module", params=list(SMALL))
+def trained(request, tmp_path_factory):
+    """(name, trainer, result): the small model trained 60 steps on the (2, 2, 2) mesh."""
+    workdir = tmp_path_factory.mktemp(request.param)
+    trainer = Trainer(config(request.param, workdir))
+    return request.param, trainer, trainer.fit()
+
+
+def test_trains_and_evaluates(trained):
+    name, _, result = trained
+    losses = scalar_steps(read_events(result.workdir), "train/loss")
+    assert sorted(losses) == [20, 40, 60]
+    assert losses[60] < 0.7 * losses[20], losses
+    assert result.eval_metrics["accuracy"] > 0.5, result.eval_metrics  # chance: 0.1
+
+
+def test_params_are_born_sharded_as_annotated(trained):
+    name, trainer, result = trained
+    rows = {row.path: row for row in trainer.plan.rows}
+    params = nnx.to_flat_state(nnx.state(result.model, nnx.Param))
+    assert params
+    split = []
+    for path, variable in params:
+        key = ".".join(str(part) for part in path)
+        axes = variable.get_metadata().get("out_sharding")
+        assert axes is not None and len(axes) == variable[...].ndim, f"{key}: {axes}"
+        spec = jax.typeof(variable[...]).sharding.spec
+        assert spec == rows[f"0.{key}"].spec, key
+        assert spec == trainer.rules.spec(axes, variable[...].shape, trainer.mesh, key), key
+        split += [key] if any(entry is not None for entry in spec) else []
+    assert split, f"{name}: no param is split over the mesh"
+
+
+def _digits_images(count: int = 64) -> np.ndarray:
+    splits = get_data("digits").splits({})
+    return splits.transform({"image": splits.eval["image"][:count]})["image"]
+
+
+def _model(trainer: Trainer) -> nnx.Module:
+    model, _ = nnx.merge(trainer.graphdef, trainer.state, copy=True)
+    return model
+
+
+def test_vit_draws_fresh_dropout_keys_every_step_and_the_same_on_a_rerun(tmp_path):
+    def outputs(seed: int, steps):
+        trainer = Trainer(config("vit", tmp_path, f"seed={seed}", "model.dropout_rate=0.3"))
+        model, images = _model(trainer), _digits_images()
+        model.train()
+        with sharding.activate(trainer.mesh, trainer.rules):
+            out = [model(images, rngs=zoo_rngs.call_rngs(trainer.step_key, s)) for s in steps]
+            model.eval()
+            out.append(model(images))  # eval: no dropout, no keys needed
+        return [np.asarray(o) for o in out]
+
+    step1, step2, step1_again, eval_out = outputs(0, [1, 2, 1])
+    assert not np.allclose(step1, step2)  # each step its own masks
+    np.testing.assert_array_equal(step1, step1_again)  # a step's masks follow from its number
+    assert not np.allclose(step1, eval_out)
+    rerun = outputs(0, [1, 2])
+    np.testing.assert_array_equal(rerun[0], step1)  # same seed: the same masks
+    np.testing.assert_array_equal(rerun[1], step2)
+    other_seed = outputs(1, [1])
+    assert not np.allclose(other_seed[0], step1)
+
+
+@pytest.mark.parametrize("name", ["cnn", "resnet"])
+def test_batchnorm_statistics_move_in_train_mode_only(name, tmp_path):
+    trainer = Trainer(config(name, tmp_path))
+    model, images = _model(trainer), _digits_images()
+
+    def stats():
+        return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.BatchStat))]
+
+    with sharding.activate(trainer.mesh, trainer.rules):
+        start = stats()
+        model.eval()
+        model(images)
+        for before, after in zip(start, stats(), strict=True):
+            np.testing.assert_array_equal(before, after)
+        model.train()
+        model(images)
+        moved = [not np.allclose(b, a) for b, a in zip(start, stats(), strict=True)]
+    assert all(moved), f"{sum(moved)} of {len(moved)} statistics moved"
+
+
+DROPOUT_DRAWS = {"mlp": 3 * 60, "cnn": 60, "resnet": None, "vit": None}
+"""Per model, the draws its module-bound Dropout stream made in 60 steps; None: it holds none."""
+
+
+def test_module_bound_streams_advance_and_call_time_models_hold_none(trained):
+    name, _, result = trained
+    counts = [int(c) for c in jax.tree.leaves(nnx.state(result.model, nnx.RngCount))]
+    if DROPOUT_DRAWS[name] is None:
+        assert counts == [], f"{name} should hold no random stream"
+    else:
+        assert counts == [DROPOUT_DRAWS[name]]
