@@ -59,7 +59,7 @@ def test_help_lists_models_and_datasets():
     result = run_cli("--help")
     assert result.returncode == 0
     assert "model: xor" in result.stdout
-    assert "data: xor" in result.stdout
+    assert "data: cifar10, digits, fashion_mnist, mnist, xor" in result.stdout
     assert "trainer.steps" in result.stdout or "steps: 1954" in result.stdout
 
 
