@@ -14,9 +14,16 @@ CONSOLE = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 class ConsoleHandler(logging.Handler):
-    """Shows INFO lines from zoo's own loggers and WARNING or worse from any logger."""
+    """Shows INFO lines from zoo's own loggers and WARNING or worse from any logger but asyncio.
+
+    asyncio speaks only of the checkpoint library's internal tasks: after a checkpoint that
+    could not be read, the reads still in flight fail when its event loop closes, and asyncio
+    reports each as "Task exception was never retrieved" with a traceback. zoo has already named
+    the checkpoint and what it does instead; those lines go to train.log only."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == "asyncio":
+            return False
         own = record.name == "zoo" or record.name.startswith("zoo.")
         return (own and record.levelno >= logging.INFO) or record.levelno >= logging.WARNING
 
