@@ -4,6 +4,8 @@ holds randomness (vit: call-time keys; cnn: module-bound stream) and BatchNorm's
 
 from __future__ import annotations
 
+import json
+
 import jax
 import numpy as np
 import pytest
@@ -14,16 +16,17 @@ import zoo
 from train import rngs as zoo_rngs
 from train import sharding
 from train.loop import Trainer
+from zoo.config import DEFAULT_RULES
 from zoo.registry import get_data
 
 # Small versions of each model, so that a few dozen steps on 8 simulated devices take seconds.
 SMALL = {
-    "mlp": ["model.hidden_sizes=[32,32,32]"],
-    "cnn": ["model.channels=[8,16,16]"],
-    "resnet": ["model.width=8", "model.stage_sizes=[1,1]"],
-    "vit": ["model.patch_size=2", "model.dim=16", "model.depth=2", "model.num_heads=2"],
+    "mlp": {"hidden_sizes": [32, 32, 32]},
+    "cnn": {"channels": [8, 16, 16]},
+    "resnet": {"width": 8, "stage_sizes": [1, 1]},
+    "vit": {"patch_size": 2, "dim": 16, "depth": 2, "num_heads": 2},
 }
-MESH = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
+MESH = {"data": 2, "fsdp": 2, "tensor": 2}
 
 
 def config(name: str, workdir, *extra: str):
@@ -37,8 +40,9 @@ def config(name: str, workdir, *extra: str):
             "trainer.log_every=20",
             "optimizer.warmup_steps=0",
             "optimizer.schedule=constant",
-            *MESH,
-            *SMALL[name],
+            "optimizer.learning_rate=0.01",
+            *(f"mesh.{axis}={size}" for axis, size in MESH.items()),
+            *(f"model.{key}={json.dumps(value)}" for key, value in SMALL[name].items()),
             *extra,
         ]
     )
@@ -53,7 +57,7 @@ def trained(request, tmp_path_factory):
 
 
 def test_trains_and_evaluates(trained):
-    name, _, result = trained
+    _, _, result = trained
     losses = scalar_steps(read_events(result.workdir), "train/loss")
     assert sorted(losses) == [20, 40, 60]
     assert losses[60] < 0.7 * losses[20], losses
@@ -62,7 +66,7 @@ def test_trains_and_evaluates(trained):
 
 def test_params_are_born_sharded_as_annotated(trained):
     name, trainer, result = trained
-    rows = {row.path: row for row in trainer.plan.rows}
+    rows = {row.path: row for row in trainer.plan.rows if row.group == "params"}
     params = nnx.to_flat_state(nnx.state(result.model, nnx.Param))
     assert params
     split = []
@@ -71,7 +75,7 @@ def test_params_are_born_sharded_as_annotated(trained):
         axes = variable.get_metadata().get("out_sharding")
         assert axes is not None and len(axes) == variable[...].ndim, f"{key}: {axes}"
         spec = jax.typeof(variable[...]).sharding.spec
-        assert spec == rows[f"0.{key}"].spec, key
+        assert spec == rows[key].spec, key
         assert spec == trainer.rules.spec(axes, variable[...].shape, trainer.mesh, key), key
         split += [key] if any(entry is not None for entry in spec) else []
     assert split, f"{name}: no param is split over the mesh"
@@ -82,20 +86,38 @@ def _digits_images(count: int = 64) -> np.ndarray:
     return splits.transform({"image": splits.eval["image"][:count]})["image"]
 
 
-def _model(trainer: Trainer) -> nnx.Module:
-    model, _ = nnx.merge(trainer.graphdef, trainer.state, copy=True)
-    return model
+def _small_model(name: str, seed: int = 0, **overrides) -> nnx.Module:
+    """The small model, fresh, on the test mesh; call it under `_mesh()`."""
+    params = {**SMALL[name], **overrides}
+    return zoo.create_model(name, data="digits", seed=seed, mesh=MESH, **params)
 
 
-def test_vit_draws_fresh_dropout_keys_every_step_and_the_same_on_a_rerun(tmp_path):
+def _mesh():
+    rules = sharding.AxisRules.from_mapping(DEFAULT_RULES)
+    return sharding.activate(sharding.make_mesh(MESH), rules)
+
+
+@nnx.jit
+def _call_with_rngs(model, images, rngs):
+    return model(images, rngs=rngs)
+
+
+@nnx.jit
+def _call(model, images):
+    return model(images)
+
+
+def test_vit_draws_fresh_dropout_keys_every_step_and_the_same_on_a_rerun():
+    images = _digits_images()
+
     def outputs(seed: int, steps):
-        trainer = Trainer(config("vit", tmp_path, f"seed={seed}", "model.dropout_rate=0.3"))
-        model, images = _model(trainer), _digits_images()
-        model.train()
-        with sharding.activate(trainer.mesh, trainer.rules):
-            out = [model(images, rngs=zoo_rngs.call_rngs(trainer.step_key, s)) for s in steps]
+        model = _small_model("vit", seed=0, dropout_rate=0.3)
+        base = zoo_rngs.step_key(seed)  # the trainer's base key for call-time randomness
+        with _mesh():
+            model.train()
+            out = [_call_with_rngs(model, images, zoo_rngs.call_rngs(base, s)) for s in steps]
             model.eval()
-            out.append(model(images))  # eval: no dropout, no keys needed
+            out.append(_call(model, images))  # eval: no dropout, no keys needed
         return [np.asarray(o) for o in out]
 
     step1, step2, step1_again, eval_out = outputs(0, [1, 2, 1])
@@ -110,21 +132,20 @@ def test_vit_draws_fresh_dropout_keys_every_step_and_the_same_on_a_rerun(tmp_pat
 
 
 @pytest.mark.parametrize("name", ["cnn", "resnet"])
-def test_batchnorm_statistics_move_in_train_mode_only(name, tmp_path):
-    trainer = Trainer(config(name, tmp_path))
-    model, images = _model(trainer), _digits_images()
+def test_batchnorm_statistics_move_in_train_mode_only(name):
+    model, images = _small_model(name), _digits_images()
 
     def stats():
         return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.BatchStat))]
 
-    with sharding.activate(trainer.mesh, trainer.rules):
+    with _mesh():
         start = stats()
         model.eval()
-        model(images)
+        _call(model, images)
         for before, after in zip(start, stats(), strict=True):
             np.testing.assert_array_equal(before, after)
         model.train()
-        model(images)
+        _call(model, images)
         moved = [not np.allclose(b, a) for b, a in zip(start, stats(), strict=True)]
     assert all(moved), f"{sum(moved)} of {len(moved)} statistics moved"
 
@@ -140,3 +161,9 @@ def test_module_bound_streams_advance_and_call_time_models_hold_none(trained):
         assert counts == [], f"{name} should hold no random stream"
     else:
         assert counts == [DROPOUT_DRAWS[name]]
+
+
+def test_a_shape_the_model_cannot_take_is_named(tmp_path):
+    with pytest.raises(zoo.ZooError, match=r"8x8 images do not split into 3x3 patches"):
+        Trainer(config("vit", tmp_path, "model.patch_size=3"))
+    assert not any(tmp_path.iterdir())  # nothing written

@@ -1,7 +1,7 @@
 """zoo: a Flax NNX model zoo.
 
 import zoo
-zoo.list_models()                      # ['xor', ...]
+zoo.list_models()                      # ['cnn', 'mlp', 'resnet', 'vit', 'xor']
 model = zoo.create_model("xor", num_hidden=16)
 result = zoo.run(zoo.compose(["model=xor", "trainer.steps=500"]))
 """
