@@ -106,7 +106,7 @@ class ViT(nnx.Module):
         num_classes: int | None = None,
         patch_size: int = 7,
         dim: int = 64,
-        depth: int = 6,
+        depth: int = 4,
         num_heads: int = 4,
         mlp_ratio: int = 2,
         dropout_rate: float = 0.1,

@@ -150,3 +150,27 @@ def test_run_time_error_exits_non_zero_and_keeps_checkpoints(tmp_path):
     assert "Traceback" not in result.stderr
     assert "data=16" in result.stderr and "8 are available" in result.stderr
     assert (checkpoint / "marker").read_text() == "kept"
+
+
+FASHION_MNIST = "/usr/share/datasets/fashion-mnist"
+
+
+@pytest.mark.skipif(
+    not os.path.isdir(FASHION_MNIST),
+    reason=f"no {FASHION_MNIST}: Debian's package dataset-fashion-mnist provides it",
+)
+def test_cnn_trains_on_the_real_fashion_mnist(tmp_path):
+    """End to end: the model's default data set, found where Debian installs it."""
+    result = run_cli(
+        "model=cnn",
+        "model.channels=[4,8,8]",
+        "trainer.steps=30",
+        "trainer.batch_size=64",
+        "trainer.log_every=10",
+        "optimizer.warmup_steps=0",
+        "optimizer.learning_rate=0.01",
+        f"workdir={tmp_path}",
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Training cnn on fashion_mnist" in result.stderr
+    assert scalar_steps(read_events(tmp_path), "eval/accuracy")[30] > 0.4  # chance: 0.1
