@@ -53,7 +53,14 @@ class BasicBlock(nnx.Module):
     default_data="fashion_mnist",
     # Six epochs of Fashion-MNIST's 60,000 training images.
     trainer={"steps": 2800, "batch_size": 128, "log_every": 50, "eval_every": 700},
-    optimizer={"name": "adamw", "learning_rate": 3e-3, "schedule": "cosine", "warmup_steps": 200},
+    # It overfits Fashion-MNIST within a few epochs (96% train, 91.5% test without decay).
+    optimizer={
+        "name": "adamw",
+        "learning_rate": 3e-3,
+        "schedule": "cosine",
+        "warmup_steps": 200,
+        "weight_decay": 0.05,
+    },
 )
 class ResNet(nnx.Module):
     def __init__(

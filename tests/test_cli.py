@@ -165,7 +165,7 @@ def test_cnn_trains_on_the_real_fashion_mnist(tmp_path):
         "model=cnn",
         "model.channels=[4,8,8]",
         "trainer.steps=30",
-        "trainer.batch_size=64",
+        "trainer.batch_size=256",
         "trainer.log_every=10",
         "optimizer.warmup_steps=0",
         "optimizer.learning_rate=0.01",

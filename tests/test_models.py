@@ -86,10 +86,9 @@ def _digits_images(count: int = 64) -> np.ndarray:
     return splits.transform({"image": splits.eval["image"][:count]})["image"]
 
 
-def _small_model(name: str, seed: int = 0, **overrides) -> nnx.Module:
+def _small_model(name: str, **overrides) -> nnx.Module:
     """The small model, fresh, on the test mesh; call it under `_mesh()`."""
-    params = {**SMALL[name], **overrides}
-    return zoo.create_model(name, data="digits", seed=seed, mesh=MESH, **params)
+    return zoo.create_model(name, data="digits", mesh=MESH, **{**SMALL[name], **overrides})
 
 
 def _mesh():
@@ -108,45 +107,43 @@ def _call(model, images):
 
 
 def test_vit_draws_fresh_dropout_keys_every_step_and_the_same_on_a_rerun():
-    images = _digits_images()
+    model, images = _small_model("vit", dropout_rate=0.3), _digits_images()
 
-    def outputs(seed: int, steps):
-        model = _small_model("vit", seed=0, dropout_rate=0.3)
+    def train_mode_output(seed: int, step: int) -> np.ndarray:
         base = zoo_rngs.step_key(seed)  # the trainer's base key for call-time randomness
-        with _mesh():
-            model.train()
-            out = [_call_with_rngs(model, images, zoo_rngs.call_rngs(base, s)) for s in steps]
-            model.eval()
-            out.append(_call(model, images))  # eval: no dropout, no keys needed
-        return [np.asarray(o) for o in out]
+        return np.asarray(_call_with_rngs(model, images, zoo_rngs.call_rngs(base, step)))
 
-    step1, step2, step1_again, eval_out = outputs(0, [1, 2, 1])
+    with _mesh():
+        model.train()
+        step1, step2 = train_mode_output(0, 1), train_mode_output(0, 2)
+        rerun_step1, other_seed_step1 = train_mode_output(0, 1), train_mode_output(1, 1)
+        model.eval()
+        eval_output = np.asarray(_call(model, images))  # no dropout, no keys needed
     assert not np.allclose(step1, step2)  # each step its own masks
-    np.testing.assert_array_equal(step1, step1_again)  # a step's masks follow from its number
-    assert not np.allclose(step1, eval_out)
-    rerun = outputs(0, [1, 2])
-    np.testing.assert_array_equal(rerun[0], step1)  # same seed: the same masks
-    np.testing.assert_array_equal(rerun[1], step2)
-    other_seed = outputs(1, [1])
-    assert not np.allclose(other_seed[0], step1)
+    np.testing.assert_array_equal(step1, rerun_step1)  # the same seed and step: the same masks
+    assert not np.allclose(step1, other_seed_step1)
+    assert not np.allclose(step1, eval_output)
 
 
-@pytest.mark.parametrize("name", ["cnn", "resnet"])
-def test_batchnorm_statistics_move_in_train_mode_only(name):
-    model, images = _small_model(name), _digits_images()
+HAS_BATCHNORM = {"mlp": False, "cnn": True, "resnet": True, "vit": False}
+
+
+def test_batchnorm_statistics_move_in_train_mode_only(trained):
+    name, _, result = trained
+    model, images = nnx.clone(result.model), _digits_images()  # returned in eval mode
 
     def stats():
         return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.BatchStat))]
 
-    with _mesh():
-        start = stats()
-        model.eval()
+    start = stats()
+    assert bool(start) == HAS_BATCHNORM[name]
+    with result.activate():
         _call(model, images)
         for before, after in zip(start, stats(), strict=True):
             np.testing.assert_array_equal(before, after)
         model.train()
         _call(model, images)
-        moved = [not np.allclose(b, a) for b, a in zip(start, stats(), strict=True)]
+    moved = [not np.allclose(b, a) for b, a in zip(start, stats(), strict=True)]
     assert all(moved), f"{sum(moved)} of {len(moved)} statistics moved"
 
 
