@@ -454,10 +454,11 @@ class _LogWindows:
 
 def _read(load: Callable[..., Any], *args: Any) -> tuple[Any, str | None]:
     """`(load(*args), None)`, or `(None, why)` when the checkpoint cannot be read at all."""
+    # Before the read: a failing read's siblings report the closed loop as soon as it fails.
+    resume.quiet_closed_loop_noise()
     try:
         return load(*args), None
     except Exception as e:  # noqa: BLE001  (any read failure: the caller tries an older step)
-        resume.quiet_closed_loop_noise()
         return None, resume.reason(e)
 
 

@@ -137,24 +137,34 @@ def check_config(
 
 
 def quiet_closed_loop_noise() -> None:
-    """After a failed restore, the reads still in flight finish on Orbax's event loop after it
-    has closed, and each reports `RuntimeError: Event loop is closed` as an unraisable
-    exception: a screenful of tracebacks that say nothing about the checkpoint. Send those to
-    train.log only (for the rest of the process); every other unraisable exception is shown."""
-    previous = sys.unraisablehook
-    if getattr(previous, "_zoo_quiet", False):
+    """When a restore fails, the reads still in flight finish on Orbax's event loop after it
+    has closed, and each reports `RuntimeError: Event loop is closed`: a screenful of tracebacks
+    that say nothing about the checkpoint. Python reports them two ways, as unraisable exceptions
+    and, from the storage library's own threads, through `sys.excepthook`: send those to
+    train.log only (from the first restore on); every other exception is shown."""
+    if getattr(sys.unraisablehook, "_zoo_quiet", False):
         return
+    note = logging.getLogger("train.checkpoint").info
+    show_unraisable, show_exception = sys.unraisablehook, sys.excepthook
 
-    def hook(unraisable) -> None:
-        if isinstance(unraisable.exc_value, RuntimeError) and "Event loop is closed" in str(
-            unraisable.exc_value
-        ):
-            logging.getLogger("train.checkpoint").info("after a failed restore: %s", unraisable)
-            return
-        previous(unraisable)
+    def unraisable_hook(unraisable) -> None:
+        if _closed_loop(unraisable.exc_value):
+            note("after a failed restore: %s", unraisable)
+        else:
+            show_unraisable(unraisable)
 
-    hook._zoo_quiet = True  # type: ignore[attr-defined]
-    sys.unraisablehook = hook
+    def exception_hook(kind, value, traceback) -> None:
+        if _closed_loop(value):
+            note("after a failed restore: %r", value)
+        else:
+            show_exception(kind, value, traceback)
+
+    unraisable_hook._zoo_quiet = True  # type: ignore[attr-defined]
+    sys.unraisablehook, sys.excepthook = unraisable_hook, exception_hook
+
+
+def _closed_loop(error: BaseException | None) -> bool:
+    return isinstance(error, RuntimeError) and "Event loop is closed" in str(error)
 
 
 def reason(error: BaseException) -> str:
