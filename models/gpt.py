@@ -127,7 +127,9 @@ def _print_sample(model: GPT, report) -> None:
     loss=language_model_loss,
     default_data="text",
     on_eval=_print_sample,
-    trainer={"steps": 1500, "batch_size": 32, "log_every": 50, "eval_every": 500},
+    # 2.9 MB of text, two thirds of the default corpus's training bytes, 16 x 128 bytes a step:
+    # under 4 minutes on a 2-core CPU.
+    trainer={"steps": 1400, "batch_size": 16, "log_every": 50, "eval_every": 350},
     optimizer={
         "name": "adamw",
         "learning_rate": 3e-3,
