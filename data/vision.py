@@ -2,7 +2,8 @@
 
 Every split holds `image` (uint8, N x H x W x C) and `label` (int32, N). Pixels stay uint8 in
 memory (a quarter of the float32 size) and become float32 one batch at a time: the `transform`
-computes `(x / max - mean) / std` with the training split's per-channel statistics. The
+computes `(x / max - mean) / std` with the training split's per-channel statistics (or, with
+`normalize=False`, only `x / max`, intensities in [0, 1]). The
 `augment` step (training batches only, before the transform) pads each image and crops it back
 at a random offset, and mirrors it left-right where a mirrored image is still of its class
 (clothes, objects; not digits).
@@ -52,6 +53,12 @@ class Normalize:
             rows *= np.tile(scale, width)
             rows -= np.tile(shift, width)
         return {**batch, "image": image}
+
+    def choose(self, normalize: bool) -> Normalize:
+        """Itself, or with `normalize=False` the plain scaling to [0, 1] (`x / max_value`) that
+        models of pixel intensities (a VAE's Bernoulli decoder) need."""
+        plain = Normalize(self.max_value, (0.0,) * len(self.std), (1.0,) * len(self.std))
+        return self if normalize else plain
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,7 +317,7 @@ CIFAR10_NORMALIZE = Normalize(255, (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.
 
 
 @register_data("digits", input_shape=(8, 8, 1), num_classes=10)
-def digits(augment: bool = False, crop_padding: int = 1) -> Splits:
+def digits(augment: bool = False, crop_padding: int = 1, normalize: bool = True) -> Splits:
     """scikit-learn's 1,797 handwritten 8x8 digits (pixel values 0..16), bundled with it, so
     always available offline. The split is fixed: the rows of `load_digits()` in the order of
     `numpy.random.default_rng(0).permutation(1797)`, the first 1,437 for training, the last 360
@@ -326,7 +333,7 @@ def digits(augment: bool = False, crop_padding: int = 1) -> Splits:
     return Splits(
         train={"image": images[:cut], "label": labels[:cut]},
         eval={"image": images[cut:], "label": labels[cut:]},
-        transform=DIGITS_NORMALIZE,
+        transform=DIGITS_NORMALIZE.choose(normalize),
         augment=crop_and_flip,
     )
 
@@ -338,6 +345,7 @@ def mnist(
     mirror: str | None = None,
     augment: bool = False,
     crop_padding: int = 2,
+    normalize: bool = True,
 ) -> Splits:
     """MNIST's handwritten digits: 60,000 training and 10,000 test 28x28 grey images. Digits
     are never mirrored: a mirrored digit is not the same digit."""
@@ -346,7 +354,7 @@ def mnist(
     return Splits(
         train=splits["train"],
         eval=splits["eval"],
-        transform=MNIST_NORMALIZE,
+        transform=MNIST_NORMALIZE.choose(normalize),
         augment=crop_and_flip,
     )
 
@@ -359,6 +367,7 @@ def fashion_mnist(
     augment: bool = False,
     crop_padding: int = 2,
     flip: bool = True,
+    normalize: bool = True,
 ) -> Splits:
     """Zalando's Fashion-MNIST: 60,000 training and 10,000 test 28x28 grey images of clothes in
     10 classes, a drop-in for MNIST that is harder to fit."""
@@ -367,7 +376,7 @@ def fashion_mnist(
     return Splits(
         train=splits["train"],
         eval=splits["eval"],
-        transform=FASHION_MNIST_NORMALIZE,
+        transform=FASHION_MNIST_NORMALIZE.choose(normalize),
         augment=crop_and_flip,
     )
 
@@ -380,6 +389,7 @@ def cifar10(
     augment: bool = True,
     crop_padding: int = 4,
     flip: bool = True,
+    normalize: bool = True,
 ) -> Splits:
     """CIFAR-10: 50,000 training and 10,000 test 32x32 colour images in 10 classes. Augmented
     by default, as small models overfit it within a few epochs otherwise."""
@@ -392,6 +402,6 @@ def cifar10(
     return Splits(
         train=train,
         eval=test,
-        transform=CIFAR10_NORMALIZE,
+        transform=CIFAR10_NORMALIZE.choose(normalize),
         augment=crop_and_flip,
     )

@@ -36,6 +36,29 @@ def dense(
     )
 
 
+def head_projections(dim: int, num_heads: int, *, rngs: nnx.Rngs) -> tuple[nnx.LinearGeneral, ...]:
+    """Attention's query, key, value and output projections, without biases: `dim` features
+    <-> (`num_heads`, dim // num_heads), the heads on the logical `heads` axis. The output
+    projection sums over heads: call it with `out_sharding` where heads are sharded."""
+
+    def projection(in_features, out_features, axis, axes):
+        return nnx.LinearGeneral(
+            in_features,
+            out_features,
+            axis=axis,
+            use_bias=False,
+            kernel_init=nnx.with_partitioning(_LECUN, axes),
+            rngs=rngs,
+        )
+
+    head_dim = dim // num_heads
+    query, key, value = (
+        projection(dim, (num_heads, head_dim), -1, ("embed", "heads", None)) for _ in range(3)
+    )
+    out = projection((num_heads, head_dim), dim, (-2, -1), ("heads", None, "embed"))
+    return query, key, value, out
+
+
 def conv(
     cin: int,
     cout: int,

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.classification import classification_loss_with_rngs
-from models.layers import conv, dense, layer_norm
+from models.layers import conv, dense, head_projections, layer_norm
 from train.sharding import logical_spec
 from zoo.errors import ZooError
 from zoo.registry import register_model
@@ -33,23 +33,7 @@ def _tokens():
 
 class SelfAttention(nnx.Module):
     def __init__(self, dim: int, num_heads: int, dropout_rate: float, *, rngs: nnx.Rngs):
-        head_dim = dim // num_heads
-        init = nnx.initializers.lecun_normal()
-
-        def projection(in_features, out_features, axis, axes):
-            return nnx.LinearGeneral(
-                in_features,
-                out_features,
-                axis=axis,
-                use_bias=False,
-                kernel_init=nnx.with_partitioning(init, axes),
-                rngs=rngs,
-            )
-
-        self.query, self.key, self.value = (
-            projection(dim, (num_heads, head_dim), -1, ("embed", "heads", None)) for _ in range(3)
-        )
-        self.out = projection((num_heads, head_dim), dim, (-2, -1), ("heads", None, "embed"))
+        self.query, self.key, self.value, self.out = head_projections(dim, num_heads, rngs=rngs)
         self.dropout = nnx.Dropout(dropout_rate)
 
     def __call__(self, x: jax.Array, rngs: nnx.Rngs | None) -> jax.Array:

@@ -58,8 +58,8 @@ def test_console_shows_own_lines_only(xor_run):
 def test_help_lists_models_and_datasets():
     result = run_cli("--help")
     assert result.returncode == 0
-    assert "model: cnn, mlp, resnet, vit, xor" in result.stdout
-    assert "data: cifar10, digits, fashion_mnist, mnist, xor" in result.stdout
+    assert "model: cnn, gpt, mlp, resnet, vae, vit, xor" in result.stdout
+    assert "data: cifar10, digits, fashion_mnist, mnist, text, xor" in result.stdout
     assert "trainer.steps" in result.stdout or "steps: 1954" in result.stdout
 
 

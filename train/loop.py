@@ -26,7 +26,7 @@ from train.checkpoint import FORMAT as CHECKPOINT_FORMAT
 from train.checkpoint import Checkpointer, abstract_like
 from train.optim import make_optimizer
 from train.plan import create_sharded
-from train.report import Reporter, format_metrics
+from train.report import EvalReport, Reporter, format_metrics
 from train.signals import Interrupted, StopRequests
 from train.steps import (
     COUNT,
@@ -131,6 +131,7 @@ class Trainer:
             self.graphdef, model_entry.loss, skip_nonfinite=self.skip_nonfinite
         )
         self.eval_step = make_eval_step(self.graphdef, model_entry.loss)
+        self.on_eval = model_entry.on_eval
         self.step_key, self.eval_key = zoo_rngs.step_key(cfg.seed), zoo_rngs.eval_key(cfg.seed)
 
     def shard(self, batch: dict[str, Any]) -> dict[str, jax.Array]:
@@ -252,6 +253,7 @@ class Trainer:
                     windows.report_pending()
                     run.eval_metrics, run.eval_step = self.evaluate(), step
                     reporter.eval(step, run.eval_metrics)
+                    self._on_eval(step, reporter)
                 due = trainer.checkpoint_every and step % trainer.checkpoint_every == 0
                 if due or step == total or stop.signum is not None:
                     # Never save a state that a NaN/Inf loss has reached (nan_policy=stop).
@@ -279,6 +281,15 @@ class Trainer:
                 if stop.signum is not None:
                     raise Interrupted(stop.signum, step, checkpointer.step_path(step))
                 run.step = step
+
+    def _on_eval(self, step: int, reporter: Reporter) -> None:
+        """The model's own report after an eval (samples, images), if it registered one."""
+        if self.on_eval is None:
+            return
+        model, _ = nnx.merge(self.graphdef, self.state)  # shares the arrays; read only
+        model.eval()
+        key = zoo_rngs.on_eval_key(self.cfg.seed, step)
+        self.on_eval(model, EvalReport(step, key, self.eval_data[0], reporter))
 
     def _resume(self, checkpointer, iterator, zeros, config_dict) -> _Progress:
         """Where the loop starts: the restored checkpoint that `trainer.resume` picks, or step 0.

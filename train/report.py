@@ -6,10 +6,14 @@ otherwise (CI logs, pipes), plus a one-line summary after each eval.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import os
 from collections.abc import Mapping
 
+import jax
+import numpy as np
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from tensorboardX import SummaryWriter
 
@@ -90,3 +94,44 @@ class Reporter:
             self._progress.stop()
         if self.writer is not None:
             self.writer.close()
+
+
+@dataclasses.dataclass
+class EvalReport:
+    """What a model's `on_eval` hook gets besides the model: the step, a key of its own (from
+    the seed and the step, so reruns draw the same samples), the first eval batch as the model
+    sees it (host arrays, with the `mask` column), and where to write what it makes."""
+
+    step: int
+    key: jax.Array
+    examples: Mapping[str, np.ndarray]
+    reporter: Reporter
+
+    def text(self, tag: str, markdown: str) -> None:
+        """A TensorBoard text entry at this step."""
+        self.reporter.text(tag, markdown, step=self.step)
+
+    def image(self, tag: str, image: np.ndarray) -> None:
+        """A TensorBoard image at this step: H x W x C (C = 1 or 3) floats in [0, 1]."""
+        if self.reporter.writer is not None:
+            pixels = np.clip(np.asarray(image, np.float32), 0.0, 1.0)
+            self.reporter.writer.add_image(tag, pixels, self.step, dataformats="HWC")
+
+    def log(self, line: str) -> None:
+        """A line on the console (and in train.log)."""
+        if self.reporter.writer is not None:
+            log.info("%s", line)
+
+
+def image_grid(images: np.ndarray, columns: int = 8, gap: int = 1) -> np.ndarray:
+    """N x H x W x C images tiled row by row into one H' x W' x C image, `gap` pixels apart."""
+    images = np.asarray(images)
+    count, height, width, channels = images.shape
+    rows = math.ceil(count / columns)
+    grid = np.ones(
+        (rows * (height + gap) - gap, columns * (width + gap) - gap, channels), images.dtype
+    )
+    for i, image in enumerate(images):
+        top, left = (i // columns) * (height + gap), (i % columns) * (width + gap)
+        grid[top : top + height, left : left + width] = image
+    return grid

@@ -9,8 +9,8 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-# Fixed ids: changing one changes every run's bits.
-_PARAMS, _DROPOUT, _DEFAULT, _STEP, _EVAL = range(5)
+# Fixed ids: changing one changes every run's bits. New ones are appended, never inserted.
+_PARAMS, _DROPOUT, _DEFAULT, _STEP, _EVAL, _NOISE, _ON_EVAL = range(7)
 
 
 def root_key(seed: int) -> jax.Array:
@@ -19,12 +19,14 @@ def root_key(seed: int) -> jax.Array:
 
 def init_rngs(seed: int) -> nnx.Rngs:
     """Rngs for building a model: `params` for initialisers, and the streams that modules bind
-    at construction (`dropout`; any other name falls back to `default`)."""
+    at construction (`dropout`, `noise` for a VAE's sampling; any other name falls back to
+    `default`)."""
     root = root_key(seed)
     return nnx.Rngs(
         params=jax.random.fold_in(root, _PARAMS),
         dropout=jax.random.fold_in(root, _DROPOUT),
         default=jax.random.fold_in(root, _DEFAULT),
+        noise=jax.random.fold_in(root, _NOISE),
     )
 
 
@@ -35,6 +37,11 @@ def step_key(seed: int) -> jax.Array:
 
 def eval_key(seed: int) -> jax.Array:
     return jax.random.fold_in(root_key(seed), _EVAL)
+
+
+def on_eval_key(seed: int, step: int) -> jax.Array:
+    """The key a model's eval hook draws from after the eval at `step` (samples, images)."""
+    return jax.random.fold_in(jax.random.fold_in(root_key(seed), _ON_EVAL), step)
 
 
 def call_rngs(base: jax.Array, step: jax.Array | int) -> nnx.Rngs:

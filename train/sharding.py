@@ -150,6 +150,29 @@ def activate(mesh: Mesh, rules: AxisRules) -> Iterator[None]:
         _ACTIVE_RULES.reset(token)
 
 
+def active_rules() -> AxisRules:
+    """The rules in force (see `activate`)."""
+    rules = _ACTIVE_RULES.get()
+    if rules is None:
+        raise ZooError(
+            "No sharding rules are active: call the model under train.sharding.activate(mesh, "
+            "rules) or `with result.activate():`, as the trainer and zoo.create_model do."
+        )
+    return rules
+
+
+@contextlib.contextmanager
+def unsplit_batch() -> Iterator[None]:
+    """The active rules with `batch` unsplit, on the mesh already active: for calls on a few
+    examples (a prompt of one, a grid of images) that the batch axes cannot divide."""
+    rules = active_rules()
+    token = _ACTIVE_RULES.set(dataclasses.replace(rules, table={**rules.table, "batch": ()}))
+    try:
+        yield
+    finally:
+        _ACTIVE_RULES.reset(token)
+
+
 def logical_spec(*names: str | None) -> P:
     """The PartitionSpec of an activation with these logical axes, under the active rules;
     e.g. `layer(h, out_sharding=logical_spec("batch", None))`."""

@@ -18,6 +18,7 @@ from flax import nnx
 
 from data.pipeline import MASK
 from train import rngs as zoo_rngs
+from zoo.registry import WEIGHT
 
 COUNT = "count"
 """The sum of example weights (training: steps) under which the other sums are accumulated."""
@@ -40,7 +41,14 @@ def _loss_and_grads(graphdef: nnx.GraphDef, loss_fn: Callable, state, batch, key
 
     def objective(model, batch, rngs):
         loss, metrics = loss_fn(model, batch, rngs)
-        return jnp.mean(loss), {name: jnp.mean(value) for name, value in metrics.items()}
+        metrics = dict(metrics)
+        weight = metrics.pop(WEIGHT, None)
+        if weight is None:
+            return jnp.mean(loss), {name: jnp.mean(value) for name, value in metrics.items()}
+        total = jnp.sum(weight)
+        return jnp.sum(loss * weight) / total, {
+            name: jnp.sum(value * weight) / total for name, value in metrics.items()
+        }
 
     (loss, metrics), grads = nnx.value_and_grad(objective, has_aux=True)(model, batch, rngs)
     return model, optimizer, loss, metrics, grads
@@ -102,15 +110,17 @@ def make_grad_step(graphdef: nnx.GraphDef, loss_fn: Callable) -> Callable:
 
 def make_eval_step(graphdef: nnx.GraphDef, loss_fn: Callable) -> Callable:
     """`eval_step(state, sums, batch, key) -> sums`: per-example metrics summed under the
-    batch's mask, so padding rows count for nothing and every real example counts once."""
+    batch's mask, so padding rows count for nothing and every real example counts once (or
+    with the weight the loss function gives it, see `zoo.registry.WEIGHT`)."""
 
     @jax.jit
     def eval_step(state, sums: Metrics, batch: Mapping[str, jax.Array], key: jax.Array):
         model, _ = nnx.merge(graphdef, state)
         model.eval()
-        weight = batch[MASK]
         inputs = {name: value for name, value in batch.items() if name != MASK}
         loss, metrics = loss_fn(model, inputs, zoo_rngs.call_rngs(key, 0))
+        metrics = dict(metrics)
+        weight = batch[MASK] * metrics.pop(WEIGHT, 1.0)
         batch_sums = {
             name: jnp.sum(value * weight) for name, value in {"loss": loss, **metrics}.items()
         }

@@ -1,13 +1,14 @@
 """zoo: a Flax NNX model zoo.
 
 import zoo
-zoo.list_models()                      # ['cnn', 'mlp', 'resnet', 'vit', 'xor']
+zoo.list_models()                      # ['cnn', 'gpt', 'mlp', 'resnet', 'vae', 'vit', 'xor']
 model = zoo.create_model("xor", num_hidden=16)
 result = zoo.run(zoo.compose(["model=xor", "trainer.steps=500"]))
 """
 
 import data  # noqa: F401  (registers the built-in data sets)
 import models  # noqa: F401  (registers the built-in models)
+from models.generate import generate
 from train.loop import NonFiniteLoss, RunResult, run
 from train.signals import Interrupted
 from zoo.config import compose
@@ -32,6 +33,7 @@ __all__ = [
     "ZooError",
     "compose",
     "create_model",
+    "generate",
     "get_model",
     "list_datasets",
     "list_models",

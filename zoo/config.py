@@ -205,12 +205,12 @@ def store_model(
     default_data: str,
     trainer: Mapping[str, Any],
     optimizer: Mapping[str, Any],
+    data: Mapping[str, Any],
 ) -> None:
     node: dict[str, Any] = {"defaults": [{"/data": default_data}, "_self_"], "model": schema}
-    if trainer:
-        node["trainer"] = dict(trainer)
-    if optimizer:
-        node["optimizer"] = dict(optimizer)
+    for section, values in (("trainer", trainer), ("optimizer", optimizer), ("data", data)):
+        if values:
+            node[section] = dict(values)
     ConfigStore.instance().store(group="model", name=name, node=node, package="_global_")
 
 

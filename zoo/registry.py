@@ -34,6 +34,17 @@ Per-example (not batch-mean) values let the trainer average correctly over padde
 and over batches of different sizes, weighting every real example once.
 """
 
+WEIGHT = "weight"
+"""A loss function may return this entry among its metrics: each example's weight (e.g. its
+number of real tokens). The trainer then averages loss and metrics with these weights instead
+of counting every example once, so a per-sequence mean over tokens becomes an exact mean over
+all the tokens of the batch or of the eval split."""
+
+OnEval = Callable[[nnx.Module, Any], None]
+"""`on_eval(model, report)`: called after each eval with the model in eval mode and a
+`train.report.EvalReport` (the step, a key of its own, the first eval batch, and ways to write
+text and images to TensorBoard and a line to the console)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelEntry:
@@ -46,6 +57,8 @@ class ModelEntry:
     config: type
     trainer: Mapping[str, Any]
     optimizer: Mapping[str, Any]
+    data: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    on_eval: OnEval | None = None
 
     def hparams(self, **overrides: Any) -> dict[str, Any]:
         """The constructor's keyword arguments: defaults, then type-checked overrides."""
@@ -116,11 +129,14 @@ def register_model(
     default_data: str,
     trainer: Mapping[str, Any] | None = None,
     optimizer: Mapping[str, Any] | None = None,
+    data: Mapping[str, Any] | None = None,
+    on_eval: OnEval | None = None,
 ) -> Any:
     """Register an NNX module constructor under `name`; usable as a class decorator.
 
-    `trainer` and `optimizer` are this model's defaults for those config sections (for example
-    `{"steps": 2000}`); the command line still overrides them.
+    `trainer`, `optimizer` and `data` are this model's defaults for those config sections (for
+    example `{"steps": 2000}`; `data` applies to whichever data set is chosen); the command
+    line still overrides them. `on_eval(model, report)` runs after every eval (see `OnEval`).
     """
 
     def register(ctor: Callable[..., nnx.Module]) -> Callable[..., nnx.Module]:
@@ -128,9 +144,19 @@ def register_model(
             raise ZooError(f"A model named '{name}' is already registered; choose another name.")
         schema = _signature_dataclass(ctor, name, f"{_camel(name)}ModelConfig")
         entry = ModelEntry(
-            name, ctor, loss, default_data, schema, dict(trainer or {}), dict(optimizer or {})
+            name,
+            ctor,
+            loss,
+            default_data,
+            schema,
+            dict(trainer or {}),
+            dict(optimizer or {}),
+            dict(data or {}),
+            on_eval,
         )
-        zoo_config.store_model(entry.name, schema, default_data, entry.trainer, entry.optimizer)
+        zoo_config.store_model(
+            entry.name, schema, default_data, entry.trainer, entry.optimizer, entry.data
+        )
         _MODELS[name] = entry
         return ctor
 

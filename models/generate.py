@@ -1,0 +1,126 @@
+"""Sampling text from a `gpt` model: `zoo.generate(model, prompt, max_new_tokens, ...)`.
+
+One jitted function does it all: a prefill that runs the prompt through the model once, filling
+a fixed-size key/value cache, then a `lax.fori_loop` that samples one byte at a time, each step
+feeding that byte alone through the model against the cache. The cache and the output buffer
+are `context_length` long whatever the prompt and the number of new bytes, and the prompt is
+padded to a power-of-two bucket, so generating compiles once per bucket (at most
+log2(context_length) + 1 times per model), never once per prompt length or per token.
+
+Randomness is explicit: every sampled byte's key is `fold_in(key, i)` of the key given (or of
+`jax.random.key(seed)`), so the same seed gives the same text.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from models.gpt import GPT, VOCAB
+from train import sharding
+from zoo.errors import ZooError
+
+
+def generate(
+    model: GPT,
+    prompt: str | bytes,
+    max_new_tokens: int = 100,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    seed: int | jax.Array = 0,
+) -> str:
+    """The text that `model` writes after `prompt`: `generate_bytes` decoded as UTF-8, each
+    invalid sequence (a byte model may write any bytes) replaced by U+FFFD."""
+    new = generate_bytes(model, prompt, max_new_tokens, temperature, top_k, seed)
+    return new.decode("utf-8", errors="replace")
+
+
+def generate_bytes(
+    model: GPT,
+    prompt: str | bytes,
+    max_new_tokens: int = 100,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    seed: int | jax.Array = 0,
+) -> bytes:
+    """The `max_new_tokens` bytes that `model` writes after `prompt`. `temperature` 0 picks the
+    likeliest byte every time; `top_k` > 0 samples among the k likeliest only. `seed`: an int
+    or a JAX key.
+
+    The prompt keeps its last `context_length - max_new_tokens` bytes (an empty prompt starts
+    from a newline). Call it where the model's mesh is active (`with result.activate():`); the
+    batch of one is not split over the mesh."""
+    if not isinstance(model, GPT):
+        raise ZooError(f"zoo.generate needs a gpt model, got {type(model).__name__}.")
+    context = model.context_length
+    if not 1 <= max_new_tokens < context:
+        raise ZooError(
+            f"max_new_tokens={max_new_tokens} must lie between 1 and context_length - 1 = "
+            f"{context - 1}: prompt and new bytes share the model's {context} positions."
+        )
+    if temperature < 0 or not 0 <= top_k <= VOCAB:
+        raise ZooError(
+            f"temperature={temperature} must be >= 0 (0: greedy) and top_k={top_k} between 0 "
+            f"(no limit) and {VOCAB}."
+        )
+    data = prompt.encode() if isinstance(prompt, str) else bytes(prompt)
+    data = data[max(0, len(data) - (context - max_new_tokens)) :] or b"\n"
+    bucket = min(context, 1 << (len(data) - 1).bit_length())
+    buffer = np.zeros(context, np.int32)
+    buffer[: len(data)] = np.frombuffer(data, np.uint8)
+    key = jax.random.key(seed) if isinstance(seed, int) else seed
+    graphdef, state = nnx.split(model)
+    with sharding.unsplit_batch():
+        out = _generate(
+            graphdef, state, buffer, len(data), max_new_tokens, temperature, top_k, key, bucket
+        )
+    return np.asarray(out)[len(data) : len(data) + max_new_tokens].astype(np.uint8).tobytes()
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "bucket"))
+def _generate(graphdef, state, buffer, prompt_length, max_new, temperature, top_k, key, bucket):
+    def model():  # a fresh module per trace level: NNX modules must not cross into the loop
+        m = nnx.merge(graphdef, state)
+        m.eval()
+        return m
+
+    buffer = jax.sharding.reshard(buffer, P())  # onto the mesh, like every other array here
+    logits, cache = model().decode(buffer[None, :bucket], model().empty_cache(1), 0)
+    last = jax.lax.dynamic_index_in_dim(logits[0], prompt_length - 1, keepdims=False)
+
+    def step(i, carry):
+        buffer, cache, last = carry
+        byte = _sample(last, temperature, top_k, jax.random.fold_in(key, i))
+        position = prompt_length + i
+        buffer = jax.lax.dynamic_update_index_in_dim(buffer, byte, position, 0)
+        logits, cache = model().decode(byte[None, None], cache, position)
+        return buffer, cache, logits[0, 0]
+
+    buffer, _, _ = jax.lax.fori_loop(0, max_new, step, (buffer, cache, last))
+    return buffer
+
+
+def _sample(logits: jax.Array, temperature, top_k, key: jax.Array) -> jax.Array:
+    logits = jax.sharding.reshard(logits.astype(jnp.float32), P())  # all 256 in one place
+    kth_largest = jnp.sort(logits)[VOCAB - jnp.maximum(top_k, 1)]
+    allowed = (top_k == 0) | (logits >= kth_largest)
+    scaled = jnp.where(allowed, logits, -jnp.inf) / jnp.maximum(temperature, 1e-6)
+    sampled = jax.random.categorical(key, scaled)
+    byte = jnp.where(temperature > 0, sampled, jnp.argmax(logits)).astype(jnp.int32)
+    return jax.sharding.reshard(byte, P())
+
+
+def sample_on_eval(model: GPT, report) -> None:
+    """The `gpt` eval hook: continue the start of the first held-out example, written to
+    TensorBoard (text `sample`) and the console."""
+    tokens, length = report.examples["tokens"][0], int(report.examples["length"][0])
+    prompt = tokens[: min(length, model.context_length // 2)].astype(np.uint8).tobytes()
+    new = generate(model, prompt, model.context_length // 2, temperature=0.8, seed=report.key)
+    shown = prompt.decode("utf-8", errors="replace")
+    report.text("sample", f"    {shown!r} -> {new!r}")
+    report.log(f"sample @ step {report.step}: {shown!r} -> {new!r}")

@@ -1,0 +1,249 @@
+"""A decoder-only transformer language model over bytes (vocabulary 256, no tokenizer).
+
+Byte embedding + learned positions -> pre-norm blocks (causal multi-head attention, GELU MLP)
+-> final norm -> logits over the 256 byte values, through the embedding itself (tied, the
+default) or a separate output layer.
+
+The blocks can be stacked into one module whose params carry a leading layer axis and run with
+`nnx.scan` (`scan_layers`: one compiled block instead of `depth` copies, so compile time does
+not grow with depth), and each block can be rematerialised with `nnx.remat` (`remat`: the
+backward pass recomputes a block's activations instead of storing them). Either way every layer
+is initialised from the same per-layer key, so both modes hold the same weights and compute the
+same loss and gradients.
+
+Randomness comes at call time, like `vit`: Dropout draws from the trainer's per-step keys.
+Heads and MLP hidden units are on the logical `heads`/`mlp` axes (tensor parallel), the
+embedding on (`vocab`, `embed`), so FSDP shards it along its width.
+
+`decode(tokens, cache, start)` runs the same blocks on a few new tokens against a fixed-size
+key/value cache (see `models.generate`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.layers import dense, head_projections, layer_norm
+from train.sharding import logical_spec
+from zoo.errors import ZooError
+from zoo.registry import WEIGHT, register_model
+
+VOCAB = 256
+KVCache = tuple[jax.Array, jax.Array]
+"""Keys and values of every layer: two arrays of depth x batch x context x heads x head_dim."""
+
+_NO_ATTENTION = -1e30  # a logit that softmax turns into exactly zero weight
+
+
+def _tokens():
+    return logical_spec("batch", None, None)
+
+
+def _cache_spec():
+    return logical_spec(None, "batch", None, "heads", None)
+
+
+class CausalSelfAttention(nnx.Module):
+    def __init__(self, dim: int, num_heads: int, *, rngs: nnx.Rngs):
+        self.query, self.key, self.value, self.out = head_projections(dim, num_heads, rngs=rngs)
+
+    def __call__(
+        self, x: jax.Array, cache: KVCache | None, start: jax.Array | int
+    ) -> tuple[jax.Array, KVCache | None]:
+        """Attention of the tokens at positions start, start+1, ... to every earlier position:
+        to themselves alone without a cache; to the cache's positions too with one, after
+        writing their own keys and values into it."""
+        heads = logical_spec("batch", None, "heads", None)
+        q, k, v = (proj(x, out_sharding=heads) for proj in (self.query, self.key, self.value))
+        if cache is not None:
+            k = jax.lax.dynamic_update_slice_in_dim(cache[0], k, start, axis=1)
+            v = jax.lax.dynamic_update_slice_in_dim(cache[1], v, start, axis=1)
+            cache = (k, v)
+        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
+        visible = jnp.arange(k.shape[1])[None, :] <= (start + jnp.arange(q.shape[1]))[:, None]
+        weights = jax.nn.softmax(jnp.where(visible, logits, _NO_ATTENTION), axis=-1)
+        mixed = jnp.einsum("bhqk,bkhd->bqhd", weights, v)
+        return self.out(mixed, out_sharding=_tokens()), cache
+
+
+class Block(nnx.Module):
+    """x + attention(norm(x)), then x + mlp(norm(x)); Dropout on each branch's output."""
+
+    def __init__(
+        self, dim: int, num_heads: int, mlp_ratio: int, dropout_rate: float, *, rngs: nnx.Rngs
+    ):
+        self.attention_norm = layer_norm(dim, rngs=rngs)
+        self.attention = CausalSelfAttention(dim, num_heads, rngs=rngs)
+        self.mlp_norm = layer_norm(dim, rngs=rngs)
+        self.mlp_in = dense(dim, dim * mlp_ratio, ("embed", "mlp"), rngs=rngs)
+        self.mlp_out = dense(dim * mlp_ratio, dim, ("mlp", "embed"), rngs=rngs)
+        self.dropout = nnx.Dropout(dropout_rate)
+
+    def __call__(
+        self, x: jax.Array, key: jax.Array, cache: KVCache | None, start: jax.Array | int
+    ) -> tuple[jax.Array, KVCache | None]:
+        attention_key, mlp_key = jax.random.split(key)
+        h, cache = self.attention(self.attention_norm(x), cache, start)
+        x = x + self.dropout(h, rngs=attention_key)
+        h = self.mlp_in(self.mlp_norm(x), out_sharding=logical_spec("batch", None, "mlp"))
+        h = self.mlp_out(nnx.gelu(h), out_sharding=_tokens())
+        return x + self.dropout(h, rngs=mlp_key), cache
+
+
+def _apply_block(block: Block, x, key, cache, start):
+    return block(x, key, cache, start)
+
+
+_remat_block = nnx.remat(_apply_block)
+
+
+def language_model_loss(model: GPT, batch: Mapping[str, jax.Array], rngs: nnx.Rngs):
+    """Per sequence: the mean cross-entropy (nats) of its real next-byte predictions, and the
+    same in bits per byte; weighted by its number of real targets, so that the trainer's means
+    are exact means over bytes, padding excluded."""
+    tokens = batch["tokens"].astype(jnp.int32)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    log_probs = jax.nn.log_softmax(model(inputs, rngs=rngs).astype(jnp.float32), axis=-1)
+    per_byte = -jnp.sum(jax.nn.one_hot(targets, VOCAB) * log_probs, axis=-1)
+    real = (jnp.arange(targets.shape[1])[None, :] < batch["length"][:, None]).astype(jnp.float32)
+    count = jnp.sum(real, axis=-1)
+    loss = jnp.sum(per_byte * real, axis=-1) / jnp.maximum(count, 1.0)
+    return loss, {"bits_per_byte": loss / math.log(2), WEIGHT: count}
+
+
+def _print_sample(model: GPT, report) -> None:
+    from models.generate import sample_on_eval  # generate imports this module
+
+    sample_on_eval(model, report)
+
+
+@register_model(
+    "gpt",
+    loss=language_model_loss,
+    default_data="text",
+    on_eval=_print_sample,
+    # 2.9 MB of text, two thirds of the default corpus's training bytes, 16 x 128 bytes a step:
+    # under 4 minutes on a 2-core CPU.
+    trainer={"steps": 1400, "batch_size": 16, "log_every": 50, "eval_every": 350},
+    optimizer={
+        "name": "adamw",
+        "learning_rate": 3e-3,
+        "schedule": "cosine",
+        "warmup_steps": 100,
+        "weight_decay": 0.01,
+        "grad_clip_norm": 1.0,
+    },
+)
+class GPT(nnx.Module):
+    def __init__(
+        self,
+        context_length: int = 128,
+        dim: int = 128,
+        depth: int = 4,
+        num_heads: int = 4,
+        mlp_ratio: int = 4,
+        dropout_rate: float = 0.0,
+        tie_embeddings: bool = True,
+        scan_layers: bool = False,
+        remat: bool = False,
+        *,
+        rngs: nnx.Rngs,
+    ):
+        if dim % num_heads or min(context_length, dim, depth, num_heads, mlp_ratio) < 1:
+            raise ZooError(
+                f"gpt: dim={dim} must be a multiple of num_heads={num_heads}, and "
+                f"context_length={context_length}, dim, depth={depth}, num_heads and "
+                f"mlp_ratio={mlp_ratio} at least 1."
+            )
+        normal = nnx.initializers.normal(0.02)
+        self.embedding = nnx.Param(
+            nnx.with_partitioning(normal, ("vocab", "embed"))(rngs.params(), (VOCAB, dim))
+        )
+        self.positions = nnx.Param(
+            nnx.with_partitioning(normal, (None, None))(rngs.params(), (context_length, dim))
+        )
+
+        def block(key: jax.Array) -> Block:
+            return Block(dim, num_heads, mlp_ratio, dropout_rate, rngs=nnx.Rngs(params=key))
+
+        layer_keys = jax.random.split(rngs.params(), depth)
+        if scan_layers:  # one Block whose params have a leading (unsharded) layer axis
+            self.blocks = nnx.vmap(block, transform_metadata={nnx.PARTITION_NAME: None})(
+                layer_keys
+            )
+        else:
+            self.blocks = nnx.List([block(key) for key in layer_keys])
+        self.norm = layer_norm(dim, rngs=rngs)
+        self.unembed = (
+            None
+            if tie_embeddings
+            else dense(dim, VOCAB, ("embed", "vocab"), use_bias=False, rngs=rngs)
+        )
+        self.context_length, self.depth, self.num_heads = context_length, depth, num_heads
+        self.head_dim = dim // num_heads
+        self.scan_layers, self.remat, self.dropout_rate = scan_layers, remat, dropout_rate
+
+    def __call__(self, tokens: jax.Array, *, rngs: nnx.Rngs | None = None) -> jax.Array:
+        """Next-byte logits (batch x length x 256) for every position of `tokens`."""
+        first = self.blocks.dropout if self.scan_layers else self.blocks[0].dropout
+        if rngs is None and self.dropout_rate > 0 and not first.deterministic:
+            raise ZooError("gpt in train mode with dropout needs call-time rngs: model(x, rngs=)")
+        # Without dropout draws (eval mode, or rate 0) the keys are never used.
+        key = jax.random.key(0) if rngs is None else rngs.dropout()
+        logits, _ = self._forward(tokens, key, None, 0)
+        return logits
+
+    def empty_cache(self, batch_size: int) -> KVCache:
+        """A key/value cache for `decode`, `context_length` positions long."""
+        shape = (self.depth, batch_size, self.context_length, self.num_heads, self.head_dim)
+        zeros = jnp.zeros(shape, jnp.float32, out_sharding=_cache_spec())
+        return zeros, zeros
+
+    def decode(
+        self, tokens: jax.Array, cache: KVCache, start: jax.Array | int
+    ) -> tuple[jax.Array, KVCache]:
+        """Logits for `tokens` placed at positions start, start+1, ..., attending to the cache's
+        earlier positions; the cache comes back with these tokens' keys and values added."""
+        return self._forward(tokens, jax.random.key(0), cache, start)
+
+    def _forward(self, tokens, key, cache, start):
+        length = tokens.shape[1]
+        if length > self.context_length:
+            raise ZooError(
+                f"gpt got sequences of {length} tokens, more than model.context_length="
+                f"{self.context_length}: use data.window (and data.buckets) of at most "
+                f"{self.context_length}, or a larger model.context_length."
+            )
+        table = self.embedding[...]
+        one_hot = jax.nn.one_hot(tokens, VOCAB, dtype=table.dtype)
+        x = jnp.einsum("btv,vd->btd", one_hot, table, out_sharding=_tokens())
+        x = x + jax.lax.dynamic_slice_in_dim(self.positions[...], start, length)
+        x, cache = self._run_blocks(x, jax.random.split(key, self.depth), cache, start)
+        x = self.norm(x)
+        vocab = logical_spec("batch", None, "vocab")
+        if self.unembed is None:
+            return jnp.einsum("btd,vd->btv", x, table, out_sharding=vocab), cache
+        return self.unembed(x, out_sharding=vocab), cache
+
+    def _run_blocks(self, x, keys, cache, start):
+        apply = _remat_block if self.remat else _apply_block
+        if self.scan_layers:
+
+            @nnx.scan(in_axes=(0, nnx.Carry, 0, 0, None), out_axes=(nnx.Carry, 0))
+            def scan(block, x, key, layer_cache, start):
+                return apply(block, x, key, layer_cache, start)
+
+            return scan(self.blocks, x, keys, cache, start)
+        layer_caches = []
+        for i, block in enumerate(self.blocks):
+            layer_cache = None if cache is None else (cache[0][i], cache[1][i])
+            x, layer_cache = apply(block, x, keys[i], layer_cache, start)
+            layer_caches.append(layer_cache)
+        if cache is None:
+            return x, None
+        return x, tuple(jnp.stack([c[j] for c in layer_caches]) for j in range(2))

@@ -1,0 +1,234 @@
+"""The byte-level language model on real text (the standard library's sources) and real meshes:
+every mesh computes the single-device step, `nnx.scan`+`nnx.remat` compute what the plain layer
+loop does, variable-length lines compile once per bucket with exact bits per byte, and sampling
+is reproducible, consistent with the full forward pass and compiled a bounded number of times."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from helpers import read_events
+from test_sharding import one_step
+
+import zoo
+from data.text import LENGTH, TOKENS
+from models import generate as sampling
+from train import sharding
+from train.loop import Trainer
+from zoo.config import DEFAULT_RULES
+from zoo.registry import get_data
+
+SMALL = [
+    "model.context_length=32",
+    "model.dim=32",
+    "model.depth=2",
+    "model.num_heads=2",
+    "model.mlp_ratio=2",
+    "data.window=32",
+    "data.eval_bytes=4096",
+    "trainer.batch_size=16",
+    "optimizer.warmup_steps=0",
+]
+MESHES = [{"tensor": 2, "data": 4}, {"fsdp": 2, "tensor": 2, "data": 2}]
+
+
+def config(workdir, mesh=None, *extra: str):
+    sizes = {"data": 1, "fsdp": 1, "tensor": 1, **(mesh or {})}
+    return zoo.compose(
+        [
+            "model=gpt",
+            f"workdir={workdir}",
+            *SMALL,
+            *(f"mesh.{axis}={size}" for axis, size in sizes.items()),
+            *extra,
+        ]
+    )
+
+
+@pytest.fixture(scope="module", params=["tied", "untied"])
+def single_device_step(request, tmp_path_factory):
+    extra = [f"model.tie_embeddings={request.param == 'tied'}"]
+    trainer = Trainer(config(tmp_path_factory.mktemp("ref"), None, *extra), jax.devices()[:1])
+    return extra, one_step(trainer)
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=lambda m: ",".join(f"{k}={v}" for k, v in m.items()))
+def test_every_mesh_computes_the_single_device_step(single_device_step, mesh, tmp_path):
+    extra, (ref_loss, ref_grads) = single_device_step
+    trainer = Trainer(config(tmp_path, mesh, *extra))
+    split = [r.path for r in trainer.plan.rows if r.group == "params" and "tensor" in str(r.spec)]
+    assert "blocks.0.mlp_in.kernel" in split and "blocks.0.attention.query.kernel" in split
+    loss, grads = one_step(trainer)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    for got, want in zip(grads, ref_grads, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
+def _mesh():
+    rules = sharding.AxisRules.from_mapping(DEFAULT_RULES)
+    return sharding.activate(sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2}), rules)
+
+
+def _model(**overrides) -> nnx.Module:
+    small = {"context_length": 32, "dim": 32, "depth": 3, "num_heads": 2, "mlp_ratio": 2}
+    mesh = {"data": 2, "fsdp": 2, "tensor": 2}
+    return zoo.create_model("gpt", mesh=mesh, **{**small, **overrides})
+
+
+def _text_batch(size: int = 8) -> dict[str, np.ndarray]:
+    splits = get_data("text").splits({"window": 32})
+    return {name: value[:size] for name, value in splits.eval.items()}
+
+
+def test_scan_and_remat_compute_what_the_layer_loop_does():
+    loop = _model(dropout_rate=0.1)
+    scanned = _model(dropout_rate=0.1, scan_layers=True, remat=True)
+    loop_blocks = nnx.state(loop.blocks, nnx.Param)
+    scanned_blocks = nnx.state(scanned.blocks, nnx.Param)
+    for i in range(3):  # the same weights: layer i of the loop is slice i of the stack
+        for a, b in zip(
+            jax.tree.leaves(loop_blocks[i]), jax.tree.leaves(scanned_blocks), strict=True
+        ):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b)[i])
+    batch, loss_fn = _text_batch(), zoo.get_model("gpt").loss
+
+    @nnx.jit
+    def loss_and_grads(model, batch, rngs):
+        def mean_loss(model, rngs):
+            return jnp.mean(loss_fn(model, batch, rngs)[0])
+
+        return nnx.value_and_grad(mean_loss)(model, rngs)
+
+    with _mesh():  # train mode, dropout on: each layer draws the same mask either way
+        loop_loss, loop_grads = loss_and_grads(loop, batch, nnx.Rngs(0))
+        scan_loss, scan_grads = loss_and_grads(scanned, batch, nnx.Rngs(0))
+        loop.eval()
+        eval_loss, _ = loss_and_grads(loop, batch, nnx.Rngs(0))
+    assert abs(float(eval_loss) - float(loop_loss)) > 1e-4  # dropout did act
+    np.testing.assert_allclose(scan_loss, loop_loss, rtol=1e-5)
+    for i in range(3):
+        for a, b in zip(
+            jax.tree.leaves(loop_grads["blocks"][i]),
+            jax.tree.leaves(scan_grads["blocks"]),
+            strict=True,
+        ):
+            np.testing.assert_allclose(np.asarray(b)[i], np.asarray(a), rtol=1e-4, atol=1e-6)
+    for name in ("embedding", "positions"):
+        np.testing.assert_allclose(
+            scan_grads[name][...], loop_grads[name][...], rtol=1e-4, atol=1e-6
+        )
+
+
+BUCKETS = [32, 64, 96, 128]
+
+
+@pytest.fixture(scope="module")
+def lines_run(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("lines")
+    cfg = zoo.compose(
+        [
+            "model=gpt",
+            f"workdir={workdir}",
+            "model.context_length=128",
+            "model.dim=32",
+            "model.depth=2",
+            "model.num_heads=2",
+            "data.mode=lines",
+            f"data.buckets={BUCKETS}",
+            "data.eval_bytes=3000",
+            "trainer.batch_size=8",
+            "trainer.steps=24",
+            "trainer.eval_every=12",
+            "trainer.log_every=12",
+            "optimizer.warmup_steps=0",
+        ]
+    )
+    trainer = Trainer(cfg)
+    return trainer, trainer.fit()
+
+
+def test_lines_compile_once_per_bucket(lines_run):
+    trainer, _ = lines_run
+    iterator = iter(trainer.train_data)
+    train_lengths = {next(iterator)[TOKENS].shape[1] - 1 for _ in range(24)}
+    eval_lengths = {batch[TOKENS].shape[1] - 1 for batch in trainer.eval_data}
+    assert len(train_lengths) >= 2 and train_lengths <= set(BUCKETS), train_lengths
+    assert trainer.train_step._cache_size() == len(train_lengths)
+    assert trainer.eval_step._cache_size() == len(eval_lengths) <= len(BUCKETS)
+
+
+def test_held_out_bits_per_byte_is_exact_over_real_bytes(lines_run):
+    trainer, result = lines_run
+    held_out = get_data("text").splits(
+        {"mode": "lines", "buckets": BUCKETS, "eval_bytes": 3000}
+    ).eval
+    tokens = jnp.asarray(held_out[TOKENS].astype(np.int32))  # every line, padded to 128
+    with result.activate(), sharding.unsplit_batch():
+        log_probs = jax.nn.log_softmax(nnx.jit(lambda m, x: m(x))(result.model, tokens[:, :-1]))
+    nll = -np.take_along_axis(np.asarray(log_probs), np.asarray(tokens[:, 1:, None]), -1)[..., 0]
+    real = np.arange(nll.shape[1])[None, :] < held_out[LENGTH][:, None]
+    per_byte = (nll * real).sum() / real.sum() / math.log(2)
+    per_line = ((nll * real).sum(1) / real.sum(1)).mean() / math.log(2)
+    assert abs(per_byte - per_line) > 0.01  # the weighting matters here
+    np.testing.assert_allclose(result.eval_metrics["bits_per_byte"], per_byte, rtol=1e-4)
+
+
+def test_each_eval_writes_a_sample(lines_run):
+    _, result = lines_run
+    samples = read_events(result.workdir).Tensors("sample/text_summary")
+    assert [event.step for event in samples] == [12, 24]
+    assert all(event.tensor_proto.string_val[0].decode().count("->") == 1 for event in samples)
+
+
+def test_generation_is_reproducible_consistent_and_compiled_per_bucket():
+    model = _model()
+    model.eval()
+    with _mesh():
+        start = sampling._generate._cache_size()
+        same = [sampling.generate(model, "def f(x):", 20, seed=3) for _ in range(2)]
+        other = sampling.generate(model, "def f(x):", 20, seed=4)
+        raw = sampling.generate_bytes(model, "def f(x):", 20, seed=3)
+        for length, new in [(5, 7), (6, 3), (7, 12), (12, 19), (15, 2)]:  # buckets 8 and 16
+            sampling.generate(model, "x" * length, new, temperature=0.5, top_k=5, seed=length)
+        compiled = sampling._generate._cache_size() - start
+        greedy = sampling.generate_bytes(model, "import os", 16, temperature=0.0)
+        sequence = np.frombuffer(b"import os" + greedy, np.uint8).astype(np.int32)
+        with sharding.unsplit_batch():
+            logits = nnx.jit(lambda m, x: m(x))(model, jnp.asarray(sequence[None, :-1]))
+    assert same[0] == same[1] != other
+    assert len(raw) == 20 and same[0] == raw.decode("utf-8", errors="replace")
+    assert "\ufffd" in same[0]  # an untrained model writes invalid UTF-8: replaced, not raised
+    assert compiled == 2  # one per prompt bucket (16 and 8), whatever the lengths
+    # Greedy decoding with the KV cache picks what the full forward pass ranks first.
+    np.testing.assert_array_equal(np.asarray(logits[0]).argmax(-1)[8:], sequence[9:])
+
+
+@pytest.mark.parametrize(
+    ("mesh", "override", "message"),
+    [
+        ({}, "data.path=/nonexistent/corpus", r"data.path=/nonexistent/corpus does not exist"),
+        ({}, "model.num_heads=3", r"dim=32 must be a multiple of num_heads=3"),
+        (
+            {"tensor": 4},
+            "model.num_heads=2",
+            r"'blocks.0.attention.\w+.kernel' \(shape .*\) has dimension \d of size 2 "
+            r"\('heads'\), which mesh axes \['tensor'\] cannot split 4 ways",
+        ),
+        ({}, "data.window=64", r"sequences of 64 tokens, more than model.context_length=32"),
+    ],
+)
+def test_bad_input_is_named(mesh, override, message, tmp_path):
+    with pytest.raises(zoo.ZooError, match=message):
+        Trainer(config(tmp_path, {"data": 8 // mesh.get("tensor", 1), **mesh}, override)).fit()
+
+
+def test_a_directory_without_text_is_refused(tmp_path):
+    (tmp_path / "blob.bin").write_bytes(b"\0\1\2")
+    with pytest.raises(zoo.ZooError, match=r"holds no text: no non-empty file without NUL"):
+        get_data("text").splits({"path": str(tmp_path)})
