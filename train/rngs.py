@@ -10,7 +10,7 @@ import jax
 from flax import nnx
 
 # Fixed ids: changing one changes every run's bits.
-_PARAMS, _DROPOUT, _DEFAULT, _STEP, _EVAL = range(5)
+_PARAMS, _DROPOUT, _DEFAULT, _STEP, _EVAL, _ADAPTERS = range(6)
 
 
 def root_key(seed: int) -> jax.Array:
@@ -26,6 +26,12 @@ def init_rngs(seed: int) -> nnx.Rngs:
         dropout=jax.random.fold_in(root, _DROPOUT),
         default=jax.random.fold_in(root, _DEFAULT),
     )
+
+
+def adapter_rngs(seed: int) -> nnx.Rngs:
+    """Rngs for the LoRA adapters added to a built model: a stream of their own, so adding them
+    leaves the model's own initialisation as it was."""
+    return nnx.Rngs(params=jax.random.fold_in(root_key(seed), _ADAPTERS))
 
 
 def step_key(seed: int) -> jax.Array:
