@@ -3,13 +3,16 @@
 import zoo
 zoo.list_models()                      # ['cnn', 'mlp', 'resnet', 'vit', 'xor']
 model = zoo.create_model("xor", num_hidden=16)
-result = zoo.run(zoo.compose(["model=xor", "trainer.steps=500"]))
+result = zoo.fit("xor", "trainer.steps=500")       # the CLI's job, from Python
+trained = zoo.load(result.workdir)                  # a run's model, weights and config
+tuned = zoo.finetune(result.workdir, data=..., replace_head=True, freeze="backbone")
 """
 
 import data  # noqa: F401  (registers the built-in data sets)
 import models  # noqa: F401  (registers the built-in models)
 from train.loop import NonFiniteLoss, RunResult, run
 from train.signals import Interrupted
+from zoo.api import TrainedModel, evaluate, finetune, fit, load, merge_lora, predict
 from zoo.config import compose
 from zoo.errors import ZooError
 from zoo.registry import (
@@ -19,6 +22,7 @@ from zoo.registry import (
     get_model,
     list_datasets,
     list_models,
+    load_data,
     register_data,
     register_model,
 )
@@ -29,12 +33,20 @@ __all__ = [
     "NonFiniteLoss",
     "RunResult",
     "Splits",
+    "TrainedModel",
     "ZooError",
     "compose",
     "create_model",
+    "evaluate",
+    "finetune",
+    "fit",
     "get_model",
     "list_datasets",
     "list_models",
+    "load",
+    "load_data",
+    "merge_lora",
+    "predict",
     "register_data",
     "register_model",
     "run",
