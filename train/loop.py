@@ -3,6 +3,10 @@
 `Trainer(cfg)` sets a run up, in order: mesh -> data pipelines -> model and optimizer, born
 sharded under the mesh -> split once into graphdef + state -> jitted steps. `fit()` is one
 linear loop: a batch, a step, and at their cadences a log window, an eval and a checkpoint.
+
+A fine-tune is such a run too: its config's `finetune` section adds LoRA adapters to the built
+model, limits what the optimizer and the gradients see to the trainable params, and (on a fresh
+start, not on a resume) fills the model with another run's weights.
 """
 
 from __future__ import annotations

@@ -170,9 +170,11 @@ def finetune(
     if workdir is not None:
         settings.init_from, settings.init_step = workdir, str(step_number)
     settings.reinit = [*reinit, *([settings.head] if replace_head else [])]
-    settings.freeze = None if freeze is None else freeze if isinstance(freeze, str) else repr(freeze)
+    settings.freeze = freeze if isinstance(freeze, str) else None
     settings.lora_rank, settings.lora_layers = lora_rank, lora_layers
     check_finetune(settings)
+    if freeze is not None and not isinstance(freeze, str):
+        settings.freeze = repr(freeze)  # a filter is code: the config records what it is
     if user_data:
         cfg = _on_user_data(cfg, data)
     frozen = None if freeze is None or isinstance(freeze, str) else freeze
