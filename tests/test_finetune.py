@@ -163,3 +163,14 @@ def test_lora_on_another_mesh_trains_only_adapters_and_merges(cli_runs, tmp_path
     assert not any(isinstance(m, ShardedLoRA) for _, m in nnx.iter_modules(merged))
     assert set(flat(nnx.state(merged, nnx.Param))) == set(before)
     np.testing.assert_allclose(zoo.predict(result, images), adapted, rtol=1e-4, atol=1e-5)
+
+
+def test_freezing_by_nnx_filter(cli_runs, tmp_path):
+    blocks = nnx.All(nnx.Param, nnx.PathContains("blocks"))
+    result = zoo.finetune(cli_runs["cnn"], *TUNE, "trainer.steps=5", f"workdir={tmp_path}",
+                          freeze=blocks)
+    base = flat(nnx.state(zoo.load(cli_runs["cnn"]).model, nnx.Param))
+    tuned = flat(nnx.state(result.model, nnx.Param))
+    changed = {name for name in base if np.any(np.asarray(tuned[name]) != np.asarray(base[name]))}
+    assert changed == {"head.kernel", "head.bias"}, changed
+    assert result.config.finetune.freeze == repr(blocks)
