@@ -3,9 +3,10 @@
 import zoo
 zoo.list_models()                      # ['cnn', 'mlp', 'resnet', 'vit', 'xor']
 model = zoo.create_model("xor", num_hidden=16)
-result = zoo.fit("xor", "trainer.steps=500")       # the CLI's job, from Python
+result = zoo.fit("cnn", "data=digits")              # the CLI's job, from Python
 trained = zoo.load(result.workdir)                  # a run's model, weights and config
-tuned = zoo.finetune(result.workdir, data=..., replace_head=True, freeze="backbone")
+tuned = zoo.finetune(trained, data=zoo.Splits(train=..., eval=...), num_classes=5,
+                     replace_head=True, freeze="backbone")   # a new head on a frozen backbone
 """
 
 import data  # noqa: F401  (registers the built-in data sets)
