@@ -1,11 +1,12 @@
 """Transfer learning: does a backbone learned on Fashion-MNIST help on the 8x8 digits?
 
-    python -m benchmarks.transfer --pretrain-steps 940 --steps 300
+    python -m benchmarks.transfer --pretrain-steps 940 --steps 300 --train-examples 1437 100 30
 
-Trains a `cnn` (default widths) on Fashion-MNIST, then trains a new 10-class head on the digits
-on top of its frozen backbone; and, for comparison, the same head with the same steps and
-optimizer on the frozen backbone of a randomly initialised `cnn` (random features). Prints both
-eval accuracies on the digits' 360 eval images.
+Trains a `cnn` (default widths) on Fashion-MNIST; then, for each size of the digits' training
+split (its first N examples), trains a new 10-class head on the digits on top of the frozen
+Fashion-MNIST backbone, and the same head with the same steps and optimizer on the frozen
+backbone of a randomly initialised `cnn` (random features). Prints both eval accuracies on the
+digits' 360 eval images for each N.
 """
 
 from __future__ import annotations
@@ -23,8 +24,11 @@ def main() -> None:
     parser.add_argument("--pretrain-steps", type=int, default=940)  # two epochs, batch 128
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--learning-rate", type=float, default=0.01)
+    parser.add_argument("--train-examples", type=int, nargs="+", default=[1437, 100, 30])
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
+    digits = zoo.load_data("digits")
+    report: dict = {"settings": {k: str(v) for k, v in vars(args).items()}, "digits": {}}
     with tempfile.TemporaryDirectory() as scratch:
         pretrained = zoo.fit(
             "cnn",
@@ -33,8 +37,8 @@ def main() -> None:
             f"optimizer.warmup_steps={min(200, args.pretrain_steps // 5)}",
             f"workdir={scratch}/fashion",
         )
+        report["fashion_mnist_accuracy"] = pretrained.eval_metrics["accuracy"]
         head = (
-            "data=digits",
             f"trainer.steps={args.steps}",
             "trainer.batch_size=64",
             "optimizer.name=adam",
@@ -42,17 +46,29 @@ def main() -> None:
             "optimizer.warmup_steps=0",
             f"optimizer.learning_rate={args.learning_rate}",
         )
-        transfer = zoo.finetune(
-            pretrained, *head, f"workdir={scratch}/transfer", replace_head=True, freeze="backbone"
-        )
-        random = zoo.finetune("cnn", *head, f"workdir={scratch}/random", freeze="backbone")
-    report = {
-        "fashion_mnist_accuracy": pretrained.eval_metrics["accuracy"],
-        "digits_accuracy_pretrained_backbone": transfer.eval_metrics["accuracy"],
-        "digits_accuracy_random_backbone": random.eval_metrics["accuracy"],
-        **vars(args),
-    }
-    report["json"] = str(args.json) if args.json else None
+        for n in args.train_examples:
+            data = zoo.Splits(
+                {name: column[:n] for name, column in digits.train.items()},
+                digits.eval,
+                transform=digits.transform,
+            )
+            transfer = zoo.finetune(
+                pretrained,
+                *head,
+                f"workdir={scratch}/transfer-{n}",
+                data=data,
+                replace_head=True,
+                freeze="backbone",
+            )
+            random = zoo.finetune(
+                "cnn", *head, f"workdir={scratch}/random-{n}", data=data, num_classes=10,
+                freeze="backbone",
+            )
+            report["digits"][n] = {
+                "pretrained_backbone": transfer.eval_metrics["accuracy"],
+                "random_backbone": random.eval_metrics["accuracy"],
+            }
+            print(n, report["digits"][n], flush=True)
     print(json.dumps(report, indent=2))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -127,9 +127,10 @@ def finetune(
     - `overrides`: the CLI's keys, e.g. `"trainer.steps=200"`, `"optimizer.learning_rate=1e-3"`,
       `"workdir=runs/ft"`, `"mesh.fsdp=2"`; the model's own defaults fill the rest.
     - `data`: a registered data set's name (its `input_shape` and `num_classes` then decide the
-      model's), or `zoo.Splits` of your own: columns of arrays or random-access sources (a Grain
+      model's; `"data=NAME"` among the overrides says the same), or `zoo.Splits` of your own: columns of arrays or random-access sources (a Grain
       `MapDataset`, ...), batched, sharded and shuffled as the zoo's own data are; an `image`
-      column decides `input_shape`. Default: the start run's data set.
+      column decides `input_shape` (a fresh model on your own data needs `num_classes`).
+      Default: the start run's data set.
     - `step`: which of the start run's checkpoints (`latest`, `best`, a step number).
     - `num_classes`: a new number of classes; with `replace_head` the head starts fresh
       (`reinit` names other params to start fresh). A param whose shape differs from the
@@ -141,6 +142,9 @@ def finetune(
 
     Running the same call again with the same workdir resumes it (a finished run returns at
     once), as the CLI does."""
+    named = [o for o in overrides if o.startswith("data=")]
+    if named and data is None:  # `data=NAME` among the overrides, as on the command line
+        data, overrides = named[-1].partition("=")[2], tuple(o for o in overrides if o not in named)
     workdir, step_number, base = _start(start, step)
     name = base.model.name if base is not None else str(start)
     user_data = isinstance(data, registry.Splits)
