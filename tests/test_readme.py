@@ -42,7 +42,7 @@ def test_python_examples_run(tmp_path):
     assert (tmp_path / "runs" / "readme-mlp" / "checkpoints" / "300").is_dir()
     assert printed[4] == "200 200 300"  # the second run resumed from the first's checkpoint
     assert printed[5] == "fashion_mnist 150"  # the loaded model and its config
-    assert float(printed[7]) >= 0.8  # the fine-tuned model on the user's digits
+    assert float(printed[7]) >= 0.5  # the fine-tuned model on the user's digits (chance: 0.1)
     assert (tmp_path / "runs" / "readme-digits" / "checkpoints" / "150").is_dir()
     assert len(printed) == 8
 
