@@ -1,4 +1,5 @@
-"""Shared helpers: running the CLI in a real subprocess, reading TensorBoard events back."""
+"""Shared helpers: running the CLI in a real subprocess, reading TensorBoard events back,
+comparing states bit for bit."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import jax
+import numpy as np
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -39,3 +43,13 @@ def read_events(workdir: str | os.PathLike) -> EventAccumulator:
 
 def scalar_steps(events: EventAccumulator, tag: str) -> dict[int, float]:
     return {event.step: event.value for event in events.Scalars(tag)}
+
+
+def assert_same_bits(a, b) -> None:
+    def raw(x):
+        return jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+
+    paths_a, paths_b = jax.tree.leaves_with_path(a), jax.tree.leaves_with_path(b)
+    assert len(paths_a) == len(paths_b) > 0
+    for (path, x), (_, y) in zip(paths_a, paths_b, strict=True):
+        np.testing.assert_array_equal(np.asarray(raw(x)), np.asarray(raw(y)), err_msg=str(path))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import grain
 import numpy as np
 import pytest
 
@@ -74,6 +75,26 @@ def test_eval_covers_every_example_once_and_masks_the_partial_batch():
     np.testing.assert_array_equal(batches[-1][pipeline.MASK], [1, 1, 0, 0])
     real = np.concatenate([b["index"][b[pipeline.MASK] > 0] for b in batches])
     np.testing.assert_array_equal(real, np.arange(10))
+
+
+def test_a_random_access_source_is_batched_exactly_as_columns():
+    """A Grain MapDataset of records (or any __len__ + __getitem__ source) gives the batches
+    that the same data as columns gives: same order, shards, epochs and eval masking."""
+    columns = column(30)
+    records = grain.MapDataset.source([{k: v[i] for k, v in columns.items()} for i in range(30)])
+    for shard in range(2):
+        from_columns = iter(pipeline.train_batches(columns, 8, 3, shard, 2))
+        from_records = iter(pipeline.train_batches(records, 8, 3, shard, 2))
+        for got, want in zip(take(from_records, 9), take(from_columns, 9), strict=True):
+            assert got.keys() == want.keys()
+            for name in want:
+                np.testing.assert_array_equal(got[name], want[name])
+    from_columns, from_records = (list(pipeline.eval_batches(d, 8)) for d in (columns, records))
+    for got, want in zip(from_records, from_columns, strict=True):
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name])
+    with pytest.raises(zoo.ZooError, match="random-access source"):
+        pipeline.train_batches(iter(records), 8, 0)
 
 
 def test_batch_size_must_split_over_shards():

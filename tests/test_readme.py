@@ -38,9 +38,13 @@ def test_python_examples_run(tmp_path):
     assert result.returncode == 0, result.stderr
     printed = result.stdout.splitlines()
     assert "xor" in printed[0] and printed[1] == "(2, 16)"
-    assert float(printed[-2]) >= 0.9  # the user model's eval accuracy
+    assert float(printed[3]) >= 0.9  # the user model's eval accuracy
     assert (tmp_path / "runs" / "readme-mlp" / "checkpoints" / "300").is_dir()
-    assert printed[-1] == "200 200 300"  # the second run resumed from the first's checkpoint
+    assert printed[4] == "200 200 300"  # the second run resumed from the first's checkpoint
+    assert printed[5] == "fashion_mnist 150"  # the loaded model and its config
+    assert float(printed[7]) >= 0.5  # the fine-tuned model on the user's digits (chance: 0.1)
+    assert (tmp_path / "runs" / "readme-digits" / "checkpoints" / "150").is_dir()
+    assert len(printed) == 8
 
 
 def test_error_examples_match_real_output():

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import stateful_model
 from flax import nnx
-from helpers import ROOT, read_events, run_cli, scalar_steps
+from helpers import ROOT, assert_same_bits, read_events, run_cli, scalar_steps
 
 import zoo
 from data import pipeline
@@ -65,16 +65,6 @@ def restore_final(case: str, workdir, step: int = STEPS) -> nnx.State:
         return checkpointer.restore_state(step, abstract_like(trainer.state))
     finally:
         checkpointer.close()
-
-
-def assert_same_bits(a, b) -> None:
-    def raw(x):
-        return jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
-
-    paths_a, paths_b = jax.tree.leaves_with_path(a), jax.tree.leaves_with_path(b)
-    assert len(paths_a) == len(paths_b) > 0
-    for (path, x), (_, y) in zip(paths_a, paths_b, strict=True):
-        np.testing.assert_array_equal(np.asarray(raw(x)), np.asarray(raw(y)), err_msg=str(path))
 
 
 def losses(workdir) -> dict[int, float]:

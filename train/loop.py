@@ -3,6 +3,10 @@
 `Trainer(cfg)` sets a run up, in order: mesh -> data pipelines -> model and optimizer, born
 sharded under the mesh -> split once into graphdef + state -> jitted steps. `fit()` is one
 linear loop: a batch, a step, and at their cadences a log window, an eval and a checkpoint.
+
+A fine-tune is such a run too: its config's `finetune` section adds LoRA adapters to the built
+model, limits what the optimizer and the gradients see to the trainable params, and (on a fresh
+start, not on a resume) fills the model with another run's weights.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -23,7 +27,9 @@ from data import pipeline
 from train import distributed, resume, sharding
 from train import rngs as zoo_rngs
 from train.checkpoint import FORMAT as CHECKPOINT_FORMAT
-from train.checkpoint import Checkpointer, abstract_like
+from train.checkpoint import Checkpointer, abstract_like, read_json
+from train.freeze import Filter, frozen_filter, frozen_norms, trainable_filter
+from train.lora import add_adapters
 from train.optim import make_optimizer
 from train.plan import create_sharded
 from train.report import EvalReport, Reporter, format_metrics
@@ -31,12 +37,14 @@ from train.signals import Interrupted, StopRequests
 from train.steps import (
     COUNT,
     Metrics,
+    Trainable,
     health,
     make_eval_step,
     make_train_step,
     means,
     zero_metrics,
 )
+from train.warm_start import locate, warm_start
 from zoo import registry
 from zoo.config import resume_step
 from zoo.errors import ZooError
@@ -69,15 +77,39 @@ class RunResult:
         return sharding.activate(self.mesh, self.rules)
 
 
+def build_model(
+    entry: registry.ModelEntry, hparams: dict[str, Any], seed: int, finetune: Any
+) -> nnx.Module:
+    """The model a run's config describes: the registered model, with the LoRA adapters that
+    `finetune` asks for. Call it under the mesh, so everything is born sharded."""
+    model = entry.build(hparams, zoo_rngs.init_rngs(seed))
+    if finetune.lora_rank:
+        add_adapters(
+            model, finetune.lora_rank, finetune.lora_layers, zoo_rngs.adapter_rngs(seed)
+        )
+    return model
+
+
 def run(cfg: DictConfig) -> RunResult:
     """Train `cfg.model` on `cfg.data` as the config says; write everything under `cfg.workdir`."""
     return Trainer(cfg).fit()
 
 
 class Trainer:
-    """One run. `devices` restricts the mesh to some of the devices (default: all of them)."""
+    """One run. `devices` restricts the mesh to some of the devices (default: all of them).
 
-    def __init__(self, cfg: DictConfig, devices: Sequence[Any] | None = None):
+    `data` replaces the registered data set that `cfg.data` names with the caller's own splits
+    (columns of arrays or random-access sources; `cfg.model` must then give every parameter the
+    data would have decided). `freeze` is an NNX filter of params to freeze, in place of the
+    pattern `cfg.finetune.freeze`."""
+
+    def __init__(
+        self,
+        cfg: DictConfig,
+        devices: Sequence[Any] | None = None,
+        data: registry.Splits | None = None,
+        freeze: Filter | None = None,
+    ):
         self.cfg = cfg
         trainer = cfg.trainer
         model_entry = registry.get_model(cfg.model.name)
@@ -93,8 +125,13 @@ class Trainer:
                 f"axes (data*fsdp = {shards}); use a multiple of {shards}."
             )
 
-        data_entry = registry.get_data(cfg.data.name)
-        splits = data_entry.splits(OmegaConf.to_container(cfg.data))
+        hparams = OmegaConf.to_container(cfg.model)
+        if data is None:
+            data_entry = registry.get_data(cfg.data.name)
+            splits = data_entry.splits(OmegaConf.to_container(cfg.data))
+            hparams = model_entry.resolve(hparams, data_entry)
+        else:
+            splits = data
         process, processes = jax.process_index(), jax.process_count()
         self.train_data = pipeline.train_batches(
             splits.train,
@@ -113,22 +150,24 @@ class Trainer:
             transform=splits.transform,
         )
 
+        finetune = cfg.finetune
+        trainable = trainable_filter(finetune, frozen_filter(finetune, freeze))
         with sharding.activate(self.mesh, self.rules):
             tx, self.schedule = make_optimizer(cfg.optimizer, trainer.steps)
-            hparams = model_entry.resolve(OmegaConf.to_container(cfg.model), data_entry)
 
             def create():
-                model = model_entry.build(hparams, zoo_rngs.init_rngs(cfg.seed))
-                return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+                model = build_model(model_entry, hparams, cfg.seed, finetune)
+                return model, nnx.Optimizer(model, tx, wrt=trainable)
 
             (model, optimizer), self.plan = create_sharded(create, self.mesh, self.rules)
             self.param_count = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+            self.trainable = Trainable(trainable, frozen_norms(model, trainable))
             # Split once; from here on `self.state` is the single owner of the arrays.
             self.graphdef, self.state = nnx.split((model, optimizer))
         policy = OmegaConf.to_container(trainer, enum_to_str=True)["nan_policy"]
         self.skip_nonfinite = policy == "skip"
         self.train_step = make_train_step(
-            self.graphdef, model_entry.loss, skip_nonfinite=self.skip_nonfinite
+            self.graphdef, model_entry.loss, self.skip_nonfinite, self.trainable
         )
         self.eval_step = make_eval_step(self.graphdef, model_entry.loss)
         self.on_eval = model_entry.on_eval
@@ -139,14 +178,9 @@ class Trainer:
 
     def evaluate(self) -> dict[str, float]:
         """Mean metrics over every eval example, each counted once."""
-        with sharding.activate(self.mesh, self.rules):
-            sums: Metrics | None = None
-            for host_batch in self.eval_data:
-                batch = self.shard(host_batch)
-                if sums is None:
-                    sums = zero_metrics(self.eval_step, self.state, {}, batch, self.eval_key)
-                sums = self.eval_step(self.state, sums, batch, self.eval_key)
-            return means(sums)
+        return evaluate_batches(
+            self.eval_step, self.state, self.eval_data, self.mesh, self.rules, self.eval_key
+        )
 
     def eval_metric_names(self) -> list[str]:
         with sharding.activate(self.mesh, self.rules):
@@ -359,7 +393,29 @@ class Trainer:
                 f"({details}). Nothing was changed; move the damaged checkpoints away to start "
                 "over, or use another workdir."
             )
+        if self.cfg.finetune.init_from is not None:
+            self._warm_start()
         return fresh
+
+    def _warm_start(self) -> None:
+        """A fresh fine-tune: params and BatchNorm statistics from `finetune.init_from`."""
+        finetune = self.cfg.finetune
+        step, path = locate(finetune.init_from, finetune.init_step)
+        trained = read_json(path, "config")["model"]["name"]
+        if trained != self.cfg.model.name:
+            raise ZooError(
+                f"finetune.init_from={finetune.init_from} holds a '{trained}' model, but this "
+                f"run builds '{self.cfg.model.name}': use model={trained}."
+            )
+        model, optimizer = nnx.merge(self.graphdef, self.state)
+        fresh = warm_start(model, path, list(finetune.reinit), option="finetune.reinit")
+        self.state = nnx.state((model, optimizer))
+        log.info(
+            "Starting from %s (step %d)%s",
+            path,
+            step,
+            f"; initialised afresh: {', '.join(fresh)}" if fresh else "",
+        )
 
     def _check_meta(self, step: int, path: str, meta: dict[str, Any]) -> None:
         expected = jax.random.key_data(self.step_key).tolist()
@@ -369,6 +425,25 @@ class Trainer:
                 f"of zoo (format {meta.get('format')}, expected {CHECKPOINT_FORMAT}; or another "
                 "base PRNG key for this seed). Use another workdir to start a new run."
             )
+
+
+def evaluate_batches(
+    eval_step: Callable,
+    state: Any,
+    batches: Iterable[dict[str, Any]],
+    mesh: jax.sharding.Mesh,
+    rules: sharding.AxisRules,
+    key: jax.Array,
+) -> dict[str, float]:
+    """Mean metrics of `eval_step` over masked eval batches (`data.pipeline.eval_batches`)."""
+    with sharding.activate(mesh, rules):
+        sums: Metrics | None = None
+        for host_batch in batches:
+            batch = sharding.shard_batch(host_batch, mesh, rules)
+            if sums is None:
+                sums = zero_metrics(eval_step, state, {}, batch, key)
+            sums = eval_step(state, sums, batch, key)
+        return means(sums)
 
 
 @dataclasses.dataclass

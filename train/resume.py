@@ -7,7 +7,6 @@ change (model, data, optimizer, seed, batch size) stops it with the list of chan
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -16,7 +15,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from train.checkpoint import Checkpointer
+from train.checkpoint import Checkpointer, read_json, saved_steps
 from zoo.config import resume_step
 from zoo.errors import ZooError
 
@@ -103,13 +102,11 @@ def precheck(cfg: DictConfig) -> None:
     where = os.path.join(os.path.abspath(cfg.workdir), "checkpoints")
     if not os.path.isdir(where):
         return
-    steps = [int(name) for name in os.listdir(where) if name.isdigit()]
     current = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-    for step in _candidates(steps, where, str(cfg.trainer.resume)):
+    for step in _candidates(saved_steps(where), where, str(cfg.trainer.resume)):
         path = os.path.join(where, str(step))
         try:
-            with open(os.path.join(path, "config", "metadata")) as f:
-                saved = json.load(f)
+            saved = read_json(path, "config")
         except (OSError, ValueError):
             continue
         check_config(step, path, saved, current, log_allowed=False)

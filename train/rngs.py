@@ -10,7 +10,7 @@ import jax
 from flax import nnx
 
 # Fixed ids: changing one changes every run's bits. New ones are appended, never inserted.
-_PARAMS, _DROPOUT, _DEFAULT, _STEP, _EVAL, _NOISE, _ON_EVAL = range(7)
+_PARAMS, _DROPOUT, _DEFAULT, _STEP, _EVAL, _NOISE, _ON_EVAL, _ADAPTERS = range(8)
 
 
 def root_key(seed: int) -> jax.Array:
@@ -28,6 +28,12 @@ def init_rngs(seed: int) -> nnx.Rngs:
         default=jax.random.fold_in(root, _DEFAULT),
         noise=jax.random.fold_in(root, _NOISE),
     )
+
+
+def adapter_rngs(seed: int) -> nnx.Rngs:
+    """Rngs for the LoRA adapters added to a built model: a stream of their own, so adding them
+    leaves the model's own initialisation as it was."""
+    return nnx.Rngs(params=jax.random.fold_in(root_key(seed), _ADAPTERS))
 
 
 def step_key(seed: int) -> jax.Array:

@@ -8,6 +8,7 @@ in place. Metrics are summed on device across steps and fetched once per log win
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -18,6 +19,7 @@ from flax import nnx
 
 from data.pipeline import MASK
 from train import rngs as zoo_rngs
+from train.freeze import train_mode
 from zoo.registry import WEIGHT
 
 COUNT = "count"
@@ -32,11 +34,23 @@ _COUNTERS = (COUNT, NONFINITE, FIRST_NONFINITE)
 Metrics = dict[str, jax.Array]
 
 
-def _loss_and_grads(graphdef: nnx.GraphDef, loss_fn: Callable, state, batch, key):
-    """Merge, switch to train mode and differentiate the batch-mean loss; the step number comes
-    from the optimizer's own counter, so it never crosses from the host."""
+@dataclasses.dataclass(frozen=True)
+class Trainable:
+    """What a step trains: the params `params` selects (the rest get no gradient), with the
+    BatchNorm layers at `frozen_norms` kept in eval mode (see `train.freeze`)."""
+
+    params: nnx.filterlib.Filter = nnx.Param
+    frozen_norms: tuple[tuple[Any, ...], ...] = ()
+
+
+def _loss_and_grads(
+    graphdef: nnx.GraphDef, loss_fn: Callable, trainable: Trainable, state, batch, key
+):
+    """Merge, switch to train mode and differentiate the batch-mean loss with respect to the
+    trainable params; the step number comes from the optimizer's own counter, so it never
+    crosses from the host."""
     model, optimizer = nnx.merge(graphdef, state)
-    model.train()
+    train_mode(model, trainable.frozen_norms)
     rngs = zoo_rngs.call_rngs(key, optimizer.step[...])
 
     def objective(model, batch, rngs):
@@ -50,12 +64,17 @@ def _loss_and_grads(graphdef: nnx.GraphDef, loss_fn: Callable, state, batch, key
             name: jnp.sum(value * weight) / total for name, value in metrics.items()
         }
 
-    (loss, metrics), grads = nnx.value_and_grad(objective, has_aux=True)(model, batch, rngs)
+    (loss, metrics), grads = nnx.value_and_grad(
+        objective, argnums=nnx.DiffState(0, trainable.params), has_aux=True
+    )(model, batch, rngs)
     return model, optimizer, loss, metrics, grads
 
 
 def make_train_step(
-    graphdef: nnx.GraphDef, loss_fn: Callable, skip_nonfinite: bool = False
+    graphdef: nnx.GraphDef,
+    loss_fn: Callable,
+    skip_nonfinite: bool = False,
+    trainable: Trainable = Trainable(),
 ) -> Callable:
     """`train_step(state, sums, batch, key) -> (state, sums)`, where `sums` accumulates each
     step's mean loss and metrics (and `count` the steps) until the caller fetches them.
@@ -70,7 +89,7 @@ def make_train_step(
         specs = jax.tree.map(lambda x: jax.typeof(x).sharding.spec, state)
         before = jax.tree.leaves(state)
         model, optimizer, loss, metrics, grads = _loss_and_grads(
-            graphdef, loss_fn, state, batch, key
+            graphdef, loss_fn, trainable, state, batch, key
         )
         optimizer.update(model, grads)
         finite = jnp.isfinite(loss)
@@ -96,13 +115,15 @@ def make_train_step(
     return train_step
 
 
-def make_grad_step(graphdef: nnx.GraphDef, loss_fn: Callable) -> Callable:
+def make_grad_step(
+    graphdef: nnx.GraphDef, loss_fn: Callable, trainable: Trainable = Trainable()
+) -> Callable:
     """`grad_step(state, batch, key) -> (loss, grads)`: what `train_step` would apply, without
     applying it (for checking that every mesh computes the same step)."""
 
     @jax.jit
     def grad_step(state, batch: Mapping[str, jax.Array], key: jax.Array):
-        _, _, loss, _, grads = _loss_and_grads(graphdef, loss_fn, state, batch, key)
+        _, _, loss, _, grads = _loss_and_grads(graphdef, loss_fn, trainable, state, batch, key)
         return loss, grads
 
     return grad_step

@@ -3,7 +3,10 @@
 import zoo
 zoo.list_models()                      # ['cnn', 'gpt', 'mlp', 'resnet', 'vae', 'vit', 'xor']
 model = zoo.create_model("xor", num_hidden=16)
-result = zoo.run(zoo.compose(["model=xor", "trainer.steps=500"]))
+result = zoo.fit("cnn", "data=digits")              # the CLI's job, from Python
+trained = zoo.load(result.workdir)                  # a run's model, weights and config
+tuned = zoo.finetune(trained, data=zoo.Splits(train=..., eval=...), num_classes=5,
+                     replace_head=True, freeze="backbone")   # a new head on a frozen backbone
 """
 
 import data  # noqa: F401  (registers the built-in data sets)
@@ -11,6 +14,7 @@ import models  # noqa: F401  (registers the built-in models)
 from models.generate import generate
 from train.loop import NonFiniteLoss, RunResult, run
 from train.signals import Interrupted
+from zoo.api import TrainedModel, evaluate, finetune, fit, load, merge_lora, predict
 from zoo.config import compose
 from zoo.errors import ZooError
 from zoo.registry import (
@@ -20,6 +24,7 @@ from zoo.registry import (
     get_model,
     list_datasets,
     list_models,
+    load_data,
     register_data,
     register_model,
 )
@@ -30,13 +35,21 @@ __all__ = [
     "NonFiniteLoss",
     "RunResult",
     "Splits",
+    "TrainedModel",
     "ZooError",
     "compose",
     "create_model",
+    "evaluate",
+    "finetune",
+    "fit",
     "generate",
     "get_model",
     "list_datasets",
     "list_models",
+    "load",
+    "load_data",
+    "merge_lora",
+    "predict",
     "register_data",
     "register_model",
     "run",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 import typing
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -125,6 +126,29 @@ class DistributedConfig:
 
 
 @dataclasses.dataclass
+class FinetuneConfig:
+    # Start from the weights of another run: its workdir (null: fresh weights). Params and
+    # BatchNorm statistics are restored; RNG streams and the optimizer start fresh.
+    init_from: str | None = None
+    # Which of its checkpoints: `latest`, `best` (by its trainer.best_metric, else eval loss) or
+    # a step number.
+    init_step: str = "latest"
+    # Params that keep their fresh initialisation instead of being restored (path patterns,
+    # e.g. [head] for a new classification head). Any other param whose shape differs from the
+    # checkpoint's is an error.
+    reinit: list[str] = dataclasses.field(default_factory=list)
+    # Params that get no gradient and no optimizer state: a path pattern, or `backbone` for every
+    # param outside `head`. A BatchNorm whose params are all frozen keeps its statistics too.
+    freeze: str | None = None
+    # The path of the model's classification head (every model of the zoo calls it `head`).
+    head: str = "head"
+    # Add LoRA adapters of this rank to the Linear layers that `lora_layers` matches and train
+    # only them (and the params in `reinit`); 0: no adapters.
+    lora_rank: int = 0
+    lora_layers: str = ".*"
+
+
+@dataclasses.dataclass
 class Config:
     model: Any = MISSING
     data: Any = MISSING
@@ -132,6 +156,7 @@ class Config:
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
+    finetune: FinetuneConfig = dataclasses.field(default_factory=FinetuneConfig)
     workdir: str = "runs/${model.name}/${now:%Y%m%d-%H%M%S}"
     seed: int = 0
 
@@ -324,6 +349,25 @@ def _check_values(cfg: DictConfig) -> None:
             f"optimizer.warmup_steps={optimizer.warmup_steps} must lie between 0 and "
             f"trainer.steps={trainer.steps}."
         )
+    check_finetune(cfg.finetune)
+
+
+def check_finetune(finetune: Any) -> None:
+    """Range and syntax checks of the `finetune` section."""
+    if finetune.lora_rank < 0:
+        raise ZooError(f"finetune.lora_rank={finetune.lora_rank} must be 0 (off) or positive.")
+    step = str(finetune.init_step)
+    if resume_step(step) is None and step not in ("latest", "best"):
+        raise ZooError(
+            f"finetune.init_step={step} must be 'latest', 'best' or a step number (an integer "
+            ">= 0)."
+        )
+    patterns = [*finetune.reinit, finetune.freeze, finetune.head, finetune.lora_layers]
+    for pattern in filter(None, patterns):
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise ZooError(f"The path pattern '{pattern}' is not a valid regex: {e}.") from None
 
 
 def resume_step(resume: Any) -> int | None:

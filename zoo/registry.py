@@ -213,6 +213,13 @@ def get_data(name: str) -> DataEntry:
     return _DATASETS[name]
 
 
+def load_data(name: str, **params: Any) -> Splits:
+    """A registered data set's splits, e.g. `load_data("digits")`; `params` are its `data.*`
+    keys (`load_data("fashion_mnist", download=False)`), type-checked."""
+    entry = get_data(name)
+    return entry.splits(_checked_params(f"data set '{name}'", entry.config, params))
+
+
 def create_model(
     name: str,
     *,

@@ -1,0 +1,153 @@
+"""Starting a model from the checkpoint of another run: finding it, and restoring its weights.
+
+A run's workdir holds `checkpoints/<step>/`, each with the model's state under `state/0` and the
+run's resolved config (JSON). `locate` picks one (`latest`, `best`, or a step) and explains what
+it looked for when there is none. `restore_model` fills a model with everything its checkpoint
+holds for it (loading a trained model); `warm_start` fills only its params and BatchNorm
+statistics (a fine-tune's start: RNG streams start fresh), leaves the params that `reinit` names
+as initialised, and refuses a checkpoint whose shapes differ anywhere else, naming each param.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from flax import nnx
+
+from train.checkpoint import SavedPath, read_json, restore_arrays, saved_shapes, saved_steps
+from train.paths import dotted, matches
+from zoo.config import resume_step
+from zoo.errors import ZooError
+
+MODEL = "0"
+"""The model's part of a checkpoint's `state` item (the optimizer's is "1")."""
+
+
+def locate(workdir: str | os.PathLike, which: str | int = "latest") -> tuple[int, str]:
+    """(step, path) of the checkpoint of the run in `workdir` that `which` names: `latest`,
+    `best` (by the run's trainer.best_metric, else its eval loss) or a step number."""
+    workdir = os.path.abspath(workdir)
+    directory = os.path.join(workdir, "checkpoints")
+    steps = saved_steps(directory)
+    if not steps:
+        found = sorted(os.listdir(workdir)) if os.path.isdir(workdir) else None
+        holds = (
+            "it does not exist"
+            if found is None
+            else f"it holds {', '.join(found)}"
+            if found
+            else "it is empty"
+        )
+        raise ZooError(
+            f"No checkpoint of a zoo run in {workdir}: looked for {directory}/<step>/, but "
+            f"{holds}. Give the workdir of a run that has saved a checkpoint."
+        )
+    which = str(which)
+    if which == "latest":
+        step = steps[-1]
+    elif which == "best":
+        step = _best(directory, steps)
+    elif resume_step(which) is not None:
+        step = int(which)
+        if step not in steps:
+            raise ZooError(
+                f"No checkpoint at step {step} in {directory}; saved steps: "
+                f"{', '.join(map(str, steps))}."
+            )
+    else:
+        raise ZooError(f"Checkpoint '{which}' must be 'latest', 'best' or a step number.")
+    return step, os.path.join(directory, str(step))
+
+
+def _best(directory: str, steps: list[int]) -> int:
+    trainer = read_json(os.path.join(directory, str(steps[-1])), "config")["trainer"]
+    metric = trainer.get("best_metric") or "loss"
+    sign = -1 if (trainer.get("best_mode") == "max" and trainer.get("best_metric")) else 1
+    scored = []
+    for step in steps:
+        evaluated = read_json(os.path.join(directory, str(step)), "meta").get("eval", {})
+        value = evaluated.get("metrics", {}).get(metric)
+        if evaluated.get("step") == step and value is not None and not math.isnan(value):
+            scored.append((sign * value, step))
+    if not scored:
+        raise ZooError(
+            f"No checkpoint in {directory} was saved with an eval of '{metric}' (steps "
+            f"{', '.join(map(str, steps))}), so none is the best; use 'latest' or a step."
+        )
+    return min(scored)[1]
+
+
+def restore_model(model: nnx.Module, step_path: str) -> None:
+    """Every variable of `model` (params, statistics, RNG streams) from the checkpoint, in place;
+    the model must have the structure of the one saved there."""
+    variables = list(nnx.to_flat_state(nnx.state(model)))
+    _restore_into(step_path, [(tuple(map(str, path)), v) for path, v in variables])
+
+
+def warm_start(
+    model: nnx.Module, step_path: str, reinit: Sequence[str] = (), option: str = "reinit"
+) -> list[str]:
+    """Restore `model`'s params and BatchNorm statistics from the checkpoint at `step_path`, in
+    place, except those `reinit` matches (and LoRA adapters, which no plain run has); returns
+    the paths left as initialised. The model may wrap layers in adapters: a wrapped layer's
+    params are looked up by their path without the wrapper's `base_module`."""
+    saved = {path[1:]: shape for path, shape in saved_shapes(step_path).items() if path[0] == MODEL}
+    wanted, fresh, missing, differ = [], [], [], []
+    modules: set[str] = set()  # of the params that do not fit
+    used: set[SavedPath] = set()
+    for path, variable in nnx.to_flat_state(nnx.state(model)):
+        key = tuple(str(part) for part in path if part != "base_module")
+        used.add(key)
+        if isinstance(variable, nnx.RngState | nnx.LoRAParam):
+            continue
+        shape = tuple(variable.shape)
+        if any(matches(pattern, key) for pattern in reinit):
+            fresh.append(dotted(key))
+        elif key not in saved:
+            missing.append(dotted(key))
+            modules.add(dotted(key[:-1]))
+        elif saved[key] != shape:
+            differ.append(f"{dotted(key)} (checkpoint {saved[key]}, model {shape})")
+            modules.add(dotted(key[:-1]))
+        else:
+            wanted.append((key, variable))
+    extra = [
+        dotted(key)
+        for key in saved
+        if key not in used and not any(matches(pattern, key) for pattern in reinit)
+    ]
+    modules.update(name.rsplit(".", 1)[0] for name in extra)
+    problems = []
+    if differ:
+        problems.append(f"param(s) whose shapes differ: {'; '.join(differ)}")
+    if missing:
+        problems.append(f"param(s) of the model that the checkpoint lacks: {', '.join(missing)}")
+    if extra:
+        problems.append(f"param(s) in the checkpoint that the model lacks: {', '.join(extra)}")
+    if problems:
+        names = sorted(modules)
+        raise ZooError(
+            f"Cannot start from the checkpoint {step_path}: it does not fit the model, with "
+            f"{'; and '.join(problems)}. To start these fresh instead (a new head, for a new "
+            f"number of classes), name them in {option}, e.g. {option}=[{','.join(names)}]; "
+            "otherwise build the model as the checkpoint's run did."
+        )
+    _restore_into(step_path, [((MODEL, *key), variable) for key, variable in wanted], prefix=False)
+    return fresh
+
+
+def _restore_into(
+    step_path: str, variables: list[tuple[SavedPath, Any]], prefix: bool = True
+) -> None:
+    paths = [(MODEL, *path) if prefix else path for path, _ in variables]
+    targets = {
+        path: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v[...].sharding)
+        for path, (_, v) in zip(paths, variables, strict=True)
+    }
+    arrays = restore_arrays(step_path, targets)
+    for path, (_, variable) in zip(paths, variables, strict=True):
+        variable[...] = arrays[path]
