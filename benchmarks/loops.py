@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import time
 from collections.abc import Callable
 
 import jax
@@ -37,6 +38,19 @@ def device_batches(trainer: Trainer, host: list[dict[str, np.ndarray]]) -> list[
     """`host` batches placed on the trainer's mesh once, up front."""
     with sharding.activate(trainer.mesh, trainer.rules):
         return [trainer.shard(batch) for batch in host]
+
+
+def pipeline_rate(trainer: Trainer, batches: int) -> float:
+    """Batches/s that the trainer's own pipeline delivers onto the devices, placement included
+    (what each zoo step waits for before its dispatch)."""
+    iterator = iter(trainer.train_data)
+    with sharding.activate(trainer.mesh, trainer.rules):
+        next(iterator)
+        start = time.perf_counter()
+        for _ in range(batches):
+            placed = trainer.shard(next(iterator))
+        jax.block_until_ready(placed)
+    return batches / (time.perf_counter() - start)
 
 
 def _mean_loss(loss_fn: registry.LossFn) -> Callable:

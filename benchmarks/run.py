@@ -101,16 +101,22 @@ def compare(
         if callable(torch):
             advances["torch"] = torch
         try:
-            # Warm-up: compilation, a closed log window and its TensorBoard write, caches.
-            warmup = 2 * int(trainer.cfg.trainer.log_every)
-            for _ in range(2):  # the second round times warm loops
-                per_step = max(_timed(advance, warmup) / warmup for advance in advances.values())
-            k = max(steps_per_dispatch, 1)  # every window a whole number of dispatches
-            steps = max(10 * k, round(window_seconds / per_step / k) * k)
+            # Warm-up: compilation, a closed log window and its TensorBoard write, caches;
+            # then a short timed round sizes the windows (whole dispatches of k steps).
+            k = max(steps_per_dispatch, 1)
+            for advance in advances.values():
+                advance(int(trainer.cfg.trainer.log_every))
+            per_step = max(_timed(advance, 2 * k) / (2 * k) for advance in advances.values())
+            steps = max(2 * k, round(window_seconds / per_step / k) * k)
             rates: dict[str, list[float]] = {name: [] for name in advances}
             for _ in range(windows):
                 for name, advance in advances.items():
                     rates[name].append(steps / _timed(advance, steps))
+            compilations = {
+                "train_step": trainer.train_step._cache_size(),
+                "eval_step": trainer.eval_step._cache_size(),
+            }
+            pipeline = loops.pipeline_rate(trainer, steps)
         finally:
             for advance in zoo_loops.values():
                 advance.close()  # type: ignore[attr-defined]
@@ -123,6 +129,10 @@ def compare(
         "steps_per_sec": {name: spread(values) for name, values in rates.items()},
         "not_measured": skipped,
         "torch_threads": getattr(torch, "threads", None),
+        "compilations": compilations,
+        "pipeline_batches_per_sec": pipeline,
+        # The host's share of a zoo step spent producing its batch (fetch and placement).
+        "data_wait_fraction": statistics.median(rates["zoo"]) / pipeline,
         "ratios": {},
         "per_window": rates,
     }
@@ -144,6 +154,11 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
                 print(f"{model:<6} {label + ' steps/s':<19} {row}")
             elif name in result["not_measured"]:
                 print(f"{model:<6} {name:<19} not measured: {result['not_measured'][name]}")
+        print(
+            f"{model:<6} pipeline {result['pipeline_batches_per_sec']:.0f} batches/s (data "
+            f"{100 * result['data_wait_fraction']:.1f}% of a zoo step); compilations "
+            f"{result['compilations']}"
+        )
         for ratio, r in result["ratios"].items():
             row = f"{r['median']:>10.2f} {r['min']:>10.2f} {r['max']:>10.2f}"
             print(f"{model:<6} {ratio:<19} {row}")
@@ -160,6 +175,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         default=50,
         help="also time the zoo trainer with trainer.steps_per_dispatch=K (0 or 1: not)",
     )
+    parser.add_argument(
+        "--dispatch-models",
+        default="xor,mlp",
+        help="the models timed with --steps-per-dispatch too (a scan of convolutions is slow "
+        "on XLA:CPU)",
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument(
         "overrides", nargs="*", help="config overrides for every model, e.g. data.size=512"
@@ -167,7 +188,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     results = {
         model: compare(
-            model, args.windows, args.window_seconds, args.steps_per_dispatch, args.overrides
+            model,
+            args.windows,
+            args.window_seconds,
+            args.steps_per_dispatch if model in args.dispatch_models.split(",") else 1,
+            args.overrides,
         )
         for model in filter(None, args.models.split(","))
     }
