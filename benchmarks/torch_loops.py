@@ -2,7 +2,7 @@
 
 Same architecture, initialiser families (LeCun-normal dense kernels, He-normal convolutions, zero
 biases), BatchNorm momentum, Dropout rates, optimizer and learning rate, on the same batches.
-PyTorch is optional (`pip install -e .[bench]`): `torch_loop` returns the reason it cannot run
+PyTorch is optional (the CPU build of `torch`, installed by hand): `torch_loop` returns the reason it cannot run
 instead of a loop when it is missing or the model has no twin.
 """
 
@@ -81,7 +81,7 @@ def torch_loop(
         import torch
         from torch import nn
     except ImportError:
-        return "PyTorch is not installed (pip install -e .[bench])"
+        return "PyTorch is not installed (pip install torch, the CPU build)"
     torch.manual_seed(0)
     model = _twin(name, hparams).train()
     lr = float(optimizer["learning_rate"])
