@@ -34,7 +34,9 @@ def host_batches(trainer: Trainer, count: int = IN_MEMORY_BATCHES) -> list[dict[
     return [next(iterator) for _ in range(count)]
 
 
-def device_batches(trainer: Trainer, host: list[dict[str, np.ndarray]]) -> list[dict[str, jax.Array]]:
+def device_batches(
+    trainer: Trainer, host: list[dict[str, np.ndarray]]
+) -> list[dict[str, jax.Array]]:
     """`host` batches placed on the trainer's mesh once, up front."""
     with sharding.activate(trainer.mesh, trainer.rules):
         return [trainer.shard(batch) for batch in host]

@@ -2,8 +2,8 @@
 
 Same architecture, initialiser families (LeCun-normal dense kernels, He-normal convolutions, zero
 biases), BatchNorm momentum, Dropout rates, optimizer and learning rate, on the same batches.
-PyTorch is optional (the CPU build of `torch`, installed by hand): `torch_loop` returns the reason it cannot run
-instead of a loop when it is missing or the model has no twin.
+PyTorch is optional (the CPU build of `torch`, installed by hand): `torch_loop` returns the
+reason it cannot run instead of a loop when it is missing or the model has no twin.
 """
 
 from __future__ import annotations
@@ -99,8 +99,10 @@ def torch_loop(
         loss_fn: nn.Module = nn.BCEWithLogitsLoss()
     else:
         # Channels-last images -> PyTorch's channels-first, once, outside the timed loop.
-        inputs = [torch.from_numpy(np.asarray(b["image"])).permute(0, 3, 1, 2).contiguous()
-                  for b in batches]
+        inputs = [
+            torch.from_numpy(np.asarray(b["image"])).permute(0, 3, 1, 2).contiguous()
+            for b in batches
+        ]
         targets = [torch.from_numpy(np.asarray(b["label"], np.int64)) for b in batches]
         loss_fn = nn.CrossEntropyLoss()
     cycle = itertools.cycle(list(zip(inputs, targets, strict=True)))
