@@ -3,6 +3,8 @@
 `Trainer(cfg)` sets a run up, in order: mesh -> data pipelines -> model and optimizer, born
 sharded under the mesh -> split once into graphdef + state -> jitted steps. `fit()` is one
 linear loop: a batch, a step, and at their cadences a log window, an eval and a checkpoint.
+`steps()` is the same loop as a generator, so a caller (a benchmark) can advance it a few steps
+at a time.
 
 A fine-tune is such a run too: its config's `finetune` section adds LoRA adapters to the built
 model, limits what the optimizer and the gradients see to the trainable params, and (on a fresh
@@ -16,7 +18,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -25,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from data import pipeline
 from train import distributed, resume, sharding
+from train.dispatch import Dispatcher
 from train import rngs as zoo_rngs
 from train.checkpoint import FORMAT as CHECKPOINT_FORMAT
 from train.checkpoint import Checkpointer, abstract_like, read_json
@@ -169,6 +172,9 @@ class Trainer:
         self.train_step = make_train_step(
             self.graphdef, model_entry.loss, self.skip_nonfinite, self.trainable
         )
+        self.dispatcher = Dispatcher(
+            self.train_step, trainer.steps_per_dispatch, self.mesh, self.rules
+        )
         self.eval_step = make_eval_step(self.graphdef, model_entry.loss)
         self.on_eval = model_entry.on_eval
         self.step_key, self.eval_key = zoo_rngs.step_key(cfg.seed), zoo_rngs.eval_key(cfg.seed)
@@ -189,6 +195,28 @@ class Trainer:
         return sorted(name for name in shapes if name != COUNT)
 
     def fit(self) -> RunResult:
+        for _ in self.steps():
+            pass
+        start = self.progress
+        log.info("Final eval @ step %d: %s", start.eval_step, format_metrics(start.eval_metrics))
+        model, _ = nnx.merge(self.graphdef, self.state, copy=True)
+        model.eval()
+        return RunResult(
+            model,
+            self.state,
+            start.eval_metrics,
+            int(self.cfg.trainer.steps),
+            self.workdir,
+            self.cfg,
+            self.mesh,
+            self.rules,
+            start_step=self.resumed_from,
+        )
+
+    def steps(self) -> Iterator[int]:
+        """The training loop of `fit()`, yielding each step's number once the step is
+        dispatched (not finished); closing the generator early closes the run's checkpointer
+        and event writer without a final eval or checkpoint."""
         cfg, trainer = self.cfg, self.cfg.trainer
         total = int(trainer.steps)
         config_dict = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
@@ -211,7 +239,7 @@ class Trainer:
                 example = self.shard(next(iter(self.train_data)))  # a fresh iterator: a peek
                 zeros = zero_metrics(self.train_step, self.state, {}, example, self.step_key)
                 start = self._resume(checkpointer, iterator, zeros, config_dict)
-            resumed_from = start.step
+            self.progress, self.resumed_from = start, start.step
             if start.step > total:
                 raise ZooError(
                     f"trainer.steps={total} is below step {start.step}, where the checkpoint in "
@@ -240,28 +268,13 @@ class Trainer:
                 self.workdir,
             )
             log.info("%s", self.plan.table())
-            self._loop(start, iterator, zeros, checkpointer, reporter, config_dict)
+            yield from self._loop(start, iterator, zeros, checkpointer, reporter, config_dict)
         finally:
             checkpointer.close()
             if reporter is not None:
                 reporter.close()
 
-        log.info("Final eval @ step %d: %s", start.eval_step, format_metrics(start.eval_metrics))
-        model, _ = nnx.merge(self.graphdef, self.state, copy=True)
-        model.eval()
-        return RunResult(
-            model,
-            self.state,
-            start.eval_metrics,
-            total,
-            self.workdir,
-            cfg,
-            self.mesh,
-            self.rules,
-            start_step=resumed_from,
-        )
-
-    def _loop(self, run, iterator, zeros, checkpointer, reporter, config_dict) -> None:
+    def _loop(self, run, iterator, zeros, checkpointer, reporter, config_dict) -> Iterator[int]:
         """Steps `run.step + 1 .. trainer.steps`; `run` (a `_Progress`) is updated as it goes."""
         trainer = self.cfg.trainer
         total = int(trainer.steps)
@@ -273,10 +286,11 @@ class Trainer:
         key_data = jax.random.key_data(self.step_key).tolist()
         in_flight: collections.deque[jax.Array] = collections.deque()
         with stop.installed(), sharding.activate(self.mesh, self.rules):
-            for step in range(run.step + 1, total + 1):  # `step` counts the batches consumed
+            k = self.dispatcher.k
+            for step in range(run.step + k, total + 1, k):  # `step` counts the batches consumed
                 # Exactly one batch per step: the iterator's state always matches the step.
-                batch = self.shard(next(iterator))
-                self.state, sums = self.train_step(self.state, sums, batch, self.step_key)
+                batches = self.dispatcher.next_batches(iterator)
+                self.state, sums = self.dispatcher.run(self.state, sums, batches, self.step_key)
                 in_flight.append(sums[COUNT])
                 if len(in_flight) > MAX_STEPS_IN_FLIGHT:
                     in_flight.popleft().block_until_ready()
@@ -315,6 +329,7 @@ class Trainer:
                 if stop.signum is not None:
                     raise Interrupted(stop.signum, step, checkpointer.step_path(step))
                 run.step = step
+                yield step
 
     def _on_eval(self, step: int, reporter: Reporter) -> None:
         """The model's own report after an eval (samples, images), if it registered one."""

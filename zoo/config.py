@@ -71,6 +71,10 @@ class TrainerConfig:
     # A NaN or Inf training loss: `stop` the run (keeping the last good checkpoint), or `skip`
     # that step's update and go on.
     nan_policy: NanPolicy = NanPolicy.stop
+    # Run this many train steps per call from the host, in one compiled loop (same bits, metrics
+    # still per step): pays off for tiny models, whose steps are shorter than the host's work
+    # per step. steps, log_every, eval_every and checkpoint_every must be multiples of it.
+    steps_per_dispatch: int = 1
 
 
 @dataclasses.dataclass
@@ -328,6 +332,9 @@ def _check_values(cfg: DictConfig) -> None:
     for key in ("eval_every", "checkpoint_every"):
         if trainer[key] < 0:
             raise ZooError(f"trainer.{key}={trainer[key]} must be 0 (off) or positive.")
+    from train.dispatch import check_cadences  # train imports this module
+
+    check_cadences(trainer)
     if trainer.keep < 1:
         raise ZooError(
             f"trainer.keep={trainer.keep} must be at least 1: the latest checkpoint is always kept."

@@ -1,0 +1,52 @@
+"""`trainer.steps_per_dispatch=K`: K steps per host call give the bits and the logs of K=1."""
+
+from __future__ import annotations
+
+import pytest
+import stateful_model
+from helpers import read_events, run_cli, scalar_steps
+from test_trainer import assert_same_bits
+
+import zoo
+
+MODEL = stateful_model.NAME
+
+
+def train(workdir, *overrides: str) -> zoo.RunResult:
+    return zoo.run(zoo.compose([f"model={MODEL}", f"workdir={workdir}", *overrides]))
+
+
+def test_k_steps_per_dispatch_equal_one_step_per_dispatch_and_resume_exactly(tmp_path):
+    one = train(tmp_path / "one", "trainer.checkpoint_every=20")
+    # Interrupted after 40 of 60 steps, then resumed: still the same bits as one uninterrupted
+    # run at K=1, and the same logged means per window.
+    train(tmp_path / "four", "trainer.steps_per_dispatch=4", "trainer.steps=40")
+    four = train(tmp_path / "four", "trainer.steps_per_dispatch=4", "trainer.checkpoint_every=20")
+    assert four.start_step == 40
+    assert_same_bits(four.state, one.state)
+    assert four.eval_metrics == one.eval_metrics
+    for tag in ("train/loss", "train/accuracy"):
+        assert scalar_steps(read_events(four.workdir), tag) == scalar_steps(
+            read_events(one.workdir), tag
+        )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        (["trainer.steps_per_dispatch=0"], "trainer.steps_per_dispatch=0 must be at least 1"),
+        (
+            ["trainer.steps_per_dispatch=8", "trainer.checkpoint_every=30"],
+            "must divide trainer.steps=60, trainer.log_every=20, trainer.checkpoint_every=30",
+        ),
+    ],
+)
+def test_bad_steps_per_dispatch_is_refused_naming_the_values(overrides, named):
+    with pytest.raises(zoo.ZooError, match=named):
+        zoo.compose([f"model={MODEL}", *overrides])
+
+
+def test_cli_refuses_cadences_not_divisible_with_exit_2():
+    result = run_cli("model=xor", "trainer.steps_per_dispatch=3")
+    assert result.returncode == 2
+    assert "trainer.steps_per_dispatch=3 must divide trainer.steps=1954" in result.stderr
