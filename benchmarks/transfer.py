@@ -6,7 +6,9 @@ Trains a `cnn` (default widths) on Fashion-MNIST; then, for each size of the dig
 split (its first N examples), trains a new 10-class head on the digits on top of the frozen
 Fashion-MNIST backbone, and the same head with the same steps and optimizer on the frozen
 backbone of a randomly initialised `cnn` (random features). Prints both eval accuracies on the
-digits' 360 eval images for each N.
+digits' 360 eval images for each N, with the digits as they are (8x8) and framed like
+Fashion-MNIST's images (each pixel 3x3, padded to 28x28): features learned at one scale serve
+images of that scale.
 """
 
 from __future__ import annotations
@@ -16,7 +18,19 @@ import json
 import tempfile
 from pathlib import Path
 
+import numpy as np
+
 import zoo
+
+FRAMES = ("8x8", "28x28")
+
+
+def framed(columns: dict[str, np.ndarray], frame: str) -> dict[str, np.ndarray]:
+    """The digits as they are, or each pixel made 3x3 and the 24x24 image padded to 28x28."""
+    if frame == "8x8":
+        return columns
+    big = np.kron(columns["image"], np.ones((1, 3, 3, 1), columns["image"].dtype))
+    return {**columns, "image": np.pad(big, ((0, 0), (2, 2), (2, 2), (0, 0)))}
 
 
 def main() -> None:
@@ -46,29 +60,34 @@ def main() -> None:
             "optimizer.warmup_steps=0",
             f"optimizer.learning_rate={args.learning_rate}",
         )
-        for n in args.train_examples:
-            data = zoo.Splits(
-                {name: column[:n] for name, column in digits.train.items()},
-                digits.eval,
-                transform=digits.transform,
-            )
-            transfer = zoo.finetune(
-                pretrained,
-                *head,
-                f"workdir={scratch}/transfer-{n}",
-                data=data,
-                replace_head=True,
-                freeze="backbone",
-            )
-            random = zoo.finetune(
-                "cnn", *head, f"workdir={scratch}/random-{n}", data=data, num_classes=10,
-                freeze="backbone",
-            )
-            report["digits"][n] = {
-                "pretrained_backbone": transfer.eval_metrics["accuracy"],
-                "random_backbone": random.eval_metrics["accuracy"],
-            }
-            print(n, report["digits"][n], flush=True)
+        for frame in FRAMES:
+            report["digits"][frame] = {}
+            for n in args.train_examples:
+                train = {name: column[:n] for name, column in digits.train.items()}
+                data = zoo.Splits(
+                    framed(train, frame), framed(digits.eval, frame), transform=digits.transform
+                )
+                transfer = zoo.finetune(
+                    pretrained,
+                    *head,
+                    f"workdir={scratch}/transfer-{frame}-{n}",
+                    data=data,
+                    replace_head=True,
+                    freeze="backbone",
+                )
+                random = zoo.finetune(
+                    "cnn",
+                    *head,
+                    f"workdir={scratch}/random-{frame}-{n}",
+                    data=data,
+                    num_classes=10,
+                    freeze="backbone",
+                )
+                report["digits"][frame][n] = {
+                    "pretrained_backbone": transfer.eval_metrics["accuracy"],
+                    "random_backbone": random.eval_metrics["accuracy"],
+                }
+                print(frame, n, report["digits"][frame][n], flush=True)
     print(json.dumps(report, indent=2))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
