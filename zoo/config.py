@@ -70,6 +70,16 @@ class TrainerConfig:
     # A NaN or Inf training loss: `stop` the run (keeping the last good checkpoint), or `skip`
     # that step's update and go on.
     nan_policy: NanPolicy = NanPolicy.stop
+    # `[first, last]`: write a JAX profiler trace of these steps into the run's TensorBoard
+    # directory; empty: no trace.
+    profile_steps: list[int] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class LoggingConfig:
+    # Histograms of every param and its gradient every N steps; 0: never (the default: they
+    # cost a second gradient computation at each of those steps).
+    histogram_every: int = 0
 
 
 @dataclasses.dataclass
@@ -132,6 +142,7 @@ class Config:
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     workdir: str = "runs/${model.name}/${now:%Y%m%d-%H%M%S}"
     seed: int = 0
 
@@ -307,6 +318,11 @@ def _check_values(cfg: DictConfig) -> None:
         raise ZooError(
             f"trainer.keep={trainer.keep} must be at least 1: the latest checkpoint is always kept."
         )
+    _check_profile_steps(list(trainer.profile_steps), trainer.steps)
+    if cfg.logging.histogram_every < 0:
+        raise ZooError(
+            f"logging.histogram_every={cfg.logging.histogram_every} must be 0 (off) or positive."
+        )
     if resume_step(trainer.resume) is None and trainer.resume not in ("auto", "never"):
         raise ZooError(
             f"trainer.resume={trainer.resume} must be 'auto', 'never' or a step number (an "
@@ -323,6 +339,16 @@ def _check_values(cfg: DictConfig) -> None:
         raise ZooError(
             f"optimizer.warmup_steps={optimizer.warmup_steps} must lie between 0 and "
             f"trainer.steps={trainer.steps}."
+        )
+
+
+def _check_profile_steps(steps: list[int], total: int) -> None:
+    if not steps:
+        return
+    if len(steps) != 2 or not 1 <= steps[0] <= steps[1] <= total:
+        raise ZooError(
+            f"trainer.profile_steps={steps} must be [] (no trace) or [first, last], two steps "
+            f"with 1 <= first <= last <= trainer.steps={total}, e.g. trainer.profile_steps=[10,20]."
         )
 
 
