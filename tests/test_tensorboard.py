@@ -148,9 +148,10 @@ def test_tensorboard_server_shows_every_tab(observed):
         assert all(s > 0 for s in scalars("compile/seconds").values())
 
         # Histograms: every HISTOGRAM_EVERY steps, each over every value of its array.
+        histogram_steps = list(range(HISTOGRAM_EVERY, STEPS + 1, HISTOGRAM_EVERY))
         for tag, size in (("params/hidden/0/kernel", 64 * HIDDEN), ("grads/head/bias", 10)):
             rows = fetch_json(f"{base}/data/plugin/histograms/histograms?run={RUN}&tag={tag}")
-            assert [step for _, step, _ in rows] == list(range(HISTOGRAM_EVERY, STEPS + 1, HISTOGRAM_EVERY))
+            assert [step for _, step, _ in rows] == histogram_steps
             for _, _, buckets in rows:
                 assert sum(count for _, _, count in buckets) == size
 
