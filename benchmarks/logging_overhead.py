@@ -5,9 +5,9 @@
 Three ways to run the same training loop, each on its own copy of the train state, window after
 window in turn (so that load on the machine hits them alike):
 
-- `bare`: the train step without the update norms; no clocks, no log windows, no events.
-- `default`: what a run does at default settings: the step with its update norms, the data-wait
-  clock around every batch, compile counting, and every `trainer.log_every` steps a log window
+- `bare`: the train step alone; no clocks, no log windows, no events.
+- `default`: what a run does at default settings: the data-wait clock around every batch,
+  compile counting, and every `trainer.log_every` steps the update norms and a log window,
   fetched a window late and written as TensorBoard scalars.
 - `histograms`: `default` plus param and gradient histograms once per window
   (`logging.histogram_every` = `trainer.log_every`).
@@ -32,9 +32,8 @@ import jax
 import zoo
 from train import sharding, steps
 from train.loop import MAX_STEPS_IN_FLIGHT, Trainer, _LogWindows
-from train.observe import CompileWatch, Histograms, WindowClock
+from train.observe import CompileWatch, Deferred, WindowClock
 from train.report import Reporter
-from zoo import registry
 
 WARMUP_WINDOWS = 3
 
@@ -45,44 +44,40 @@ class Variant:
     def __init__(self, name: str, trainer: Trainer, workdir: str | None, histogram_every: int):
         self.name, self.trainer = name, trainer
         self.state = jax.tree.map(lambda x: x.copy(), trainer.state)
-        self.step_fn, self.zeros = self._compiled(
-            registry.get_model(trainer.cfg.model.name).loss, norms=workdir is not None
-        )
+        self.step_fn = trainer.train_step  # the run's own jitted step, shared by all variants
+        with sharding.activate(trainer.mesh, trainer.rules):
+            batch = trainer.shard(next(iter(trainer.train_data)))
+            self.zeros = steps.zero_metrics(self.step_fn, self.state, {}, batch, trainer.step_key)
         self.iterator = iter(trainer.train_data)
         self.step = 0
         self.seconds_per_step: list[float] = []
         self.logged = workdir is not None
         if self.logged:
-            every = int(trainer.cfg.trainer.log_every)
             self.reporter = Reporter(workdir, 10**9, primary=True)
             self.clock = WindowClock(0, int(trainer.cfg.trainer.batch_size))
             self.compiles = CompileWatch()
-            self.histograms = Histograms(trainer.histogram_step, histogram_every, self.reporter)
+            every = int(trainer.cfg.trainer.log_every)
+            self.probes = [
+                Deferred(
+                    trainer.norms_step,
+                    lambda s: s % every == 0,
+                    lambda s, norms: self.reporter.scalars("train", s, norms),
+                ),
+                Deferred(
+                    trainer.histogram_step,
+                    lambda s: histogram_every and s % histogram_every == 0,
+                    self.reporter.histograms,
+                ),
+            ]
 
             def extras(step: int) -> None:
                 self.reporter.scalars("compile", step, self.compiles.totals())
-                self.histograms.write(up_to=step)
+                for probe in self.probes:
+                    probe.write(up_to=step)
 
             self.windows = _LogWindows(
                 self.reporter, trainer.schedule, None, self.clock, extras, 0, False
             )
-
-    def _compiled(self, loss_fn, norms: bool):
-        """The train step compiled ahead of time (both variants alike), and its zero sums;
-        without `norms`, traced with the update norms replaced by nothing."""
-        trainer = self.trainer
-        original = steps.update_norms
-        if not norms:
-            steps.update_norms = lambda *_: {}
-        try:
-            with sharding.activate(trainer.mesh, trainer.rules):
-                step_fn = steps.make_train_step(trainer.graphdef, loss_fn)
-                batch = trainer.shard(next(iter(trainer.train_data)))
-                key = trainer.step_key
-                zeros = steps.zero_metrics(step_fn, self.state, {}, batch, key)
-                return step_fn.lower(self.state, zeros, batch, key).compile(), zeros
-        finally:
-            steps.update_norms = original
 
     def window(self, length: int) -> None:
         """`length` steps, timed until the last one's state is ready."""
@@ -96,7 +91,8 @@ class Variant:
                 if self.logged:
                     with self.clock.waiting_for_data():
                         batch = trainer.shard(next(self.iterator))
-                    self.histograms.before_step(self.step, self.state, batch, trainer.step_key)
+                    for probe in self.probes:
+                        probe.before_step(self.step, self.state, batch, trainer.step_key)
                 else:
                     batch = trainer.shard(next(self.iterator))
                 self.state, sums = self.step_fn(self.state, sums, batch, trainer.step_key)

@@ -26,7 +26,8 @@ from train import rngs as zoo_rngs
 from train.checkpoint import FORMAT as CHECKPOINT_FORMAT
 from train.checkpoint import Checkpointer, abstract_like
 from train.histograms import make_histogram_step
-from train.observe import CompileWatch, Histograms, ProfileWindow, WindowClock
+from train.norms import make_norms_step
+from train.observe import CompileWatch, Deferred, ProfileWindow, WindowClock
 from train.optim import make_optimizer
 from train.plan import create_sharded
 from train.report import EvalReport, Reporter, format_metrics
@@ -135,6 +136,7 @@ class Trainer:
             self.graphdef, model_entry.loss, skip_nonfinite=self.skip_nonfinite
         )
         self.eval_step = make_eval_step(self.graphdef, model_entry.loss)
+        self.norms_step = make_norms_step(self.graphdef, model_entry.loss)
         self.histogram_step = make_histogram_step(self.graphdef, model_entry.loss)
         self.on_eval = model_entry.on_eval
         self.step_key, self.eval_key = zoo_rngs.step_key(cfg.seed), zoo_rngs.eval_key(cfg.seed)
@@ -242,14 +244,23 @@ class Trainer:
         total = int(trainer.steps)
         clock = WindowClock(run.step, int(trainer.batch_size))
         compiles = CompileWatch()
-        histograms = Histograms(
-            self.histogram_step, int(self.cfg.logging.histogram_every), reporter
-        )
+        every = int(self.cfg.logging.histogram_every)
+
+        def closes_window(step: int) -> bool:
+            return step % trainer.log_every == 0 or step == total
+
+        probes = [
+            Deferred(
+                self.norms_step, closes_window, lambda s, norms: reporter.scalars("train", s, norms)
+            ),
+            Deferred(self.histogram_step, lambda s: every and s % every == 0, reporter.histograms),
+        ]
         profile = ProfileWindow(self.workdir, list(trainer.profile_steps))
 
         def report_extras(step: int) -> None:
             reporter.scalars("compile", step, compiles.totals())
-            histograms.write(up_to=step)
+            for probe in probes:
+                probe.write(up_to=step)
 
         windows = _LogWindows(
             reporter,
@@ -275,13 +286,14 @@ class Trainer:
                 with clock.waiting_for_data():
                     batch = self.shard(next(iterator))
                 profile.before_step(step)
-                histograms.before_step(step, self.state, batch, self.step_key)
+                for probe in probes:
+                    probe.before_step(step, self.state, batch, self.step_key)
                 self.state, sums = self.train_step(self.state, sums, batch, self.step_key)
                 profile.after_step(step, sums)
                 in_flight.append(sums[COUNT])
                 if len(in_flight) > MAX_STEPS_IN_FLIGHT:
                     in_flight.popleft().block_until_ready()
-                if step % trainer.log_every == 0 or step == total:
+                if closes_window(step):
                     windows.close(step, sums)
                     sums = zeros
                 if (trainer.eval_every and step % trainer.eval_every == 0) or step == total:
@@ -447,12 +459,14 @@ class _LogWindows:
         self._clock = clock
         self._report_extras = report_extras  # called with each reported window's last step
         self._learning_rate = jax.jit(schedule)  # one compilation, not one per eager op
-        self._pending: tuple[int, int, Metrics, dict[str, float]] | None = None
+        self._pending: tuple[int, int, Metrics, dict[str, Any]] | None = None
         self._skip = skip_nonfinite
         self.window_start = window_start  # the open window holds steps window_start+1 ...
 
     def close(self, step: int, sums: Metrics) -> None:
-        window = (self.window_start, step, sums, self._clock.lap(step))
+        # The learning rate is dispatched now and read with the window, a window later.
+        speed = {**self._clock.lap(step), "learning_rate": self._learning_rate(step - 1)}
+        window = (self.window_start, step, sums, speed)
         self.window_start = step
         self.report_pending()
         self._pending = window
@@ -464,7 +478,7 @@ class _LogWindows:
         self._pending = None
         self._check_health(start, step, sums)
         metrics = means(sums)
-        metrics["learning_rate"] = float(self._learning_rate(step - 1))
+        metrics["learning_rate"] = float(speed.pop("learning_rate"))
         self._reporter.train_window(step, metrics, speed)
         self._report_extras(step)
 

@@ -1,5 +1,5 @@
 """What the training loop reports besides its metrics: speed, time waiting for data,
-compilations, histograms and profiler traces.
+compilations, update norms, histograms and profiler traces.
 
 All of it is host-side bookkeeping around the loop (clock reads, JAX's compile events) or work
 dispatched to the device and fetched a log window later, so none of it makes the host wait on a
@@ -84,25 +84,31 @@ class CompileWatch:
         return {"count": float(self.count), "seconds": self.seconds}
 
 
-class Histograms:
-    """Dispatches `histogram_step` every `every` steps (0: never) and writes each result once a
-    later log window is reported, when the device has long finished it."""
+class Deferred:
+    """Work dispatched to the device before the train step of the steps where `due(step)`,
+    on the state, batch and key that step gets, and handed to `write(step, result)` once a log
+    window ending at or after that step is reported: by then the device has long finished it,
+    so fetching it never makes the host wait."""
 
-    def __init__(self, histogram_step: Callable, every: int, reporter: Reporter):
-        self._step_fn, self._every, self._reporter = histogram_step, every, reporter
+    def __init__(
+        self,
+        step_fn: Callable,
+        due: Callable[[int], bool],
+        write: Callable[[int, Mapping[str, Any]], None],
+    ):
+        self._step_fn, self._due, self._write = step_fn, due, write
         self._pending: list[tuple[int, Mapping[str, Any]]] = []
 
     def before_step(self, step: int, state: Any, batch: Mapping[str, jax.Array], key) -> None:
-        if self._every and step % self._every == 0:
+        if self._due(step):
             self._pending.append((step, self._step_fn(state, batch, key)))
 
     def write(self, up_to: int) -> None:
-        """Write the histograms of steps <= `up_to`."""
-        due = [(step, summaries) for step, summaries in self._pending if step <= up_to]
-        self._pending = [(step, s) for step, s in self._pending if step > up_to]
-        for step, summaries in due:
-            for tag, summary in jax.device_get(summaries).items():
-                self._reporter.histogram(tag, summary, step)
+        """Write the results of steps <= `up_to`."""
+        due = [(step, result) for step, result in self._pending if step <= up_to]
+        self._pending = [(step, result) for step, result in self._pending if step > up_to]
+        for step, result in due:
+            self._write(step, jax.device_get(result))
 
 
 class ProfileWindow:

@@ -68,9 +68,11 @@ class Reporter:
         if self.writer is not None:
             self.writer.add_text(tag, markdown, global_step=step)
 
-    def histogram(self, tag: str, summary: Mapping[str, Any], step: int) -> None:
-        """A histogram computed elsewhere (see `train.histograms.summarize`)."""
-        if self.writer is not None:
+    def histograms(self, step: int, summaries: Mapping[str, Mapping[str, Any]]) -> None:
+        """Histograms computed elsewhere, by tag (see `train.histograms.summarize`)."""
+        if self.writer is None:
+            return
+        for tag, summary in summaries.items():
             values = {
                 name: np.asarray(value).tolist() if name.startswith("bucket_") else float(value)
                 for name, value in summary.items()

@@ -18,7 +18,6 @@ from flax import nnx
 
 from data.pipeline import MASK
 from train import rngs as zoo_rngs
-from train.norms import update_norms
 from zoo.registry import WEIGHT
 
 COUNT = "count"
@@ -59,8 +58,7 @@ def make_train_step(
     graphdef: nnx.GraphDef, loss_fn: Callable, skip_nonfinite: bool = False
 ) -> Callable:
     """`train_step(state, sums, batch, key) -> (state, sums)`, where `sums` accumulates each
-    step's mean loss and metrics, the update's norms (`train.norms`), and `count` the steps,
-    until the caller fetches them.
+    step's mean loss and metrics (and `count` the steps) until the caller fetches them.
 
     A step whose loss is NaN or Inf is counted in `sums` (see `NONFINITE`); with
     `skip_nonfinite` its update is dropped: the whole state (params, optimizer, BatchNorm
@@ -74,11 +72,7 @@ def make_train_step(
         model, optimizer, loss, metrics, grads = _loss_and_grads(
             graphdef, loss_fn, state, batch, key
         )
-        params_before = jax.tree.leaves(nnx.state(model, nnx.Param))
         optimizer.update(model, grads)
-        norms = update_norms(
-            params_before, jax.tree.leaves(grads), jax.tree.leaves(nnx.state(model, nnx.Param))
-        )
         finite = jnp.isfinite(loss)
         new_state = _resharded(nnx.state((model, optimizer)), specs)
         if skip_nonfinite:
@@ -89,7 +83,6 @@ def make_train_step(
         step_metrics = {
             "loss": loss,
             **metrics,
-            **norms,
             COUNT: jnp.ones((), jnp.float32),
             NONFINITE: (~finite).astype(jnp.float32),
         }
