@@ -7,8 +7,8 @@ window in turn (so that load on the machine hits them alike):
 
 - `bare`: the train step alone; no clocks, no log windows, no events.
 - `default`: what a run does at default settings: the data-wait clock around every batch,
-  compile counting, and every `trainer.log_every` steps the update norms and a log window,
-  fetched a window late and written as TensorBoard scalars.
+  compile counting, every `trainer.log_every` steps a log window, fetched a window late and
+  written as TensorBoard scalars, and every `logging.norms_every` steps the update norms.
 - `histograms`: `default` plus param and gradient histograms once per window
   (`logging.histogram_every` = `trainer.log_every`).
 
@@ -56,11 +56,11 @@ class Variant:
             self.reporter = Reporter(workdir, 10**9, primary=True)
             self.clock = WindowClock(0, int(trainer.cfg.trainer.batch_size))
             self.compiles = CompileWatch()
-            every = int(trainer.cfg.trainer.log_every)
+            norms_every = int(trainer.cfg.logging.norms_every)
             self.probes = [
                 Deferred(
                     trainer.norms_step,
-                    lambda s: s % every == 0,
+                    lambda s: s % norms_every == 0,
                     lambda s, norms: self.reporter.scalars("train", s, norms),
                 ),
                 Deferred(

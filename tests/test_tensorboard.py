@@ -52,7 +52,11 @@ def observed(tmp_path_factory):
     """One finished run with histograms and a profiler trace, trained through the CLI."""
     logdir = tmp_path_factory.mktemp("runs")
     workdir = logdir / RUN
-    extra = (f"logging.histogram_every={HISTOGRAM_EVERY}", "trainer.profile_steps=[3,5]")
+    extra = (
+        f"logging.histogram_every={HISTOGRAM_EVERY}",
+        f"logging.norms_every={LOG_EVERY}",
+        "trainer.profile_steps=[3,5]",
+    )
     result = run_cli(*mlp_args(workdir, *extra))
     assert result.returncode == 0, result.stderr
     return logdir, workdir, result
@@ -138,7 +142,8 @@ def test_tensorboard_server_shows_every_tab(observed):
         assert list(scalars("train/loss")) == windows
         assert list(scalars("eval/accuracy")) == evals
         for name in ("grad_norm", "param_norm", "update_ratio"):
-            assert all(value > 0 for value in scalars(f"train/{name}").values()), name
+            norms = scalars(f"train/{name}")
+            assert list(norms) == windows and all(v > 0 for v in norms.values()), name
         speed, examples = scalars("train/steps_per_sec"), scalars("train/examples_per_sec")
         for step in windows:
             assert examples[step] == pytest.approx(speed[step] * BATCH, rel=1e-5)

@@ -244,6 +244,7 @@ class Trainer:
         total = int(trainer.steps)
         clock = WindowClock(run.step, int(trainer.batch_size))
         compiles = CompileWatch()
+        norms_every = int(self.cfg.logging.norms_every)
         every = int(self.cfg.logging.histogram_every)
 
         def closes_window(step: int) -> bool:
@@ -251,7 +252,9 @@ class Trainer:
 
         probes = [
             Deferred(
-                self.norms_step, closes_window, lambda s, norms: reporter.scalars("train", s, norms)
+                self.norms_step,
+                lambda s: norms_every and s % norms_every == 0,
+                lambda s, norms: reporter.scalars("train", s, norms),
             ),
             Deferred(self.histogram_step, lambda s: every and s % every == 0, reporter.histograms),
         ]

@@ -1,11 +1,12 @@
 """The health of an update: global gradient norm, parameter norm, update/parameter ratio.
 
-Measured once per log window, on its last step: `norms_step` takes the state, batch and key
+Sampled every `logging.norms_every` steps: `norms_step` takes the state, batch and key
 that the train step is about to use and computes that step's gradients and update on copies,
 before it, so the values are exactly those of that step and the train step itself stays as it
 is (a dozen extra reductions in every step, and the copy of the params that comparing before
-with after forces, would cost several percent of a small model's step). The result is fetched
-with the next log window, so the host never waits for it.
+with after forces, would cost several percent of a small model's step; a sample costs about one
+gradient computation). The result is fetched with a later log window, so the host never waits
+for it.
 """
 
 from __future__ import annotations

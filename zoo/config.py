@@ -80,6 +80,9 @@ class LoggingConfig:
     # Histograms of every param and its gradient every N steps; 0: never (the default: they
     # cost a second gradient computation at each of those steps).
     histogram_every: int = 0
+    # Global gradient norm, parameter norm and update/parameter ratio, sampled every N steps
+    # (each sample costs about one extra gradient computation); 0: never.
+    norms_every: int = 500
 
 
 @dataclasses.dataclass
@@ -319,10 +322,9 @@ def _check_values(cfg: DictConfig) -> None:
             f"trainer.keep={trainer.keep} must be at least 1: the latest checkpoint is always kept."
         )
     _check_profile_steps(list(trainer.profile_steps), trainer.steps)
-    if cfg.logging.histogram_every < 0:
-        raise ZooError(
-            f"logging.histogram_every={cfg.logging.histogram_every} must be 0 (off) or positive."
-        )
+    for key in ("histogram_every", "norms_every"):
+        if cfg.logging[key] < 0:
+            raise ZooError(f"logging.{key}={cfg.logging[key]} must be 0 (off) or positive.")
     if resume_step(trainer.resume) is None and trainer.resume not in ("auto", "never"):
         raise ZooError(
             f"trainer.resume={trainer.resume} must be 'auto', 'never' or a step number (an "
