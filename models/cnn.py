@@ -16,7 +16,7 @@ import itertools
 import jax
 from flax import nnx
 
-from models.classification import classification_loss
+from models.classification import classification_loss, report_classifier
 from models.layers import batch_norm, conv, dense
 from train.sharding import logical_spec
 from zoo.registry import register_model
@@ -37,6 +37,7 @@ class ConvBlock(nnx.Module):
 @register_model(
     "cnn",
     loss=classification_loss,
+    on_eval=report_classifier,
     default_data="fashion_mnist",
     # Five epochs of Fashion-MNIST's 60,000 training images.
     trainer={"steps": 2350, "batch_size": 128, "log_every": 50, "eval_every": 470},

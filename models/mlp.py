@@ -13,7 +13,7 @@ import math
 import jax
 from flax import nnx
 
-from models.classification import classification_loss
+from models.classification import classification_loss, report_classifier
 from models.layers import dense
 from train.sharding import logical_spec
 from zoo.registry import register_model
@@ -22,6 +22,7 @@ from zoo.registry import register_model
 @register_model(
     "mlp",
     loss=classification_loss,
+    on_eval=report_classifier,
     default_data="digits",
     trainer={"steps": 3000, "batch_size": 64, "log_every": 100, "eval_every": 500},
     optimizer={"name": "adamw", "learning_rate": 1e-3, "schedule": "cosine", "warmup_steps": 100},

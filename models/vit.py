@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.classification import classification_loss_with_rngs
+from models.classification import classification_loss_with_rngs, report_classifier
 from models.layers import conv, dense, head_projections, layer_norm
 from train.sharding import logical_spec
 from zoo.errors import ZooError
@@ -70,6 +70,7 @@ class EncoderBlock(nnx.Module):
 @register_model(
     "vit",
     loss=classification_loss_with_rngs,
+    on_eval=report_classifier,
     default_data="fashion_mnist",
     # Seven and a half epochs of Fashion-MNIST: a transformer learns images more slowly than a
     # convolutional network, but its steps are cheaper.

@@ -89,6 +89,11 @@ def test_cfg_job_prints_resolved_config_with_overrides():
         ("trainer.steps=many", ["many", "Integer"]),
         ("optimizer.name=lion", ["lion", "sgd", "adam", "adamw"]),
         ("trainer.batch_size=0", ["batch_size=0", "at least 1"]),
+        ("trainer.profile_steps=[5]", ["profile_steps=[5]", "[first, last]", "trainer.steps"]),
+        ("trainer.profile_steps=[9,3]", ["profile_steps=[9, 3]", "first <= last"]),
+        ("logging.histogram_every=-1", ["histogram_every=-1", "0 (off) or positive"]),
+        ("logging.norms_every=-5", ["norms_every=-5", "0 (off) or positive"]),
+        ("logging.histograms=5", ["logging.histograms", "histogram_every"]),
     ],
 )
 def test_bad_input_is_one_paragraph_and_keeps_existing_files(tmp_path, override, names):

@@ -14,6 +14,7 @@ start, not on a resume) fills the model with another run's weights.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import os
@@ -32,11 +33,15 @@ from train import rngs as zoo_rngs
 from train.checkpoint import FORMAT as CHECKPOINT_FORMAT
 from train.checkpoint import Checkpointer, abstract_like, read_json
 from train.freeze import Filter, frozen_filter, frozen_norms, trainable_filter
+from train.histograms import make_histogram_step
 from train.lora import add_adapters
+from train.norms import make_norms_step
+from train.observe import CompileWatch, Deferred, ProfileWindow, WindowClock
 from train.optim import make_optimizer
 from train.plan import create_sharded
 from train.report import EvalReport, Reporter, format_metrics
 from train.signals import Interrupted, StopRequests
+from train.summaries import hparams_summaries, model_summary
 from train.steps import (
     COUNT,
     Metrics,
@@ -176,6 +181,8 @@ class Trainer:
             self.train_step, trainer.steps_per_dispatch, self.mesh, self.rules
         )
         self.eval_step = make_eval_step(self.graphdef, model_entry.loss)
+        self.norms_step = make_norms_step(self.graphdef, model_entry.loss)
+        self.histogram_step = make_histogram_step(self.graphdef, model_entry.loss)
         self.on_eval = model_entry.on_eval
         self.step_key, self.eval_key = zoo_rngs.step_key(cfg.seed), zoo_rngs.eval_key(cfg.seed)
 
@@ -251,6 +258,10 @@ class Trainer:
             config_text = _as_markdown_code(OmegaConf.to_yaml(cfg, resolve=True))
             reporter.text("config", config_text, step=start.step)
             reporter.text("sharding_plan", _as_markdown_code(self.plan.table()), step=start.step)
+            model, _ = nnx.merge(self.graphdef, self.state)  # shares the arrays; read only
+            reporter.text("model_summary", _as_markdown_code(model_summary(model)), step=start.step)
+            metric_tags = [f"eval/{name}" for name in self.eval_metric_names()]
+            reporter.summaries(hparams_summaries(config_dict, [*metric_tags, "train/loss"]))
             log.info(
                 "%s %s on %s for %d steps (batch %d) on mesh %s; %s parameters; workdir %s",
                 (
@@ -278,23 +289,66 @@ class Trainer:
         """Steps `run.step + 1 .. trainer.steps`; `run` (a `_Progress`) is updated as it goes."""
         trainer = self.cfg.trainer
         total = int(trainer.steps)
+        clock = WindowClock(run.step, int(trainer.batch_size))
+        compiles = CompileWatch()
+        norms_every = int(self.cfg.logging.norms_every)
+        every = int(self.cfg.logging.histogram_every)
+
+        def closes_window(step: int) -> bool:
+            return step % trainer.log_every == 0 or step == total
+
+        probes = [
+            Deferred(
+                self.norms_step,
+                lambda s: norms_every and s % norms_every == 0,
+                lambda s, norms: reporter.scalars("train", s, norms),
+            ),
+            Deferred(self.histogram_step, lambda s: every and s % every == 0, reporter.histograms),
+        ]
+        profile = ProfileWindow(self.workdir, list(trainer.profile_steps))
+
+        def report_extras(step: int) -> None:
+            reporter.scalars("compile", step, compiles.totals())
+            for probe in probes:
+                probe.write(up_to=step)
+
         windows = _LogWindows(
-            reporter, self.schedule, checkpointer, run.step, run.window_start, self.skip_nonfinite
+            reporter,
+            self.schedule,
+            checkpointer,
+            clock,
+            report_extras,
+            run.window_start,
+            self.skip_nonfinite,
         )
         sums = run.window
         stop = StopRequests()
         key_data = jax.random.key_data(self.step_key).tolist()
         in_flight: collections.deque[jax.Array] = collections.deque()
-        with stop.installed(), sharding.activate(self.mesh, self.rules):
-            k = self.dispatcher.k
+        k = self.dispatcher.k
+        with (
+            stop.installed(),
+            compiles.installed(),
+            contextlib.closing(profile),
+            sharding.activate(self.mesh, self.rules),
+        ):
             for step in range(run.step + k, total + 1, k):  # `step` counts the batches consumed
                 # Exactly one batch per step: the iterator's state always matches the step.
-                batches = self.dispatcher.next_batches(iterator)
+                with clock.waiting_for_data():
+                    batches = self.dispatcher.next_batches(iterator)
+                dispatched = range(step - k + 1, step + 1)
+                for s in dispatched:
+                    profile.before_step(s)
+                if k == 1:  # the probes need the state before each step: not inside a scan
+                    for probe in probes:
+                        probe.before_step(step, self.state, batches, self.step_key)
                 self.state, sums = self.dispatcher.run(self.state, sums, batches, self.step_key)
+                for s in dispatched:
+                    profile.after_step(s, sums)
                 in_flight.append(sums[COUNT])
                 if len(in_flight) > MAX_STEPS_IN_FLIGHT:
                     in_flight.popleft().block_until_ready()
-                if step % trainer.log_every == 0 or step == total:
+                if closes_window(step):
                     windows.close(step, sums)
                     sums = zeros
                 if (trainer.eval_every and step % trainer.eval_every == 0) or step == total:
@@ -338,7 +392,11 @@ class Trainer:
         model, _ = nnx.merge(self.graphdef, self.state)  # shares the arrays; read only
         model.eval()
         key = zoo_rngs.on_eval_key(self.cfg.seed, step)
-        self.on_eval(model, EvalReport(step, key, self.eval_data[0], reporter))
+
+        def batches():
+            return (self.shard(batch) for batch in self.eval_data)
+
+        self.on_eval(model, EvalReport(step, key, self.eval_data[0], reporter, batches))
 
     def _resume(self, checkpointer, iterator, zeros, config_dict) -> _Progress:
         """Where the loop starts: the restored checkpoint that `trainer.resume` picks, or step 0.
@@ -488,36 +546,38 @@ class _LogWindows:
         reporter: Reporter,
         schedule: Callable,
         checkpointer: Checkpointer,
-        step: int,
+        clock: WindowClock,
+        report_extras: Callable[[int], None],
         window_start: int,
         skip_nonfinite: bool,
     ):
         self._reporter = reporter
         self._checkpointer = checkpointer
+        self._clock = clock
+        self._report_extras = report_extras  # called with each reported window's last step
         self._learning_rate = jax.jit(schedule)  # one compilation, not one per eager op
-        self._pending: tuple[int, int, Metrics, float] | None = None
+        self._pending: tuple[int, int, Metrics, dict[str, Any]] | None = None
         self._skip = skip_nonfinite
         self.window_start = window_start  # the open window holds steps window_start+1 ...
-        self._speed_step, self._speed_time = step, time.perf_counter()
 
     def close(self, step: int, sums: Metrics) -> None:
-        now = time.perf_counter()
-        speed = (step - self._speed_step) / (now - self._speed_time)
+        # The learning rate is dispatched now and read with the window, a window later.
+        speed = {**self._clock.lap(step), "learning_rate": self._learning_rate(step - 1)}
         window = (self.window_start, step, sums, speed)
-        self.window_start = self._speed_step = step
-        self._speed_time = now
+        self.window_start = step
         self.report_pending()
         self._pending = window
 
     def report_pending(self) -> None:
         if self._pending is None:
             return
-        start, step, sums, steps_per_sec = self._pending
+        start, step, sums, speed = self._pending
         self._pending = None
         self._check_health(start, step, sums)
         metrics = means(sums)
-        metrics["learning_rate"] = float(self._learning_rate(step - 1))
-        self._reporter.train_window(step, metrics, {"steps_per_sec": steps_per_sec})
+        metrics["learning_rate"] = float(speed.pop("learning_rate"))
+        self._reporter.train_window(step, metrics, speed)
+        self._report_extras(step)
 
     def check(self, sums: Metrics) -> None:
         """Before a checkpoint: stop if the open window met a NaN/Inf loss (nan_policy=stop)."""

@@ -10,7 +10,8 @@ import dataclasses
 import logging
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -67,6 +68,23 @@ class Reporter:
         if self.writer is not None:
             self.writer.add_text(tag, markdown, global_step=step)
 
+    def histograms(self, step: int, summaries: Mapping[str, Mapping[str, Any]]) -> None:
+        """Histograms computed elsewhere, by tag (see `train.histograms.summarize`)."""
+        if self.writer is None:
+            return
+        for tag, summary in summaries.items():
+            values = {
+                name: np.asarray(value).tolist() if name.startswith("bucket_") else float(value)
+                for name, value in summary.items()
+            }
+            self.writer.add_histogram_raw(tag, global_step=step, **values)
+
+    def summaries(self, summaries: Sequence[Any]) -> None:
+        """Ready-made summary protos (the HParams plugin's), written as they are."""
+        if self.writer is not None:
+            for summary in summaries:
+                self.writer.file_writer.add_summary(summary)
+
     def scalars(self, prefix: str, step: int, values: Mapping[str, float]) -> None:
         if self.writer is None:
             return
@@ -100,12 +118,15 @@ class Reporter:
 class EvalReport:
     """What a model's `on_eval` hook gets besides the model: the step, a key of its own (from
     the seed and the step, so reruns draw the same samples), the first eval batch as the model
-    sees it (host arrays, with the `mask` column), and where to write what it makes."""
+    sees it (host arrays, with the `mask` column), every eval batch on demand (`batches()`:
+    device arrays sharded on the run's mesh, as the eval step gets them, for a hook that looks
+    at the whole eval split), and where to write what it makes."""
 
     step: int
     key: jax.Array
     examples: Mapping[str, np.ndarray]
     reporter: Reporter
+    batches: Callable[[], Iterator[Mapping[str, jax.Array]]]
 
     def text(self, tag: str, markdown: str) -> None:
         """A TensorBoard text entry at this step."""

@@ -31,6 +31,8 @@ RESUMABLE = (
     "trainer.best_mode",
     "trainer.resume",
     "trainer.nan_policy",
+    "trainer.profile_steps",
+    "logging.",  # what is written to TensorBoard, not what is trained
     "mesh.",  # the state is resharded onto the new mesh as it is restored
     "workdir",
 )

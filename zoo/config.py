@@ -75,6 +75,19 @@ class TrainerConfig:
     # still per step): pays off for tiny models, whose steps are shorter than the host's work
     # per step. steps, log_every, eval_every and checkpoint_every must be multiples of it.
     steps_per_dispatch: int = 1
+    # `[first, last]`: write a JAX profiler trace of these steps into the run's TensorBoard
+    # directory; empty: no trace.
+    profile_steps: list[int] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class LoggingConfig:
+    # Histograms of every param and its gradient every N steps; 0: never (the default: they
+    # cost a second gradient computation at each of those steps).
+    histogram_every: int = 0
+    # Global gradient norm, parameter norm and update/parameter ratio, sampled every N steps
+    # (each sample costs about one extra gradient computation); 0: never.
+    norms_every: int = 500
 
 
 @dataclasses.dataclass
@@ -161,6 +174,7 @@ class Config:
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     finetune: FinetuneConfig = dataclasses.field(default_factory=FinetuneConfig)
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     workdir: str = "runs/${model.name}/${now:%Y%m%d-%H%M%S}"
     seed: int = 0
 
@@ -339,6 +353,10 @@ def _check_values(cfg: DictConfig) -> None:
         raise ZooError(
             f"trainer.keep={trainer.keep} must be at least 1: the latest checkpoint is always kept."
         )
+    _check_profile_steps(list(trainer.profile_steps), trainer.steps)
+    for key in ("histogram_every", "norms_every"):
+        if cfg.logging[key] < 0:
+            raise ZooError(f"logging.{key}={cfg.logging[key]} must be 0 (off) or positive.")
     if resume_step(trainer.resume) is None and trainer.resume not in ("auto", "never"):
         raise ZooError(
             f"trainer.resume={trainer.resume} must be 'auto', 'never' or a step number (an "
@@ -375,6 +393,16 @@ def check_finetune(finetune: Any) -> None:
             re.compile(pattern)
         except re.error as e:
             raise ZooError(f"The path pattern '{pattern}' is not a valid regex: {e}.") from None
+
+
+def _check_profile_steps(steps: list[int], total: int) -> None:
+    if not steps:
+        return
+    if len(steps) != 2 or not 1 <= steps[0] <= steps[1] <= total:
+        raise ZooError(
+            f"trainer.profile_steps={steps} must be [] (no trace) or [first, last], two steps "
+            f"with 1 <= first <= last <= trainer.steps={total}, e.g. trainer.profile_steps=[10,20]."
+        )
 
 
 def resume_step(resume: Any) -> int | None:

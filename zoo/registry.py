@@ -42,8 +42,8 @@ all the tokens of the batch or of the eval split."""
 
 OnEval = Callable[[nnx.Module, Any], None]
 """`on_eval(model, report)`: called after each eval with the model in eval mode and a
-`train.report.EvalReport` (the step, a key of its own, the first eval batch, and ways to write
-text and images to TensorBoard and a line to the console)."""
+`train.report.EvalReport` (the step, a key of its own, the first eval batch, every eval batch
+on demand, and ways to write text and images to TensorBoard and a line to the console)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,259 @@
+"""What a run shows in TensorBoard, read back through a real `tensorboard` server's HTTP API:
+scalars, histograms, images, text and HParams; a profiler trace; events readable while a run
+trains and complete after SIGTERM; and histograms that leave a run's bits alone."""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import io
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from helpers import ROOT, read_events, run_cli, scalar_steps
+from PIL import Image
+from test_resume import assert_same_bits
+
+import zoo
+from train.checkpoint import Checkpointer, abstract_like
+from train.loop import Trainer
+
+STEPS, LOG_EVERY, EVAL_EVERY, HISTOGRAM_EVERY, BATCH = 40, 10, 20, 20, 64
+HIDDEN = 32
+RUN = "mlp"  # the run's directory under the server's --logdir
+
+
+def mlp_args(workdir, *extra: str) -> list[str]:
+    return [
+        "model=mlp",
+        f"model.hidden_sizes=[{HIDDEN}]",
+        f"trainer.steps={STEPS}",
+        f"trainer.batch_size={BATCH}",
+        f"trainer.log_every={LOG_EVERY}",
+        f"trainer.eval_every={EVAL_EVERY}",
+        "optimizer.warmup_steps=0",
+        f"workdir={workdir}",
+        *extra,
+    ]
+
+
+@pytest.fixture(scope="module")
+def observed(tmp_path_factory):
+    """One finished run with histograms and a profiler trace, trained through the CLI."""
+    logdir = tmp_path_factory.mktemp("runs")
+    workdir = logdir / RUN
+    extra = (
+        f"logging.histogram_every={HISTOGRAM_EVERY}",
+        f"logging.norms_every={LOG_EVERY}",
+        "trainer.profile_steps=[3,5]",
+    )
+    result = run_cli(*mlp_args(workdir, *extra))
+    assert result.returncode == 0, result.stderr
+    return logdir, workdir, result
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def tensorboard_server(logdir) -> Iterator[str]:
+    """A real `tensorboard` process serving `logdir` on 127.0.0.1; stopped by its pid."""
+    port = free_port()
+    process = subprocess.Popen(
+        [
+            os.path.join(os.path.dirname(sys.executable), "tensorboard"),
+            f"--logdir={logdir}",
+            "--host=127.0.0.1",
+            f"--port={port}",
+            "--reload_interval=1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        os.kill(process.pid, signal.SIGTERM)
+        process.wait(timeout=30)
+
+
+def fetch(url: str, body: dict | None = None) -> bytes:
+    data = None if body is None else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"} if body is not None else {}
+    with urllib.request.urlopen(urllib.request.Request(url, data, headers), timeout=30) as r:
+        return r.read()
+
+
+def fetch_json(url: str, body: dict | None = None):
+    return json.loads(fetch(url, body))
+
+
+def wait_for_tags(base: str, plugin: str, expected: set[str], limit_s: float = 120) -> None:
+    """Until the server has loaded every expected tag of `plugin` (it reloads every second)."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        try:
+            tags = set(fetch_json(f"{base}/data/plugin/{plugin}/tags").get(RUN, {}))
+        except OSError:  # not listening yet
+            tags = set()
+        if expected <= tags:
+            return
+        assert time.monotonic() < deadline, f"{plugin} tags {expected - tags} never appeared"
+        time.sleep(0.5)
+
+
+def test_tensorboard_server_shows_every_tab(observed):
+    logdir, workdir, _ = observed
+    windows = list(range(LOG_EVERY, STEPS + 1, LOG_EVERY))
+    evals = [EVAL_EVERY, STEPS]
+    with tensorboard_server(logdir) as base:
+        scalar_tags = {
+            *(f"train/{name}" for name in ("loss", "accuracy", "learning_rate")),
+            *(f"train/{name}" for name in ("grad_norm", "param_norm", "update_ratio")),
+            *(f"train/{name}" for name in ("steps_per_sec", "examples_per_sec")),
+            "train/data_wait_share",
+            "compile/count",
+            "compile/seconds",
+            "eval/loss",
+            "eval/accuracy",
+        }
+        wait_for_tags(base, "scalars", scalar_tags)
+        wait_for_tags(base, "histograms", {"params/head/kernel", "grads/hidden/0/kernel"})
+        wait_for_tags(base, "images", {"classifier/confusion_matrix", "classifier/misclassified"})
+        wait_for_tags(base, "text", {f"{t}/text_summary" for t in ("config", "model_summary")})
+
+        def scalars(tag: str) -> dict[int, float]:
+            rows = fetch_json(f"{base}/data/plugin/scalars/scalars?run={RUN}&tag={tag}")
+            return {step: value for _, step, value in rows}
+
+        assert list(scalars("train/loss")) == windows
+        assert list(scalars("eval/accuracy")) == evals
+        for name in ("grad_norm", "param_norm", "update_ratio"):
+            norms = scalars(f"train/{name}")
+            assert list(norms) == windows and all(v > 0 for v in norms.values()), name
+        speed, examples = scalars("train/steps_per_sec"), scalars("train/examples_per_sec")
+        for step in windows:
+            assert examples[step] == pytest.approx(speed[step] * BATCH, rel=1e-5)
+            assert 0 < scalars("train/data_wait_share")[step] < 1
+        compiles = list(scalars("compile/count").values())
+        assert compiles[0] >= 1 and compiles == sorted(compiles)
+        assert all(s > 0 for s in scalars("compile/seconds").values())
+
+        # Histograms: every HISTOGRAM_EVERY steps, each over every value of its array.
+        histogram_steps = list(range(HISTOGRAM_EVERY, STEPS + 1, HISTOGRAM_EVERY))
+        for tag, size in (("params/hidden/0/kernel", 64 * HIDDEN), ("grads/head/bias", 10)):
+            rows = fetch_json(f"{base}/data/plugin/histograms/histograms?run={RUN}&tag={tag}")
+            assert [step for _, step, _ in rows] == histogram_steps
+            for _, _, buckets in rows:
+                assert sum(count for _, _, count in buckets) == size
+
+        # Images: a confusion matrix and misclassified digits after each eval.
+        url = f"{base}/data/plugin/images/images?run={RUN}&tag=classifier/confusion_matrix"
+        entries = fetch_json(url)
+        assert [entry["step"] for entry in entries] == evals
+        png = fetch(f"{base}/data/plugin/images/individualImage?{entries[-1]['query']}")
+        matrix = np.asarray(Image.open(io.BytesIO(png)))
+        assert matrix.shape == (120, 120, 3)  # 10 x 10 classes of 12 x 12 pixels
+        url = f"{base}/data/plugin/images/images?run={RUN}&tag=classifier/misclassified"
+        assert [entry["step"] for entry in fetch_json(url)] == evals
+
+        def text(tag: str) -> str:
+            url = f"{base}/data/plugin/text/text?run={RUN}&tag={tag}/text_summary"
+            return fetch_json(url)[-1]["text"]
+
+        summary = text("model_summary")
+        params = 64 * HIDDEN + HIDDEN + HIDDEN * 10 + 10
+        assert "hidden/0" in summary and f"{params:,}" in summary
+        assert f"steps: {STEPS}" in text("config")
+        assert "Sharding plan on mesh" in text("sharding_plan")
+        cells = re.findall(r"<td>(\d+)</td>", text("classifier/confusion_matrix"))
+        assert sum(map(int, cells)) == 360  # every eval digit once (row labels are bold)
+
+        # HParams: the flattened config, and the run's final metrics as its session's values.
+        experiment = fetch_json(f"{base}/data/plugin/hparams/experiment", {"experimentName": ""})
+        names = {info["name"] for info in experiment["hparamInfos"]}
+        assert {"trainer.steps", "model.hidden_sizes", "optimizer.learning_rate"} <= names
+        request = {
+            "experimentName": "",
+            "allowedStatuses": ["STATUS_UNKNOWN", "STATUS_SUCCESS", "STATUS_RUNNING"],
+            "startIndex": 0,
+            "sliceSize": 10,
+        }
+        groups = fetch_json(f"{base}/data/plugin/hparams/session_groups", request)
+        (group,) = groups["sessionGroups"]
+        assert group["hparams"]["trainer.steps"] == STEPS
+        final = {m["name"]["tag"]: m["value"] for m in group["metricValues"]}
+        assert final["eval/accuracy"] == pytest.approx(scalars("eval/accuracy")[STEPS])
+
+
+def test_profile_steps_write_a_trace_and_console_lines_reach_train_log(observed):
+    _, workdir, result = observed
+    assert glob.glob(str(workdir / "plugins" / "profile" / "*" / "*.xplane.pb"))
+    assert "Profiler trace of steps 3-5" in result.stderr
+    log = (workdir / "train.log").read_text()
+    for line in (f"eval @ step {STEPS}:", f"step {STEPS}/{STEPS} accuracy", "Profiler trace"):
+        assert line in result.stderr and line in log, line
+
+
+def test_histograms_and_profiling_leave_the_bits_alone(observed, tmp_path):
+    _, workdir, _ = observed
+    plain = Trainer(zoo.compose(mlp_args(tmp_path)))
+    result = plain.fit()
+    checkpointer = Checkpointer(workdir / "checkpoints")
+    try:
+        observed_state = checkpointer.restore_state(STEPS, abstract_like(plain.state))
+    finally:
+        checkpointer.close()
+    assert_same_bits(observed_state, result.state)
+    assert not (tmp_path / "plugins").exists()
+    assert "histograms" not in {k for k, v in read_events(tmp_path).Tags().items() if v}
+
+
+def test_events_are_readable_while_training_and_complete_after_sigterm(tmp_path):
+    """A long run: its first windows are read from disk while it trains; after SIGTERM every
+    window it closed is there."""
+    args = ["model=xor", "trainer.steps=1000000", f"trainer.log_every={LOG_EVERY}"]
+    workdir, console = tmp_path / "run", tmp_path / "console.txt"
+    with console.open("w") as stderr:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "zoo.train", *args, f"workdir={workdir}"],
+            cwd=ROOT,
+            env={**os.environ, "JAX_NUM_CPU_DEVICES": "8"},
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+        )
+    try:
+        live: dict[int, float] = {}
+        deadline = time.monotonic() + 240
+        while not live and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+            if glob.glob(str(workdir / "events.out.tfevents.*")):
+                events = read_events(workdir)
+                if "train/loss" in events.Tags()["scalars"]:
+                    live = scalar_steps(events, "train/loss")
+        running = process.poll() is None  # still training after the events were read
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    stderr = console.read_text()
+    assert live and running, stderr
+    assert process.returncode == 128 + signal.SIGTERM, stderr
+    stopped = int(re.search(r"Stopped by SIGTERM after step (\d+)", stderr).group(1))
+    assert max(live) < stopped
+    losses = scalar_steps(read_events(workdir), "train/loss")
+    assert list(losses) == list(range(LOG_EVERY, stopped + 1, LOG_EVERY))

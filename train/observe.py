@@ -1,0 +1,137 @@
+"""What the training loop reports besides its metrics: speed, time waiting for data,
+compilations, update norms, histograms and profiler traces.
+
+All of it is host-side bookkeeping around the loop (clock reads, JAX's compile events) or work
+dispatched to the device and fetched a log window later, so none of it makes the host wait on a
+training step, and none of it touches the train state: a run's bits do not depend on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import jax
+from jax import monitoring
+
+from train.report import Reporter
+
+log = logging.getLogger("zoo")
+
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+"""JAX's event for one XLA compilation; tracing and lowering come before it."""
+_COMPILE_EVENTS = (
+    "/jax/core/compile/jaxpr_trace_duration",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration",
+    BACKEND_COMPILE,
+)
+
+
+class WindowClock:
+    """Wall time of each log window, and how much of it the host spent getting batches
+    (`next(iterator)` and sharding): a share near 1 means the devices wait for data."""
+
+    def __init__(self, step: int, batch_size: int):
+        self._batch_size = batch_size
+        self._step, self._time, self._waiting = step, time.perf_counter(), 0.0
+
+    @contextlib.contextmanager
+    def waiting_for_data(self) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._waiting += time.perf_counter() - started
+
+    def lap(self, step: int) -> dict[str, float]:
+        """`steps_per_sec`, `examples_per_sec` and `data_wait_share` since the last lap."""
+        now = time.perf_counter()
+        seconds = now - self._time
+        steps_per_sec = (step - self._step) / seconds
+        speed = {
+            "steps_per_sec": steps_per_sec,
+            "examples_per_sec": steps_per_sec * self._batch_size,
+            "data_wait_share": self._waiting / seconds,
+        }
+        self._step, self._time, self._waiting = step, now, 0.0
+        return speed
+
+
+class CompileWatch:
+    """Counts the XLA compilations of this process while installed, and the seconds spent
+    tracing, lowering and compiling: a count that keeps growing means a step recompiles."""
+
+    def __init__(self) -> None:
+        self.count, self.seconds = 0, 0.0
+
+    def _record(self, event: str, duration: float, **_: Any) -> None:
+        if event in _COMPILE_EVENTS:
+            self.seconds += duration
+            self.count += event == BACKEND_COMPILE
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[CompileWatch]:
+        monitoring.register_event_duration_secs_listener(self._record)
+        try:
+            yield self
+        finally:
+            monitoring.unregister_event_duration_listener(self._record)
+
+    def totals(self) -> dict[str, float]:
+        return {"count": float(self.count), "seconds": self.seconds}
+
+
+class Deferred:
+    """Work dispatched to the device before the train step of the steps where `due(step)`,
+    on the state, batch and key that step gets, and handed to `write(step, result)` once a log
+    window ending at or after that step is reported: by then the device has long finished it,
+    so fetching it never makes the host wait."""
+
+    def __init__(
+        self,
+        step_fn: Callable,
+        due: Callable[[int], bool],
+        write: Callable[[int, Mapping[str, Any]], None],
+    ):
+        self._step_fn, self._due, self._write = step_fn, due, write
+        self._pending: list[tuple[int, Mapping[str, Any]]] = []
+
+    def before_step(self, step: int, state: Any, batch: Mapping[str, jax.Array], key) -> None:
+        if self._due(step):
+            self._pending.append((step, self._step_fn(state, batch, key)))
+
+    def write(self, up_to: int) -> None:
+        """Write the results of steps <= `up_to`."""
+        due = [(step, result) for step, result in self._pending if step <= up_to]
+        self._pending = [(step, result) for step, result in self._pending if step > up_to]
+        for step, result in due:
+            self._write(step, jax.device_get(result))
+
+
+class ProfileWindow:
+    """A JAX profiler trace of steps `first..last` (`trainer.profile_steps`), written under
+    `<workdir>/plugins/profile/`, where TensorBoard's profile plugin finds it."""
+
+    def __init__(self, workdir: str, steps: Sequence[int]):
+        self._workdir = workdir
+        self._first, self._last = (steps[0], steps[1]) if steps else (None, None)
+        self._active = False
+
+    def before_step(self, step: int) -> None:
+        if step == self._first:
+            jax.profiler.start_trace(self._workdir)
+            self._active = True
+
+    def after_step(self, step: int, outputs: Any) -> None:
+        if self._active and step == self._last:
+            jax.block_until_ready(outputs)  # the trace ends when the last step has run
+            self.close()
+            log.info("Profiler trace of steps %d-%d in %s", self._first, step, self._workdir)
+
+    def close(self) -> None:
+        if self._active:
+            jax.profiler.stop_trace()
+            self._active = False
