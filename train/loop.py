@@ -28,10 +28,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from data import pipeline
 from train import distributed, resume, sharding
-from train.dispatch import Dispatcher
 from train import rngs as zoo_rngs
 from train.checkpoint import FORMAT as CHECKPOINT_FORMAT
 from train.checkpoint import Checkpointer, abstract_like, read_json
+from train.dispatch import Dispatcher
 from train.freeze import Filter, frozen_filter, frozen_norms, trainable_filter
 from train.histograms import make_histogram_step
 from train.lora import add_adapters
