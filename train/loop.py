@@ -63,7 +63,7 @@ log = logging.getLogger("zoo")
 # buy nothing but memory, and with 8 simulated CPU devices deep queues (hundreds of tiny steps)
 # occasionally deadlocked XLA:CPU's all-reduce rendezvous (about 1 run in 3 of 1,954 XOR steps).
 MAX_STEPS_IN_FLIGHT = 8
-_timing_log = logging.getLogger("train.checkpoint")  # train.log only, not the console
+_timing_log = logging.getLogger("train.timing")  # train.log only, not the console
 
 
 @dataclasses.dataclass
@@ -332,6 +332,7 @@ class Trainer:
             contextlib.closing(profile),
             sharding.activate(self.mesh, self.rules),
         ):
+            first = run.step + k
             for step in range(run.step + k, total + 1, k):  # `step` counts the batches consumed
                 # Exactly one batch per step: the iterator's state always matches the step.
                 with clock.waiting_for_data():
@@ -343,6 +344,8 @@ class Trainer:
                     for probe in probes:
                         probe.before_step(step, self.state, batches, self.step_key)
                 self.state, sums = self.dispatcher.run(self.state, sums, batches, self.step_key)
+                if step == first:  # compiled (on a first run) and running
+                    _timing_log.info("First dispatch of this run: steps %d-%d", step - k + 1, step)
                 for s in dispatched:
                     profile.after_step(s, sums)
                 in_flight.append(sums[COUNT])
