@@ -127,9 +127,7 @@ def main() -> None:
             if variant.logged:
                 variant.reporter.close()
 
-    medians = {
-        v.name: statistics.median(v.seconds_per_step[WARMUP_WINDOWS:]) for v in variants
-    }
+    medians = {v.name: statistics.median(v.seconds_per_step[WARMUP_WINDOWS:]) for v in variants}
     base = medians["bare"]
     result = {
         "command": f"python -m benchmarks.logging_overhead --model {args.model} "
@@ -141,8 +139,10 @@ def main() -> None:
         "median_ms_per_step": {name: 1e3 * s for name, s in medians.items()},
         "overhead_vs_bare": {name: s / base - 1 for name, s in medians.items()},
     }
-    print(f"{args.model}, {jax.device_count()} device(s), windows of {every} steps, "
-          f"median of {args.windows} windows each")
+    print(
+        f"{args.model}, {jax.device_count()} device(s), windows of {every} steps, "
+        f"median of {args.windows} windows each"
+    )
     print(f"{'variant':<12} {'ms/step':>9} {'overhead':>9}")
     for name, seconds in medians.items():
         print(f"{name:<12} {1e3 * seconds:>9.4f} {100 * (seconds / base - 1):>8.2f}%")

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from train import rngs as zoo_rngs
 from train import sharding
@@ -53,6 +54,14 @@ def pipeline_rate(trainer: Trainer, batches: int) -> float:
             placed = trainer.shard(next(iterator))
         jax.block_until_ready(placed)
     return batches / (time.perf_counter() - start)
+
+
+def data_wait_shares(workdir: str) -> list[float]:
+    """`train/data_wait_share` of every log window the trainer in `workdir` wrote but the
+    first (compilation, warm-up)."""
+    events = EventAccumulator(workdir)
+    events.Reload()
+    return [event.value for event in events.Scalars("train/data_wait_share")[1:]]
 
 
 def _mean_loss(loss_fn: registry.LossFn) -> Callable:

@@ -120,6 +120,8 @@ def compare(
         finally:
             for advance in zoo_loops.values():
                 advance.close()  # type: ignore[attr-defined]
+        # The trainer's own account of its waiting, read back from its TensorBoard events.
+        data_wait = {name: loops.data_wait_shares(f"{workdir}/{name}") for name in zoo_loops}
     result: dict[str, Any] = {
         "data": cfg["data"]["name"],
         "batch_size": cfg["trainer"]["batch_size"],
@@ -131,8 +133,13 @@ def compare(
         "torch_threads": getattr(torch, "threads", None),
         "compilations": compilations,
         "pipeline_batches_per_sec": pipeline,
-        # The host's share of a zoo step spent producing its batch (fetch and placement).
-        "data_wait_fraction": statistics.median(rates["zoo"]) / pipeline,
+        # How much faster the pipeline alone delivers batches than the trainer consumes them.
+        "pipeline_headroom": pipeline / statistics.median(rates["zoo"]),
+        # The share of each log window the loop spent waiting for its next input.
+        # (None: the run was too short to close a log window after its first.)
+        "data_wait_share": {
+            name: spread(shares) if shares else None for name, shares in data_wait.items()
+        },
         "ratios": {},
         "per_window": rates,
     }
@@ -155,9 +162,13 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
             elif name in result["not_measured"]:
                 print(f"{model:<6} {name:<19} not measured: {result['not_measured'][name]}")
         print(
-            f"{model:<6} pipeline {result['pipeline_batches_per_sec']:.0f} batches/s (data "
-            f"{100 * result['data_wait_fraction']:.1f}% of a zoo step); compilations "
-            f"{result['compilations']}"
+            f"{model:<6} pipeline {result['pipeline_batches_per_sec']:.0f} batches/s "
+            f"({result['pipeline_headroom']:.1f}x the trainer's steps/s); data wait "
+            + ", ".join(
+                f"{name} {100 * share['median']:.1f}%" if share else f"{name} n/a"
+                for name, share in result["data_wait_share"].items()
+            )
+            + f"; compilations {result['compilations']}"
         )
         for ratio, r in result["ratios"].items():
             row = f"{r['median']:>10.2f} {r['min']:>10.2f} {r['max']:>10.2f}"

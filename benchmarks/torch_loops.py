@@ -20,7 +20,6 @@ Advance = Callable[[int], None]
 
 
 def _twin(name: str, hparams: Mapping[str, Any]):
-    import torch
     from torch import nn
 
     def lecun(layer: nn.Linear | nn.Conv2d, he: bool = False) -> nn.Module:

@@ -34,9 +34,7 @@ class _Columns:
         self._arrays = {name: np.asarray(value) for name, value in arrays.items()}
         lengths = {name: len(value) for name, value in self._arrays.items()}
         if not lengths or len(set(lengths.values())) != 1 or 0 in lengths.values():
-            raise ZooError(
-                f"The {what} split needs columns of one non-zero length, got {lengths}."
-            )
+            raise ZooError(f"The {what} split needs columns of one non-zero length, got {lengths}.")
         self._n = next(iter(lengths.values()))
 
     def __len__(self) -> int:

@@ -49,9 +49,7 @@ def _outcomes(model: nnx.Module, batch: Mapping[str, jax.Array]):
     predicted = logits.argmax(-1)
     real = batch[MASK].astype(jnp.float32)[:, None]
     truth = jax.nn.one_hot(batch["label"], classes) * real
-    confusion = jnp.einsum(
-        "bi,bj->ij", truth, jax.nn.one_hot(predicted, classes), out_sharding=P()
-    )
+    confusion = jnp.einsum("bi,bj->ij", truth, jax.nn.one_hot(predicted, classes), out_sharding=P())
     wrong = (predicted != batch["label"]) & (batch[MASK] > 0)
     return confusion, *(jax.sharding.reshard(x, P()) for x in (predicted, batch["label"], wrong))
 

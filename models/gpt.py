@@ -173,9 +173,7 @@ class GPT(nnx.Module):
 
         layer_keys = jax.random.split(rngs.params(), depth)
         if scan_layers:  # one Block whose params have a leading (unsharded) layer axis
-            self.blocks = nnx.vmap(block, transform_metadata={nnx.PARTITION_NAME: None})(
-                layer_keys
-            )
+            self.blocks = nnx.vmap(block, transform_metadata={nnx.PARTITION_NAME: None})(layer_keys)
         else:
             self.blocks = nnx.List([block(key) for key in layer_keys])
         self.norm = layer_norm(dim, rngs=rngs)

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import jax
 import numpy as np
-
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 ROOT = Path(__file__).resolve().parent.parent

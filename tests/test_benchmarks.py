@@ -23,4 +23,7 @@ def test_benchmark_runs_and_writes_every_figure(tmp_path):
     assert set(result["ratios"]) >= {"zoo/bare", "zoo_dispatch/bare", "zoo/nnx"}
     assert result["compilations"]["train_step"] == 1
     assert result["pipeline_batches_per_sec"] > 0
+    for loop in ("zoo", "zoo_dispatch"):  # read back from the trainers' TensorBoard events
+        share = result["data_wait_share"][loop]
+        assert 0 <= share["min"] <= share["median"] <= share["max"] < 1
     assert "torch" in result["steps_per_sec"] or result["not_measured"]["torch"]

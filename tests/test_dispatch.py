@@ -31,6 +31,23 @@ def test_k_steps_per_dispatch_equal_one_step_per_dispatch_and_resume_exactly(tmp
         )
 
 
+def test_a_run_resumes_with_another_k_and_the_same_bits(tmp_path):
+    one = train(tmp_path / "one")
+    train(tmp_path / "switch", "trainer.steps=20")
+    switched = train(tmp_path / "switch", "trainer.steps_per_dispatch=20")
+    assert switched.start_step == 20
+    assert_same_bits(switched.state, one.state)
+    assert switched.eval_metrics == one.eval_metrics
+
+
+def test_a_k_that_does_not_divide_the_resume_step_is_refused_intact(tmp_path):
+    train(tmp_path, "trainer.steps=20")
+    saved = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    with pytest.raises(zoo.ZooError, match="steps_per_dispatch=3 cannot resume at step 20"):
+        train(tmp_path, "trainer.steps=60", "trainer.log_every=30", "trainer.steps_per_dispatch=3")
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == saved
+
+
 @pytest.mark.parametrize(
     ("overrides", "named"),
     [

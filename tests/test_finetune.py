@@ -76,8 +76,9 @@ def test_missing_runs_and_steps_are_named(cli_runs, tmp_path):
 
 def test_a_new_head_needs_the_explicit_option_naming_the_params(cli_runs, tmp_path):
     with pytest.raises(zoo.ZooError) as error:
-        zoo.finetune(cli_runs["cnn"], *TUNE, f"workdir={tmp_path}", data=five_classes(),
-                     num_classes=5)
+        zoo.finetune(
+            cli_runs["cnn"], *TUNE, f"workdir={tmp_path}", data=five_classes(), num_classes=5
+        )
     message = str(error.value)
     assert "head.kernel (checkpoint (64, 10), model (64, 5))" in message, message
     assert "head.bias (checkpoint (10,), model (5,))" in message, message
@@ -127,7 +128,9 @@ def test_the_same_call_again_resumes_to_the_same_bits(cli_runs, head_tuned, tmp_
     assert (first.step, again.start_step, again.step) == (20, 20, 40)
     assert_same_bits(again.state, result.state)
     with pytest.raises(zoo.ZooError, match="finetune.freeze: backbone -> blocks"):
-        zoo.finetune(cli_runs["cnn"], *args, f"workdir={tmp_path}", **{**options, "freeze": "blocks"})
+        zoo.finetune(
+            cli_runs["cnn"], *args, f"workdir={tmp_path}", **{**options, "freeze": "blocks"}
+        )
 
 
 def test_lora_on_another_mesh_trains_only_adapters_and_merges(cli_runs, tmp_path):
@@ -137,11 +140,20 @@ def test_lora_on_another_mesh_trains_only_adapters_and_merges(cli_runs, tmp_path
     assert jax.typeof(kernel).sharding.spec == jax.P("fsdp", "tensor")
     assert len(kernel.sharding.device_set) == 8  # split 8 ways, as it was trained
     mesh = ("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
-    result = zoo.finetune(base, *TUNE, *mesh, "trainer.steps=30", "optimizer.learning_rate=0.01",
-                          f"workdir={tmp_path}", lora_rank=4, lora_layers="hidden")
+    result = zoo.finetune(
+        base,
+        *TUNE,
+        *mesh,
+        "trainer.steps=30",
+        "optimizer.learning_rate=0.01",
+        f"workdir={tmp_path}",
+        lora_rank=4,
+        lora_layers="hidden",
+    )
     adapters = flat(nnx.state(result.model, nnx.LoRAParam))
-    assert len(adapters) == 6 and all(np.any(np.asarray(b) != 0) for n, b in adapters.items()
-                                      if n.endswith("lora_b"))
+    assert len(adapters) == 6 and all(
+        np.any(np.asarray(b) != 0) for n, b in adapters.items() if n.endswith("lora_b")
+    )
     kernel = result.model.hidden[0].base_module.kernel[...]
     assert dict(kernel.sharding.mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
     assert jax.typeof(kernel).sharding.spec == jax.P("fsdp", "tensor")  # the new mesh's plan
@@ -167,8 +179,9 @@ def test_lora_on_another_mesh_trains_only_adapters_and_merges(cli_runs, tmp_path
 
 def test_freezing_by_nnx_filter(cli_runs, tmp_path):
     blocks = nnx.All(nnx.Param, nnx.PathContains("blocks"))
-    result = zoo.finetune(cli_runs["cnn"], *TUNE, "trainer.steps=5", f"workdir={tmp_path}",
-                          freeze=blocks)
+    result = zoo.finetune(
+        cli_runs["cnn"], *TUNE, "trainer.steps=5", f"workdir={tmp_path}", freeze=blocks
+    )
     base = flat(nnx.state(zoo.load(cli_runs["cnn"]).model, nnx.Param))
     tuned = flat(nnx.state(result.model, nnx.Param))
     changed = {name for name in base if np.any(np.asarray(tuned[name]) != np.asarray(base[name]))}

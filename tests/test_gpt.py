@@ -5,7 +5,6 @@ is reproducible, consistent with the full forward pass and compiled a bounded nu
 
 from __future__ import annotations
 
-import logging
 import math
 
 import jax
@@ -165,9 +164,9 @@ def test_lines_compile_once_per_bucket(lines_run):
 
 def test_held_out_bits_per_byte_is_exact_over_real_bytes(lines_run):
     trainer, result = lines_run
-    held_out = get_data("text").splits(
-        {"mode": "lines", "buckets": BUCKETS, "eval_bytes": 3000}
-    ).eval
+    held_out = (
+        get_data("text").splits({"mode": "lines", "buckets": BUCKETS, "eval_bytes": 3000}).eval
+    )
     tokens = jnp.asarray(held_out[TOKENS].astype(np.int32))  # every line, padded to 128
     with result.activate(), sharding.unsplit_batch():
         log_probs = jax.nn.log_softmax(nnx.jit(lambda m, x: m(x))(result.model, tokens[:, :-1]))

@@ -20,12 +20,11 @@ metric among the checkpoints saved with an eval. The latest is never deleted (DE
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Mapping
 from typing import Any
-
-import json
 
 import grain
 import jax

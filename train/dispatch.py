@@ -10,13 +10,11 @@ every K steps, which is why every cadence must be a multiple of K.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
+import grain
 import jax
-import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from train import sharding
 from zoo.errors import ZooError
@@ -41,9 +39,13 @@ def check_cadences(trainer: Mapping[str, Any]) -> None:
         )
 
 
+PREFETCH = 2
+"""Dispatches' worth of batches fetched and placed on the devices ahead of the loop."""
+
+
 class Dispatcher:
-    """Fetches, places and runs the next K steps' batches: `state, sums = run(state, sums,
-    batches, key)` with `batches = next_batches(iterator)`."""
+    """Runs the next K steps: `state, sums = run(state, sums, batches, key)`, with `batches`
+    from `iterate(dataset)`."""
 
     def __init__(
         self,
@@ -56,20 +58,23 @@ class Dispatcher:
         self._mesh, self._rules = mesh, rules
         self.run = train_step if self.k == 1 else _scanned(train_step)
 
-    def next_batches(self, iterator: Iterator[Mapping[str, np.ndarray]]) -> dict[str, jax.Array]:
-        """One batch (K=1), or the next K stacked on a new leading axis; the iterator advances
-        by exactly K batches, so its state matches the step."""
-        if self.k == 1:
-            return sharding.shard_batch(next(iterator), self._mesh, self._rules)
-        batches = [next(iterator) for _ in range(self.k)]
-        stacked = {name: np.stack([b[name] for b in batches]) for name in batches[0]}
-        placed = NamedSharding(self._mesh, P(None, sharding.batch_axes(self._rules)))
-        if jax.process_count() == 1:
-            return jax.device_put(stacked, placed)
-        return {
-            name: jax.make_array_from_process_local_data(placed, value)
-            for name, value in stacked.items()
-        }
+    def iterate(self, dataset: grain.IterDataset) -> grain.DatasetIterator:
+        """Each dispatch's input, already on the devices: one batch (K=1), or the next K
+        stacked on a new leading axis.
+
+        A Grain thread fetches and places them `PREFETCH` dispatches ahead, so the loop waits
+        only when the pipeline is slower than the steps. The iterator's state is that of the
+        last input handed out, K batches per dispatch, so a checkpoint's position matches its
+        step (and has the same form for every K)."""
+        if self.k > 1:
+            dataset = dataset.batch(self.k)  # stacks each column on a new leading axis
+        place = functools.partial(
+            sharding.shard_batch, mesh=self._mesh, rules=self._rules, stacked=self.k > 1
+        )
+        placed = grain.experimental.ThreadPrefetchIterDataset(
+            dataset.map(place), prefetch_buffer_size=PREFETCH
+        )
+        return iter(placed)
 
 
 def _scanned(train_step: Callable) -> Callable:

@@ -41,7 +41,6 @@ from train.optim import make_optimizer
 from train.plan import create_sharded
 from train.report import EvalReport, Reporter, format_metrics
 from train.signals import Interrupted, StopRequests
-from train.summaries import hparams_summaries, model_summary
 from train.steps import (
     COUNT,
     Metrics,
@@ -52,6 +51,7 @@ from train.steps import (
     means,
     zero_metrics,
 )
+from train.summaries import hparams_summaries, model_summary
 from train.warm_start import locate, warm_start
 from zoo import registry
 from zoo.config import resume_step
@@ -92,9 +92,7 @@ def build_model(
     `finetune` asks for. Call it under the mesh, so everything is born sharded."""
     model = entry.build(hparams, zoo_rngs.init_rngs(seed))
     if finetune.lora_rank:
-        add_adapters(
-            model, finetune.lora_rank, finetune.lora_layers, zoo_rngs.adapter_rngs(seed)
-        )
+        add_adapters(model, finetune.lora_rank, finetune.lora_layers, zoo_rngs.adapter_rngs(seed))
     return model
 
 
@@ -239,14 +237,22 @@ class Trainer:
             best_metric=settings["best_metric"],
             best_mode=settings["best_mode"],
         )
+        iterator = self.dispatcher.iterate(self.train_data)  # its thread starts on first use
         reporter = None
         try:
-            iterator = iter(self.train_data)
             with sharding.activate(self.mesh, self.rules):
                 example = self.shard(next(iter(self.train_data)))  # a fresh iterator: a peek
                 zeros = zero_metrics(self.train_step, self.state, {}, example, self.step_key)
                 start = self._resume(checkpointer, iterator, zeros, config_dict)
             self.progress, self.resumed_from = start, start.step
+            k = self.dispatcher.k
+            if start.step % k:
+                raise ZooError(
+                    f"trainer.steps_per_dispatch={k} cannot resume at step {start.step}, where "
+                    f"the checkpoint in {checkpointer.directory} is: the loop dispatches K steps "
+                    f"at a time from there and must land on every cadence. Use a "
+                    f"steps_per_dispatch that divides {start.step} (1 always does)."
+                )
             if start.step > total:
                 raise ZooError(
                     f"trainer.steps={total} is below step {start.step}, where the checkpoint in "
@@ -281,6 +287,7 @@ class Trainer:
             log.info("%s", self.plan.table())
             yield from self._loop(start, iterator, zeros, checkpointer, reporter, config_dict)
         finally:
+            iterator.close()
             checkpointer.close()
             if reporter is not None:
                 reporter.close()
@@ -288,14 +295,16 @@ class Trainer:
     def _loop(self, run, iterator, zeros, checkpointer, reporter, config_dict) -> Iterator[int]:
         """Steps `run.step + 1 .. trainer.steps`; `run` (a `_Progress`) is updated as it goes."""
         trainer = self.cfg.trainer
-        total = int(trainer.steps)
+        # Plain ints: the loop reads them every step, and a config lookup costs microseconds.
+        total, log_every = int(trainer.steps), int(trainer.log_every)
+        eval_every, checkpoint_every = int(trainer.eval_every), int(trainer.checkpoint_every)
         clock = WindowClock(run.step, int(trainer.batch_size))
         compiles = CompileWatch()
         norms_every = int(self.cfg.logging.norms_every)
         every = int(self.cfg.logging.histogram_every)
 
         def closes_window(step: int) -> bool:
-            return step % trainer.log_every == 0 or step == total
+            return step % log_every == 0 or step == total
 
         probes = [
             Deferred(
@@ -336,7 +345,7 @@ class Trainer:
             for step in range(run.step + k, total + 1, k):  # `step` counts the batches consumed
                 # Exactly one batch per step: the iterator's state always matches the step.
                 with clock.waiting_for_data():
-                    batches = self.dispatcher.next_batches(iterator)
+                    batches = next(iterator)
                 dispatched = range(step - k + 1, step + 1)
                 for s in dispatched:
                     profile.before_step(s)
@@ -354,12 +363,12 @@ class Trainer:
                 if closes_window(step):
                     windows.close(step, sums)
                     sums = zeros
-                if (trainer.eval_every and step % trainer.eval_every == 0) or step == total:
+                if (eval_every and step % eval_every == 0) or step == total:
                     windows.report_pending()
                     run.eval_metrics, run.eval_step = self.evaluate(), step
                     reporter.eval(step, run.eval_metrics)
                     self._on_eval(step, reporter)
-                due = trainer.checkpoint_every and step % trainer.checkpoint_every == 0
+                due = checkpoint_every and step % checkpoint_every == 0
                 if due or step == total or stop.signum is not None:
                     # Never save a state that a NaN/Inf loss has reached (nan_policy=stop).
                     windows.report_pending()

@@ -56,9 +56,7 @@ def add_adapters(model: nnx.Module, rank: int, layers: str, rngs: nnx.Rngs) -> l
             rank,
             linear.out_features,
             base_module=linear,
-            a_initializer=nnx.with_partitioning(
-                nnx.initializers.he_uniform(), (axis_in, None)
-            ),
+            a_initializer=nnx.with_partitioning(nnx.initializers.he_uniform(), (axis_in, None)),
             b_initializer=nnx.with_partitioning(nnx.initializers.zeros_init(), (None, axis_out)),
             rngs=rngs,
         )

@@ -17,8 +17,6 @@ from typing import Any
 import jax
 from jax import monitoring
 
-from train.report import Reporter
-
 log = logging.getLogger("zoo")
 
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"

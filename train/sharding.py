@@ -198,11 +198,12 @@ def batch_divisor(mesh: Mesh, rules: AxisRules) -> int:
 
 
 def shard_batch(
-    batch: Mapping[str, np.ndarray], mesh: Mesh, rules: AxisRules
+    batch: Mapping[str, np.ndarray], mesh: Mesh, rules: AxisRules, stacked: bool = False
 ) -> dict[str, jax.Array]:
     """Place a host batch on the mesh, split along the batch axes; each process passes its own
-    share (the whole batch when there is one process)."""
-    sharding = NamedSharding(mesh, P(batch_axes(rules)))
+    share (the whole batch when there is one process). `stacked`: the columns hold several
+    batches on a leading axis, which stays whole."""
+    sharding = NamedSharding(mesh, P(*[None] * stacked, batch_axes(rules)))
     if jax.process_count() == 1:
         return jax.device_put(dict(batch), sharding)  # one call for all columns: far cheaper
     return {

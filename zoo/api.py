@@ -26,8 +26,8 @@ from train import rngs as zoo_rngs
 from train import sharding
 from train.checkpoint import read_json
 from train.freeze import Filter
-from train.lora import merge_adapters
 from train.loop import RunResult, Trainer, build_model, evaluate_batches, run
+from train.lora import merge_adapters
 from train.plan import create_sharded
 from train.steps import make_eval_step
 from train.warm_start import locate, restore_model
