@@ -61,6 +61,8 @@ def data_wait_shares(workdir: str) -> list[float]:
     first (compilation, warm-up)."""
     events = EventAccumulator(workdir)
     events.Reload()
+    if "train/data_wait_share" not in events.Tags()["scalars"]:
+        return []  # no window was reported
     return [event.value for event in events.Scalars("train/data_wait_share")[1:]]
 
 

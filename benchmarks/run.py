@@ -1,6 +1,6 @@
 """Steps/s of the zoo trainer against a bare jitted loop, NNX's tutorial loop and PyTorch.
 
-    python -m benchmarks.run [--models xor,mlp,cnn] [--windows 7] [--json runs/bench/run.json]
+    python -m benchmarks.run [--models xor,mlp,cnn,...] [--windows 7] [--json runs/bench/run.json]
 
 For each model, every loop trains the same model (same initial state, optimizer, data, batch
 size) in this one process. After a warm-up, the loops run in interleaved windows of the same
@@ -150,8 +150,9 @@ def compare(
     return result
 
 
-def print_table(results: dict[str, dict[str, Any]]) -> None:
-    print(f"{'model':<6} {'loop or ratio':<19} {'median':>10} {'min':>10} {'max':>10}")
+def print_table(results: dict[str, dict[str, Any]], header: bool = True) -> None:
+    if header:
+        print(f"{'model':<6} {'loop or ratio':<19} {'median':>10} {'min':>10} {'max':>10}")
     for model, result in results.items():
         for name in LOOPS:
             label = name if name != "zoo_dispatch" else f"zoo K={result['steps_per_dispatch']}"
@@ -172,12 +173,14 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
         )
         for ratio, r in result["ratios"].items():
             row = f"{r['median']:>10.2f} {r['min']:>10.2f} {r['max']:>10.2f}"
-            print(f"{model:<6} {ratio:<19} {row}")
+            print(f"{model:<6} {ratio:<19} {row}", flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="xor,mlp,cnn", help="comma-separated model names")
+    parser.add_argument(
+        "--models", default="xor,mlp,cnn,resnet,vit,gpt,vae", help="comma-separated model names"
+    )
     parser.add_argument("--windows", type=int, default=7)
     parser.add_argument("--window-seconds", type=float, default=0.5)
     parser.add_argument(
@@ -188,25 +191,25 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument(
         "--dispatch-models",
-        default="xor,mlp",
-        help="the models timed with --steps-per-dispatch too (a scan of convolutions is slow "
-        "on XLA:CPU)",
+        default="xor,mlp,gpt,vae",
+        help="the models timed with --steps-per-dispatch too (by default those without "
+        "convolutions: a scan of convolutions is slow on XLA:CPU)",
     )
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument(
         "overrides", nargs="*", help="config overrides for every model, e.g. data.size=512"
     )
     args = parser.parse_args(argv)
-    results = {
-        model: compare(
+    results = {}
+    for model in filter(None, args.models.split(",")):
+        results[model] = compare(
             model,
             args.windows,
             args.window_seconds,
             args.steps_per_dispatch if model in args.dispatch_models.split(",") else 1,
             args.overrides,
         )
-        for model in filter(None, args.models.split(","))
-    }
+        print_table({model: results[model]}, header=not results.keys() - {model})
     report = {
         "machine": {
             "cpus": os.cpu_count(),
@@ -216,7 +219,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         },
         "models": results,
     }
-    print_table(results)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2))
