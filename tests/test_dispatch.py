@@ -8,6 +8,7 @@ from helpers import read_events, run_cli, scalar_steps
 from test_trainer import assert_same_bits
 
 import zoo
+from train.loop import Trainer
 
 MODEL = stateful_model.NAME
 
@@ -46,6 +47,25 @@ def test_a_k_that_does_not_divide_the_resume_step_is_refused_intact(tmp_path):
     with pytest.raises(zoo.ZooError, match="steps_per_dispatch=3 cannot resume at step 20"):
         train(tmp_path, "trainer.steps=60", "trainer.log_every=30", "trainer.steps_per_dispatch=3")
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == saved
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_the_prefetch_thread_gives_the_same_bits_and_resumes_exactly(tmp_path, k):
+    """Accelerators fetch and place batches on a Grain thread (CPU devices fetch inline): the
+    thread must not change what each step gets, nor the position a checkpoint records."""
+    inline = train(tmp_path / "inline")
+
+    def prefetching(*overrides: str) -> zoo.RunResult:
+        config = [f"model={MODEL}", f"workdir={tmp_path / 'thread'}", *overrides]
+        trainer = Trainer(zoo.compose([*config, f"trainer.steps_per_dispatch={k}"]))
+        trainer.dispatcher.prefetch = 2
+        return trainer.fit()
+
+    prefetching("trainer.steps=20")
+    resumed = prefetching()
+    assert resumed.start_step == 20
+    assert_same_bits(resumed.state, inline.state)
+    assert resumed.eval_metrics == inline.eval_metrics
 
 
 @pytest.mark.parametrize(
