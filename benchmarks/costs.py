@@ -15,7 +15,8 @@ unless it says otherwise, and reads the run's own `train.log` (see `benchmarks.c
 - `compiles`: a run with `JAX_LOG_COMPILES=1`, with an eval and a checkpoint half way, then the
   same run resumed for half as many steps again; counts each jitted function's compilations and
   distinct argument signatures (shapes and shardings), on 1 and on 8 CPU devices. The goal: one
-  `train_step` and one `eval_step` per signature. The counts are deterministic: one run each.
+  train step (`train_step`, or `train_steps` when K steps are dispatched at a time) and one
+  `eval_step` per signature. The counts are deterministic: one run each.
 - `checkpoint`: a run saving every quarter of its steps, then `--repeats` resumes, each
   restoring the latest checkpoint, training a quarter more and saving, on 1 and on 8 CPU
   devices: the seconds each save blocks the loop (a process's first save apart: it pays
@@ -82,6 +83,13 @@ def short_run(model: str, steps: int | None) -> tuple[int, list[str]]:
     return total, extra
 
 
+def cadence(model: str, steps: int) -> int:
+    """`steps` rounded down to a multiple of the model's default `trainer.steps_per_dispatch`
+    (at least one dispatch): cadences must be multiples of it."""
+    k = int(zoo.compose([f"model={model}"]).trainer.steps_per_dispatch)
+    return max(steps // k, 1) * k
+
+
 def wall(tmp: Path, repeats: int, steps: int | None) -> dict[str, Any]:
     overrides = ["model=xor", *([f"trainer.steps={steps}"] if steps else [])]
     bare_command = [sys.executable, "benchmarks/bare_xor.py", *([str(steps)] if steps else [])]
@@ -137,7 +145,7 @@ def compiles(tmp: Path, models: Sequence[str], steps: int | None) -> dict[str, A
     for devices in DEVICE_COUNTS:
         for model in models:
             total, extra = short_run(model, steps)
-            half = max(total // 2, 1)
+            half = cadence(model, total // 2)
             extra += [f"trainer.eval_every={half}", f"trainer.checkpoint_every={half}"]
             workdir = tmp / f"compiles-{model}-{devices}"
             logs = {}
@@ -155,7 +163,7 @@ def checkpoint(tmp: Path, models: Sequence[str], repeats: int, steps: int | None
     for devices in DEVICE_COUNTS:
         for model in models:
             total, extra = short_run(model, steps)
-            every = max(total // 4, 1)
+            every = cadence(model, total // 4)
             extra += [f"trainer.checkpoint_every={every}", "trainer.eval_every=0"]
             workdir = tmp / f"checkpoint-{model}-{devices}"
             first, later, restores = [], [], []

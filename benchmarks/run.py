@@ -48,7 +48,8 @@ def spread(values: Sequence[float]) -> dict[str, float]:
 
 def benchmark_trainer(model: str, workdir: str, overrides: Sequence[str] = ()) -> Trainer:
     """The zoo trainer at the model's defaults, but with no periodic eval or checkpoint (they
-    are not training steps) and a step budget no window reaches, so nothing ends the run."""
+    are not training steps), a step budget no window reaches, so nothing ends the run, and one
+    step per dispatch unless `overrides` say otherwise."""
     cfg = zoo.compose(
         [
             f"model={model}",
@@ -56,6 +57,7 @@ def benchmark_trainer(model: str, workdir: str, overrides: Sequence[str] = ()) -
             "trainer.steps=100000000",
             "trainer.eval_every=0",
             "trainer.checkpoint_every=0",
+            "trainer.steps_per_dispatch=1",
             *overrides,
         ]
     )

@@ -13,7 +13,7 @@ CHATTER = ("[absl]", "CheckpointManager", "Unable to initialize backend", "orbax
 
 @pytest.fixture(scope="module")
 def xor_run(tmp_path_factory):
-    """The README's main job with its defaults: the tutorial's 1,954 SGD steps."""
+    """The README's main job with its defaults: the tutorial's 2,000 SGD steps, 50 per dispatch."""
     workdir = tmp_path_factory.mktemp("xor")
     result = run_cli("model=xor", f"workdir={workdir}")
     return workdir, result
@@ -24,9 +24,9 @@ def test_xor_trains_to_tutorial_accuracy(xor_run):
     assert result.returncode == 0, result.stderr
     events = read_events(workdir)
     final_accuracy = scalar_steps(events, "eval/accuracy")
-    assert list(final_accuracy) == [1954]
-    assert final_accuracy[1954] >= 0.99
-    assert "Final eval @ step 1954" in result.stderr
+    assert list(final_accuracy) == [2000]
+    assert final_accuracy[2000] >= 0.99
+    assert "Final eval @ step 2000" in result.stderr
 
 
 def test_xor_run_writes_events_checkpoint_and_log(xor_run):
@@ -41,7 +41,7 @@ def test_xor_run_writes_events_checkpoint_and_log(xor_run):
         "train/steps_per_sec",
     ):
         assert tag in tags
-    assert os.path.isdir(workdir / "checkpoints" / "1954")
+    assert os.path.isdir(workdir / "checkpoints" / "2000")
     assert (workdir / "train.log").stat().st_size > 0
 
 
@@ -60,11 +60,11 @@ def test_help_lists_models_and_datasets():
     assert result.returncode == 0
     assert "model: cnn, gpt, mlp, resnet, vae, vit, xor" in result.stdout
     assert "data: cifar10, digits, fashion_mnist, mnist, text, xor" in result.stdout
-    assert "trainer.steps" in result.stdout or "steps: 1954" in result.stdout
+    assert "trainer.steps" in result.stdout or "steps: 2000" in result.stdout
 
 
 def test_cfg_job_prints_resolved_config_with_overrides():
-    result = run_cli("model=xor", "trainer.steps=7", "optimizer.name=adam", "--cfg", "job")
+    result = run_cli("model=xor", "trainer.steps=7", "trainer.steps_per_dispatch=1", "optimizer.name=adam", "--cfg", "job")
     assert result.returncode == 0, result.stderr
     for line in (
         "steps: 7",

@@ -86,4 +86,4 @@ def test_bad_steps_per_dispatch_is_refused_naming_the_values(overrides, named):
 def test_cli_refuses_cadences_not_divisible_with_exit_2():
     result = run_cli("model=xor", "trainer.steps_per_dispatch=3")
     assert result.returncode == 2
-    assert "trainer.steps_per_dispatch=3 must divide trainer.steps=1954" in result.stderr
+    assert "trainer.steps_per_dispatch=3 must divide trainer.steps=2000" in result.stderr

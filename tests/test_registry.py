@@ -60,9 +60,10 @@ def test_user_model_gets_a_typed_config_the_cli_accepts():
 
 def test_model_defaults_apply_and_command_line_overrides_them():
     cfg = zoo.compose(["model=xor"])
-    assert (cfg.trainer.steps, cfg.trainer.batch_size) == (1954, 128)
+    assert (cfg.trainer.steps, cfg.trainer.batch_size) == (2000, 128)
     assert (cfg.optimizer.name, cfg.optimizer.learning_rate) == ("sgd", 0.1)
-    assert zoo.compose(["model=xor", "trainer.steps=5"]).trainer.steps == 5
+    overrides = ["model=xor", "trainer.steps=5", "trainer.steps_per_dispatch=1"]
+    assert zoo.compose(overrides).trainer.steps == 5
     assert zoo.compose(["model=tiny"]).optimizer.name == "adam"  # the schema default
 
 

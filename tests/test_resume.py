@@ -26,7 +26,7 @@ from zoo.registry import Splits, get_data
 PLUGIN_ENV = {"ZOO_PLUGINS": "stateful_model", "PYTHONPATH": str(ROOT / "tests")}
 STEPS, EVERY = 160, 20
 
-XOR = ("model=xor", f"trainer.steps={STEPS}", "trainer.log_every=1")
+XOR = ("model=xor", f"trainer.steps={STEPS}", "trainer.log_every=1", "trainer.steps_per_dispatch=1")
 STATEFUL = (f"model={stateful_model.NAME}", f"trainer.steps={STEPS}", "trainer.log_every=1")
 FSDP8 = (*STATEFUL, "model.embed=16", "mesh.fsdp=8")
 CASES = {"xor": XOR, "dropout_bn": STATEFUL, "dropout_bn_fsdp8": FSDP8}
@@ -297,6 +297,7 @@ def test_retention_keeps_latest_and_best(tmp_path, mode, keep):
             [
                 "model=xor",
                 "trainer.steps=60",
+                "trainer.steps_per_dispatch=1",
                 "trainer.checkpoint_every=10",
                 "trainer.eval_every=10",
                 f"trainer.keep={keep}",
@@ -346,6 +347,7 @@ def nan_run(tmp_path, policy: str):
             "data=xor_nan_row",
             f"data.nan_row={row}",
             "trainer.steps=60",
+            "trainer.steps_per_dispatch=1",
             "trainer.checkpoint_every=10",
             "trainer.log_every=5",
             f"trainer.nan_policy={policy}",

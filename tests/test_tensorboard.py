@@ -226,6 +226,7 @@ def test_events_are_readable_while_training_and_complete_after_sigterm(tmp_path)
     """A long run: its first windows are read from disk while it trains; after SIGTERM every
     window it closed is there."""
     args = ["model=xor", "trainer.steps=1000000", f"trainer.log_every={LOG_EVERY}"]
+    args += ["trainer.steps_per_dispatch=1"]  # a window of log_every steps, dispatched one by one
     workdir, console = tmp_path / "run", tmp_path / "console.txt"
     with console.open("w") as stderr:
         process = subprocess.Popen(

@@ -85,11 +85,11 @@ class Dispatcher:
 
 def _scanned(train_step: Callable) -> Callable:
     @functools.partial(jax.jit, donate_argnums=0)
-    def scan_steps(state, sums, batches, key):
+    def train_steps(state, sums, batches, key):
         def body(carry, batch):
             return train_step(*carry, batch, key), None
 
         (state, sums), _ = jax.lax.scan(body, (state, sums), batches)
         return state, sums
 
-    return scan_steps
+    return train_steps
