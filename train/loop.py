@@ -237,7 +237,7 @@ class Trainer:
             best_metric=settings["best_metric"],
             best_mode=settings["best_mode"],
         )
-        iterator = self.dispatcher.iterate(self.train_data)  # its thread starts on first use
+        iterator = self.dispatcher.iterate(self.train_data)  # a prefetch thread starts on use
         reporter = None
         try:
             with sharding.activate(self.mesh, self.rules):
