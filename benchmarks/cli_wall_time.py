@@ -4,37 +4,24 @@
 
 Runs `python -m zoo.train model=<model>` (its default config) in fresh processes, one after
 another, and reports the median, min and max wall time, plus the eval accuracy each run reached
-as read back from its TensorBoard events.
+as read back from its train.log.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-ROOT = Path(__file__).resolve().parent.parent
+from benchmarks import cli_runs
+from benchmarks.run import spread
 
 
 def one_run(model: str, workdir: Path) -> tuple[float, float]:
-    start = time.perf_counter()
-    subprocess.run(
-        [sys.executable, "-m", "zoo.train", f"model={model}", f"workdir={workdir}"],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-    )
-    seconds = time.perf_counter() - start
-    events = EventAccumulator(str(workdir))
-    events.Reload()
-    return seconds, events.Scalars("eval/accuracy")[-1].value
+    """(wall seconds, final eval accuracy) of the model's default command."""
+    done, log = cli_runs.train([f"model={model}"], workdir)
+    return done.seconds, cli_runs.final_eval(log)["accuracy"]
 
 
 def main() -> None:
@@ -50,11 +37,7 @@ def main() -> None:
     result = {
         "command": f"python -m zoo.train model={args.model}",
         "repeats": args.repeats,
-        "wall_seconds": {
-            "median": statistics.median(seconds),
-            "min": min(seconds),
-            "max": max(seconds),
-        },
+        "wall_seconds": spread(seconds),
         "eval_accuracy": [accuracy for _, accuracy in runs],
     }
     wall = result["wall_seconds"]

@@ -71,22 +71,21 @@ EXTRA_OVERRIDES = {"gpt": ["data.eval_bytes=32768"]}
 DEVICE_COUNTS = (1, 8)
 
 
-def short_run(model: str, steps: int | None) -> tuple[int, list[str]]:
-    """(steps, overrides) of a model's runs: its default config for `steps` (default:
-    `SHORT_STEPS`), with a warm-up cut to a tenth of them where the default's is longer than a
-    quarter; runs that resume it only add steps."""
+def short_run(model: str, steps: int | None) -> tuple[int, list[str], int]:
+    """(steps, overrides, steps per dispatch) of a model's runs: its default config for `steps`
+    (default: `SHORT_STEPS`), with a warm-up cut to a tenth of them where the default's is
+    longer than a quarter; runs that resume it only add steps."""
     defaults = zoo.compose([f"model={model}"])
     total = steps or SHORT_STEPS.get(model, int(defaults.trainer.steps))
     extra = [f"model={model}", *EXTRA_OVERRIDES.get(model, [])]
     if defaults.optimizer.warmup_steps > total // 4:
         extra.append(f"optimizer.warmup_steps={total // 10}")
-    return total, extra
+    return total, extra, int(defaults.trainer.steps_per_dispatch)
 
 
-def cadence(model: str, steps: int) -> int:
-    """`steps` rounded down to a multiple of the model's default `trainer.steps_per_dispatch`
-    (at least one dispatch): cadences must be multiples of it."""
-    k = int(zoo.compose([f"model={model}"]).trainer.steps_per_dispatch)
+def cadence(steps: int, k: int) -> int:
+    """`steps` rounded down to a multiple of the steps per dispatch `k` (at least one
+    dispatch): cadences must be multiples of it."""
     return max(steps // k, 1) * k
 
 
@@ -119,7 +118,7 @@ def wall(tmp: Path, repeats: int, steps: int | None) -> dict[str, Any]:
 def startup(tmp: Path, models: Sequence[str], repeats: int, steps: int | None) -> dict[str, Any]:
     runs = {model: short_run(model, steps) for model in models}
     overrides = {
-        model: [*extra, f"trainer.steps={total}"] for model, (total, extra) in runs.items()
+        model: [*extra, f"trainer.steps={total}"] for model, (total, extra, _) in runs.items()
     }
     seconds: dict[str, dict[str, list[float]]] = {
         model: {"to_setup": [], "to_first_step": [], "wall": []} for model in models
@@ -144,8 +143,8 @@ def compiles(tmp: Path, models: Sequence[str], steps: int | None) -> dict[str, A
     results: dict[str, Any] = {model: {} for model in models}
     for devices in DEVICE_COUNTS:
         for model in models:
-            total, extra = short_run(model, steps)
-            half = cadence(model, total // 2)
+            total, extra, k = short_run(model, steps)
+            half = cadence(total // 2, k)
             extra += [f"trainer.eval_every={half}", f"trainer.checkpoint_every={half}"]
             workdir = tmp / f"compiles-{model}-{devices}"
             logs = {}
@@ -162,8 +161,8 @@ def checkpoint(tmp: Path, models: Sequence[str], repeats: int, steps: int | None
     results: dict[str, Any] = {model: {} for model in models}
     for devices in DEVICE_COUNTS:
         for model in models:
-            total, extra = short_run(model, steps)
-            every = cadence(model, total // 4)
+            total, extra, k = short_run(model, steps)
+            every = cadence(total // 4, k)
             extra += [f"trainer.checkpoint_every={every}", "trainer.eval_every=0"]
             workdir = tmp / f"checkpoint-{model}-{devices}"
             first, later, restores = [], [], []

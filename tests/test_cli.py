@@ -64,7 +64,14 @@ def test_help_lists_models_and_datasets():
 
 
 def test_cfg_job_prints_resolved_config_with_overrides():
-    result = run_cli("model=xor", "trainer.steps=7", "trainer.steps_per_dispatch=1", "optimizer.name=adam", "--cfg", "job")
+    result = run_cli(
+        "model=xor",
+        "trainer.steps=7",
+        "trainer.steps_per_dispatch=1",
+        "optimizer.name=adam",
+        "--cfg",
+        "job",
+    )
     assert result.returncode == 0, result.stderr
     for line in (
         "steps: 7",

@@ -55,4 +55,6 @@ def test_gradient_clipping_bounds_the_update():
 
 def test_warmup_longer_than_training_is_rejected():
     with pytest.raises(zoo.ZooError, match="warmup_steps=50 .* trainer.steps=10"):
-        zoo.compose(["trainer.steps=10", "trainer.steps_per_dispatch=1", "optimizer.warmup_steps=50"])
+        zoo.compose(
+            ["trainer.steps=10", "trainer.steps_per_dispatch=1", "optimizer.warmup_steps=50"]
+        )

@@ -23,7 +23,10 @@ MESHES = [
     {"fsdp": 4, "tensor": 2},
     {"data": 2, "fsdp": 2, "tensor": 2},
 ]
-MODELS = {"xor": ["trainer.steps=20", "trainer.batch_size=64", "trainer.steps_per_dispatch=1"], deep_mlp.MODEL: []}
+MODELS = {
+    "xor": ["trainer.steps=20", "trainer.batch_size=64", "trainer.steps_per_dispatch=1"],
+    deep_mlp.MODEL: [],
+}
 
 
 def config(model: str, workdir, mesh: dict[str, int], *extra: str):
