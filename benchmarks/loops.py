@@ -18,10 +18,9 @@ import numpy as np
 from flax import nnx
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from train import registry, sharding
 from train import rngs as zoo_rngs
-from train import sharding
 from train.loop import Trainer
-from zoo import registry
 
 Advance = Callable[[int], None]
 

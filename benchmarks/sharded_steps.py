@@ -20,7 +20,6 @@ from collections.abc import Sequence
 
 import jax
 
-import zoo  # noqa: F401  (before benchmarks.loops: importing zoo first breaks an import cycle)
 from benchmarks import loops
 from benchmarks.run import _timed, benchmark_trainer
 

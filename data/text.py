@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from zoo.errors import ZooError
-from zoo.registry import Batch, Splits, register_data
+from train.errors import ZooError
+from train.registry import Batch, Splits, register_data
 
 TOKENS, LENGTH = "tokens", "length"
 

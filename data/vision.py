@@ -27,8 +27,8 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from data.files import FileSource, RemoteFile, find_or_fetch
-from zoo.errors import ZooError
-from zoo.registry import Batch, Splits, register_data
+from train.errors import ZooError
+from train.registry import Batch, Splits, register_data
 
 
 @dataclasses.dataclass(frozen=True)

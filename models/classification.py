@@ -13,7 +13,7 @@ import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from data.pipeline import MASK
+from train.pipeline import MASK
 from train.report import EvalReport, image_grid
 
 MISCLASSIFIED = 32

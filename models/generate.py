@@ -1,4 +1,8 @@
-"""Sampling text from a `gpt` model: `zoo.generate(model, prompt, max_new_tokens, ...)`.
+"""Sampling text from a language model with a key/value cache (`gpt`):
+`zoo.generate(model, prompt, max_new_tokens, ...)`.
+
+The model is used through what it offers, not its class: `decode(tokens, cache, start)`,
+`empty_cache(batch_size)`, `context_length` and `vocab_size`.
 
 One jitted function does it all: a prefill that runs the prompt through the model once, filling
 a fixed-size key/value cache, then a `lax.fori_loop` that samples one byte at a time, each step
@@ -14,6 +18,7 @@ Randomness is explicit: every sampled byte's key is `fold_in(key, i)` of the key
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -21,27 +26,19 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from models.gpt import GPT, VOCAB
 from train import sharding
-from zoo.errors import ZooError
+from train.errors import ZooError
 
 
-def generate(
-    model: GPT,
-    prompt: str | bytes,
-    max_new_tokens: int = 100,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    seed: int | jax.Array = 0,
-) -> str:
-    """The text that `model` writes after `prompt`: `generate_bytes` decoded as UTF-8, each
-    invalid sequence (a byte model may write any bytes) replaced by U+FFFD."""
-    new = generate_bytes(model, prompt, max_new_tokens, temperature, top_k, seed)
-    return new.decode("utf-8", errors="replace")
+def generate(model: Any, prompt: str | bytes, *args: Any, **kwargs: Any) -> str:
+    """The text that `model` writes after `prompt`: `generate_bytes(model, prompt,
+    max_new_tokens=100, temperature=1.0, top_k=0, seed=0)` decoded as UTF-8, each invalid
+    sequence (a byte model may write any bytes) replaced by U+FFFD."""
+    return generate_bytes(model, prompt, *args, **kwargs).decode("utf-8", errors="replace")
 
 
 def generate_bytes(
-    model: GPT,
+    model: Any,
     prompt: str | bytes,
     max_new_tokens: int = 100,
     temperature: float = 1.0,
@@ -55,18 +52,21 @@ def generate_bytes(
     The prompt keeps its last `context_length - max_new_tokens` bytes (an empty prompt starts
     from a newline). Call it where the model's mesh is active (`with result.activate():`); the
     batch of one is not split over the mesh."""
-    if not isinstance(model, GPT):
-        raise ZooError(f"zoo.generate needs a gpt model, got {type(model).__name__}.")
-    context = model.context_length
+    if not all(hasattr(model, name) for name in ("decode", "empty_cache", "vocab_size")):
+        raise ZooError(
+            f"zoo.generate needs a language model with a key/value cache (gpt), got "
+            f"{type(model).__name__}."
+        )
+    context, vocab = model.context_length, model.vocab_size
     if not 1 <= max_new_tokens < context:
         raise ZooError(
             f"max_new_tokens={max_new_tokens} must lie between 1 and context_length - 1 = "
             f"{context - 1}: prompt and new bytes share the model's {context} positions."
         )
-    if temperature < 0 or not 0 <= top_k <= VOCAB:
+    if temperature < 0 or not 0 <= top_k <= vocab:
         raise ZooError(
             f"temperature={temperature} must be >= 0 (0: greedy) and top_k={top_k} between 0 "
-            f"(no limit) and {VOCAB}."
+            f"(no limit) and {vocab}."
         )
     data = prompt.encode() if isinstance(prompt, str) else bytes(prompt)
     data = data[max(0, len(data) - (context - max_new_tokens)) :] or b"\n"
@@ -84,30 +84,33 @@ def generate_bytes(
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "bucket"))
 def _generate(graphdef, state, buffer, prompt_length, max_new, temperature, top_k, key, bucket):
-    def model():  # a fresh module per trace level: NNX modules must not cross into the loop
+    def model(state):
         m = nnx.merge(graphdef, state)
         m.eval()
         return m
 
     buffer = jax.sharding.reshard(buffer, P())  # onto the mesh, like every other array here
-    logits, cache = model().decode(buffer[None, :bucket], model().empty_cache(1), 0)
+    prefill = model(state)
+    logits, cache = prefill.decode(buffer[None, :bucket], prefill.empty_cache(1), 0)
     last = jax.lax.dynamic_index_in_dim(logits[0], prompt_length - 1, keepdims=False)
 
+    # The weights ride in the loop's carry: a module merged inside the loop from its own
+    # values is of the loop's trace level, as NNX's transforms (remat, scan) require.
     def step(i, carry):
-        buffer, cache, last = carry
+        buffer, cache, last, state = carry
         byte = _sample(last, temperature, top_k, jax.random.fold_in(key, i))
         position = prompt_length + i
         buffer = jax.lax.dynamic_update_index_in_dim(buffer, byte, position, 0)
-        logits, cache = model().decode(byte[None, None], cache, position)
-        return buffer, cache, logits[0, 0]
+        logits, cache = model(state).decode(byte[None, None], cache, position)
+        return buffer, cache, logits[0, 0], state
 
-    buffer, _, _ = jax.lax.fori_loop(0, max_new, step, (buffer, cache, last))
+    buffer, *_ = jax.lax.fori_loop(0, max_new, step, (buffer, cache, last, state))
     return buffer
 
 
 def _sample(logits: jax.Array, temperature, top_k, key: jax.Array) -> jax.Array:
     logits = jax.sharding.reshard(logits.astype(jnp.float32), P())  # all 256 in one place
-    kth_largest = jnp.sort(logits)[VOCAB - jnp.maximum(top_k, 1)]
+    kth_largest = jnp.sort(logits)[logits.shape[-1] - jnp.maximum(top_k, 1)]
     allowed = (top_k == 0) | (logits >= kth_largest)
     scaled = jnp.where(allowed, logits, -jnp.inf) / jnp.maximum(temperature, 1e-6)
     sampled = jax.random.categorical(key, scaled)
@@ -115,7 +118,7 @@ def _sample(logits: jax.Array, temperature, top_k, key: jax.Array) -> jax.Array:
     return jax.sharding.reshard(byte, P())
 
 
-def sample_on_eval(model: GPT, report) -> None:
+def sample_on_eval(model: Any, report) -> None:
     """The `gpt` eval hook: continue the start of the first held-out example, written to
     TensorBoard (text `sample`) and the console."""
     tokens, length = report.examples["tokens"][0], int(report.examples["length"][0])

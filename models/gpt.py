@@ -28,71 +28,18 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.layers import dense, head_projections, layer_norm
+from models.generate import sample_on_eval
+from models.layers import dense, layer_norm
+from models.transformer import Block, KVCache, dropout_key, tokens_spec
+from train.errors import ZooError
+from train.registry import WEIGHT, register_model
 from train.sharding import logical_spec
-from zoo.errors import ZooError
-from zoo.registry import WEIGHT, register_model
 
 VOCAB = 256
-KVCache = tuple[jax.Array, jax.Array]
-"""Keys and values of every layer: two arrays of depth x batch x context x heads x head_dim."""
-
-_NO_ATTENTION = -1e30  # a logit that softmax turns into exactly zero weight
-
-
-def _tokens():
-    return logical_spec("batch", None, None)
 
 
 def _cache_spec():
     return logical_spec(None, "batch", None, "heads", None)
-
-
-class CausalSelfAttention(nnx.Module):
-    def __init__(self, dim: int, num_heads: int, *, rngs: nnx.Rngs):
-        self.query, self.key, self.value, self.out = head_projections(dim, num_heads, rngs=rngs)
-
-    def __call__(
-        self, x: jax.Array, cache: KVCache | None, start: jax.Array | int
-    ) -> tuple[jax.Array, KVCache | None]:
-        """Attention of the tokens at positions start, start+1, ... to every earlier position:
-        to themselves alone without a cache; to the cache's positions too with one, after
-        writing their own keys and values into it."""
-        heads = logical_spec("batch", None, "heads", None)
-        q, k, v = (proj(x, out_sharding=heads) for proj in (self.query, self.key, self.value))
-        if cache is not None:
-            k = jax.lax.dynamic_update_slice_in_dim(cache[0], k, start, axis=1)
-            v = jax.lax.dynamic_update_slice_in_dim(cache[1], v, start, axis=1)
-            cache = (k, v)
-        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
-        visible = jnp.arange(k.shape[1])[None, :] <= (start + jnp.arange(q.shape[1]))[:, None]
-        weights = jax.nn.softmax(jnp.where(visible, logits, _NO_ATTENTION), axis=-1)
-        mixed = jnp.einsum("bhqk,bkhd->bqhd", weights, v)
-        return self.out(mixed, out_sharding=_tokens()), cache
-
-
-class Block(nnx.Module):
-    """x + attention(norm(x)), then x + mlp(norm(x)); Dropout on each branch's output."""
-
-    def __init__(
-        self, dim: int, num_heads: int, mlp_ratio: int, dropout_rate: float, *, rngs: nnx.Rngs
-    ):
-        self.attention_norm = layer_norm(dim, rngs=rngs)
-        self.attention = CausalSelfAttention(dim, num_heads, rngs=rngs)
-        self.mlp_norm = layer_norm(dim, rngs=rngs)
-        self.mlp_in = dense(dim, dim * mlp_ratio, ("embed", "mlp"), rngs=rngs)
-        self.mlp_out = dense(dim * mlp_ratio, dim, ("mlp", "embed"), rngs=rngs)
-        self.dropout = nnx.Dropout(dropout_rate)
-
-    def __call__(
-        self, x: jax.Array, key: jax.Array, cache: KVCache | None, start: jax.Array | int
-    ) -> tuple[jax.Array, KVCache | None]:
-        attention_key, mlp_key = jax.random.split(key)
-        h, cache = self.attention(self.attention_norm(x), cache, start)
-        x = x + self.dropout(h, rngs=attention_key)
-        h = self.mlp_in(self.mlp_norm(x), out_sharding=logical_spec("batch", None, "mlp"))
-        h = self.mlp_out(nnx.gelu(h), out_sharding=_tokens())
-        return x + self.dropout(h, rngs=mlp_key), cache
 
 
 def _apply_block(block: Block, x, key, cache, start):
@@ -116,17 +63,11 @@ def language_model_loss(model: GPT, batch: Mapping[str, jax.Array], rngs: nnx.Rn
     return loss, {"bits_per_byte": loss / math.log(2), WEIGHT: count}
 
 
-def _print_sample(model: GPT, report) -> None:
-    from models.generate import sample_on_eval  # generate imports this module
-
-    sample_on_eval(model, report)
-
-
 @register_model(
     "gpt",
     loss=language_model_loss,
     default_data="text",
-    on_eval=_print_sample,
+    on_eval=sample_on_eval,
     # 2.9 MB of text, two thirds of the default corpus's training bytes, 16 x 128 bytes a step:
     # under 4 minutes on a 2-core CPU.
     trainer={"steps": 1400, "batch_size": 16, "log_every": 50, "eval_every": 350},
@@ -169,7 +110,9 @@ class GPT(nnx.Module):
         )
 
         def block(key: jax.Array) -> Block:
-            return Block(dim, num_heads, mlp_ratio, dropout_rate, rngs=nnx.Rngs(params=key))
+            return Block(
+                dim, num_heads, mlp_ratio, dropout_rate, causal=True, rngs=nnx.Rngs(params=key)
+            )
 
         layer_keys = jax.random.split(rngs.params(), depth)
         if scan_layers:  # one Block whose params have a leading (unsharded) layer axis
@@ -183,16 +126,14 @@ class GPT(nnx.Module):
             else dense(dim, VOCAB, ("embed", "vocab"), use_bias=False, rngs=rngs)
         )
         self.context_length, self.depth, self.num_heads = context_length, depth, num_heads
+        self.vocab_size = VOCAB
         self.head_dim = dim // num_heads
         self.scan_layers, self.remat, self.dropout_rate = scan_layers, remat, dropout_rate
 
     def __call__(self, tokens: jax.Array, *, rngs: nnx.Rngs | None = None) -> jax.Array:
         """Next-byte logits (batch x length x 256) for every position of `tokens`."""
         first = self.blocks.dropout if self.scan_layers else self.blocks[0].dropout
-        if rngs is None and self.dropout_rate > 0 and not first.deterministic:
-            raise ZooError("gpt in train mode with dropout needs call-time rngs: model(x, rngs=)")
-        # Without dropout draws (eval mode, or rate 0) the keys are never used.
-        key = jax.random.key(0) if rngs is None else rngs.dropout()
+        key = dropout_key(rngs, self.dropout_rate, first.deterministic, "gpt")
         logits, _ = self._forward(tokens, key, None, 0)
         return logits
 
@@ -219,7 +160,7 @@ class GPT(nnx.Module):
             )
         table = self.embedding[...]
         one_hot = jax.nn.one_hot(tokens, VOCAB, dtype=table.dtype)
-        x = jnp.einsum("btv,vd->btd", one_hot, table, out_sharding=_tokens())
+        x = jnp.einsum("btv,vd->btd", one_hot, table, out_sharding=tokens_spec())
         x = x + jax.lax.dynamic_slice_in_dim(self.positions[...], start, length)
         x, cache = self._run_blocks(x, jax.random.split(key, self.depth), cache, start)
         x = self.norm(x)

@@ -8,7 +8,13 @@ op with a batch-sharded activation would use that mesh axis twice.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable, Sequence
+
+import jax
 from flax import nnx
+
+from train.sharding import logical_spec
 
 Axes = tuple[str | None, ...]
 _ZEROS, _ONES = nnx.initializers.zeros_init(), nnx.initializers.ones_init()
@@ -111,3 +117,29 @@ def layer_norm(features: int, *, rngs: nnx.Rngs) -> nnx.LayerNorm:
         bias_init=nnx.with_partitioning(_ZEROS, (None,)),
         rngs=rngs,
     )
+
+
+def dense_stack(sizes: Sequence[int], *, rngs: nnx.Rngs) -> nnx.List:
+    """Dense layers `sizes[0] -> sizes[1] -> ...`, alternating column- and row-parallel
+    (Megatron style): kernels (embed, mlp), then (mlp, embed), so tensor parallelism needs one
+    reduction per pair of layers and fsdp shards every kernel. Run it with `run_stack`."""
+    return nnx.List(
+        [
+            dense(din, dout, ("embed", "mlp") if i % 2 == 0 else ("mlp", "embed"), rngs=rngs)
+            for i, (din, dout) in enumerate(itertools.pairwise(sizes))
+        ]
+    )
+
+
+def stack_output_axis(stack: nnx.List) -> str:
+    """The logical axis of a `dense_stack`'s output features."""
+    return "mlp" if len(stack) % 2 else "embed"
+
+
+def run_stack(stack: nnx.List, x: jax.Array, after: Callable[[jax.Array], jax.Array]) -> jax.Array:
+    """`after(layer(x))` through every layer of a `dense_stack` (an activation, dropout)."""
+    for i, layer in enumerate(stack):
+        # Row-parallel layers sum over tensor-sharded features: say where the sum lands.
+        out = logical_spec("batch", "mlp" if i % 2 == 0 else None)
+        x = after(layer(x, out_sharding=out))
+    return x

@@ -1,22 +1,20 @@
 """A multi-layer perceptron classifier: flattened image -> hidden ReLU layers with Dropout -> logits.
 
-Hidden layers alternate column- and row-parallel (Megatron style): kernels (embed, mlp), then
-(mlp, embed), so tensor parallelism needs one reduction per pair of layers and fsdp shards every
-kernel.
+The hidden layers are a `models.layers.dense_stack`: alternately column- and row-parallel, so
+tensor parallelism needs one reduction per pair of layers and fsdp shards every kernel.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import jax
 from flax import nnx
 
 from models.classification import classification_loss, report_classifier
-from models.layers import dense
+from models.layers import dense, dense_stack, run_stack, stack_output_axis
+from train.registry import register_model
 from train.sharding import logical_spec
-from zoo.registry import register_model
 
 
 @register_model(
@@ -38,21 +36,12 @@ class MLP(nnx.Module):
         rngs: nnx.Rngs,
     ):
         sizes = [math.prod(input_shape), *hidden_sizes]
-        self.hidden = nnx.List(
-            [
-                dense(din, dout, ("embed", "mlp") if i % 2 == 0 else ("mlp", "embed"), rngs=rngs)
-                for i, (din, dout) in enumerate(itertools.pairwise(sizes))
-            ]
-        )
+        self.hidden = dense_stack(sizes, rngs=rngs)
         # Module-bound: each Dropout keeps its own stream, carried in the state between steps.
         self.dropout = nnx.Dropout(dropout_rate, rngs=rngs)
-        last_axis = "mlp" if len(hidden_sizes) % 2 else "embed"
+        last_axis = stack_output_axis(self.hidden)
         self.head = dense(sizes[-1], num_classes, (last_axis, None), rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        h = x.reshape(x.shape[0], -1)
-        for i, layer in enumerate(self.hidden):
-            # Row-parallel layers sum over tensor-sharded features: say where the sum lands.
-            out = logical_spec("batch", "mlp" if i % 2 == 0 else None)
-            h = self.dropout(nnx.relu(layer(h, out_sharding=out)))
+        h = run_stack(self.hidden, x.reshape(x.shape[0], -1), lambda h: self.dropout(nnx.relu(h)))
         return self.head(h, out_sharding=logical_spec("batch", None))

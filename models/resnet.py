@@ -14,8 +14,8 @@ from flax import nnx
 
 from models.classification import classification_loss, report_classifier
 from models.layers import batch_norm, conv, dense
+from train.registry import register_model
 from train.sharding import logical_spec
-from zoo.registry import register_model
 
 
 def _feature_map():

@@ -19,7 +19,6 @@ reconstructions (`vae/reconstructions`) and a grid of samples decoded from prior
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Mapping
 
@@ -30,33 +29,25 @@ import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from models.layers import dense
+from models.layers import dense, dense_stack, run_stack, stack_output_axis
 from train import sharding
+from train.registry import register_model
 from train.report import image_grid
 from train.sharding import logical_spec
-from zoo.registry import register_model
 
 
 class MLPStack(nnx.Module):
-    """Dense ReLU layers alternating column- and row-parallel, like `mlp`'s."""
+    """Dense ReLU layers, alternately column- and row-parallel (`models.layers.dense_stack`)."""
 
     def __init__(self, sizes: list[int], *, rngs: nnx.Rngs):
-        self.layers = nnx.List(
-            [
-                dense(din, dout, ("embed", "mlp") if i % 2 == 0 else ("mlp", "embed"), rngs=rngs)
-                for i, (din, dout) in enumerate(itertools.pairwise(sizes))
-            ]
-        )
+        self.layers = dense_stack(sizes, rngs=rngs)
 
     @property
     def out_axis(self) -> str:
-        return "mlp" if len(self.layers) % 2 else "embed"
+        return stack_output_axis(self.layers)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        for i, layer in enumerate(self.layers):
-            out = logical_spec("batch", "mlp" if i % 2 == 0 else None)
-            x = nnx.relu(layer(x, out_sharding=out))
-        return x
+        return run_stack(self.layers, x, nnx.relu)
 
 
 def _elbo_loss(model: VAE, batch: Mapping[str, jax.Array], rngs: nnx.Rngs):

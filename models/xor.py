@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from train.registry import register_model
 from train.sharding import logical_spec
-from zoo.registry import register_model
 
 
 def binary_classification_loss(model: nnx.Module, batch, rngs: nnx.Rngs):

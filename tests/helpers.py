@@ -7,6 +7,7 @@ import glob
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -52,3 +53,37 @@ def assert_same_bits(a, b) -> None:
     assert len(paths_a) == len(paths_b) > 0
     for (path, x), (_, y) in zip(paths_a, paths_b, strict=True):
         np.testing.assert_array_equal(np.asarray(raw(x)), np.asarray(raw(y)), err_msg=str(path))
+
+
+def run_and_signal(
+    args: list[str], workdir, kill_after: int, signum: int, total: int, env: dict | None = None
+):
+    """Start `python -m zoo.train ARGS`, wait until its train.log shows that step `kill_after`
+    of `total` is done (each window's line is logged once the next window closes), then send
+    `signum`; returns (exit code, stderr)."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "zoo.train", *args],
+        cwd=ROOT,
+        env={**os.environ, "JAX_NUM_CPU_DEVICES": "8", **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    log, marker = Path(workdir) / "train.log", f"] step {kill_after}/{total} "
+    while process.poll() is None:
+        if log.exists() and marker in log.read_text():
+            process.send_signal(signum)
+            break
+        time.sleep(0.002)
+    _, stderr = process.communicate(timeout=300)
+    return process.returncode, stderr
+
+
+def one_step(trainer):
+    """Loss and grads of a trainer's first training step (its own grad step), on the host."""
+    from train import sharding
+
+    batch = next(iter(trainer.train_data))
+    with sharding.activate(trainer.mesh, trainer.rules):
+        loss, grads = trainer.jitted.grad(trainer.state, trainer.shard(batch), trainer.step_key)
+    return float(loss), jax.device_get(jax.tree.leaves(grads))

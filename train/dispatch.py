@@ -17,7 +17,7 @@ import grain
 import jax
 
 from train import sharding
-from zoo.errors import ZooError
+from train.errors import ZooError
 
 CADENCES = ("steps", "log_every", "eval_every", "checkpoint_every")
 """Trainer settings the loop acts on at step boundaries: each a multiple of K (0: off)."""

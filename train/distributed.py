@@ -11,7 +11,7 @@ from typing import Any
 
 import jax
 
-from zoo.errors import ZooError
+from train.errors import ZooError
 
 log = logging.getLogger("zoo")
 

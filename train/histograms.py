@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from train.steps import make_grad_step
+from train.steps import Steps
 
 BUCKETS = 30
 
@@ -42,14 +42,13 @@ def summarize(values: jax.Array, buckets: int = BUCKETS) -> Summary:
     }
 
 
-def make_histogram_step(graphdef: nnx.GraphDef, loss_fn: Callable) -> Callable:
-    """`histogram_step(state, batch, key) -> {tag: Summary}` with tags `params/<path>` and
-    `grads/<path>` (e.g. `params/hidden/0/kernel`)."""
-    grad_step = make_grad_step(graphdef, loss_fn)
+def make_histogram_step(graphdef: nnx.GraphDef, steps: Steps) -> Callable:
+    """`histogram_step(state, batch, key) -> {tag: Summary}` with tags `params/<path>` (every
+    param) and `grads/<path>` (those the run trains), e.g. `params/hidden/0/kernel`."""
 
     @jax.jit
     def histogram_step(state, batch: Mapping[str, jax.Array], key: jax.Array):
-        _, grads = grad_step(state, batch, key)
+        _, grads = steps.grad(state, batch, key)
         model, _ = nnx.merge(graphdef, state)
         summaries = {}
         for kind, tree in (("params", nnx.state(model, nnx.Param)), ("grads", grads)):

@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from train.errors import ZooError
 from train.paths import dotted, matches
 from train.sharding import logical_spec
-from zoo.errors import ZooError
 
 
 class ShardedLoRA(nnx.LoRA):

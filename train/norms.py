@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from train.steps import make_grad_step
+from train.steps import Steps
 
 
 def global_norm(leaves: Sequence[jax.Array]) -> jax.Array:
@@ -42,18 +42,19 @@ def update_norms(
     }
 
 
-def make_norms_step(graphdef: nnx.GraphDef, loss_fn: Callable) -> Callable:
+def make_norms_step(graphdef: nnx.GraphDef, steps: Steps) -> Callable:
     """`norms_step(state, batch, key) -> update_norms(...)` of the train step that `state`,
-    `batch` and `key` would make; `state` is read, never changed."""
-    grad_step = make_grad_step(graphdef, loss_fn)
+    `batch` and `key` would make, over the params it trains (a fine-tune's frozen params get no
+    gradient and do not move); `state` is read, never changed."""
+    trained = steps.trainable.params
 
     @jax.jit
     def norms_step(state, batch: Mapping[str, jax.Array], key: jax.Array):
-        _, grads = grad_step(state, batch, key)
+        _, grads = steps.grad(state, batch, key)
         model, optimizer = nnx.merge(graphdef, state)
-        before = jax.tree.leaves(nnx.state(model, nnx.Param))
+        before = jax.tree.leaves(nnx.state(model, trained))
         optimizer.update(model, grads)
-        after = jax.tree.leaves(nnx.state(model, nnx.Param))
+        after = jax.tree.leaves(nnx.state(model, trained))
         return update_norms(before, jax.tree.leaves(grads), after)
 
     return norms_step

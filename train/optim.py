@@ -6,7 +6,7 @@ from typing import Any
 
 import optax
 
-from zoo.config import OptimizerName, ScheduleName
+from train.config import OptimizerName, ScheduleName
 
 
 def learning_rate_schedule(opt: Any, total_steps: int) -> optax.Schedule:

@@ -18,7 +18,7 @@ import numpy as np
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from tensorboardX import SummaryWriter
 
-from zoo.console import CONSOLE
+from train.console import CONSOLE
 
 log = logging.getLogger("zoo")
 

@@ -16,8 +16,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from train.checkpoint import Checkpointer, read_json, saved_steps
-from zoo.config import resume_step
-from zoo.errors import ZooError
+from train.config import resume_step
+from train.errors import ZooError
 
 log = logging.getLogger("zoo")
 

@@ -26,8 +26,20 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zoo.config import MESH_AXES
-from zoo.errors import ZooError
+from train.errors import ZooError
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+DEFAULT_RULES: dict[str, Any] = {
+    "batch": ["data", "fsdp"],
+    "embed": "fsdp",
+    "mlp": "tensor",
+    "heads": "tensor",
+    "vocab": "tensor",
+    "conv_in": None,
+    "conv_out": "tensor",
+}
+"""Logical axis -> mesh axes: one axis, a list of axes, or None (replicated)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,15 +139,20 @@ def resolve_mesh_shape(sizes: Mapping[str, int], device_count: int) -> tuple[int
     return tuple(shape)
 
 
-def make_mesh(sizes: Mapping[str, int] | Any, devices: Sequence[Any] | None = None) -> Mesh:
+def make_mesh(sizes: Mapping[str, int], devices: Sequence[Any] | None = None) -> Mesh:
     """A mesh with Explicit axes (data, fsdp, tensor) over `devices` (default: all)."""
     devices = list(jax.devices() if devices is None else devices)
-    if not isinstance(sizes, Mapping):
-        sizes = {axis: getattr(sizes, axis) for axis in MESH_AXES}
     shape = resolve_mesh_shape(sizes, len(devices))
     return jax.make_mesh(
         shape, MESH_AXES, axis_types=(AxisType.Explicit,) * len(MESH_AXES), devices=devices
     )
+
+
+def mesh_and_rules(
+    mesh_config: Mapping[str, Any], devices: Sequence[Any] | None = None
+) -> tuple[Mesh, AxisRules]:
+    """The mesh and the validated rules that a `mesh` config section describes."""
+    return make_mesh(mesh_config, devices), AxisRules.from_mapping(mesh_config["rules"])
 
 
 @contextlib.contextmanager

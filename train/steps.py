@@ -17,10 +17,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from data.pipeline import MASK
 from train import rngs as zoo_rngs
 from train.freeze import train_mode
-from zoo.registry import WEIGHT
+from train.pipeline import MASK
+from train.registry import WEIGHT
 
 COUNT = "count"
 """The sum of example weights (training: steps) under which the other sums are accumulated."""
@@ -41,6 +41,31 @@ class Trainable:
 
     params: nnx.filterlib.Filter = nnx.Param
     frozen_norms: tuple[tuple[Any, ...], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Steps:
+    """A run's jitted step functions, all made from one graphdef, loss and `Trainable`: the
+    probes' gradients (`grad`) are exactly those that `train` applies."""
+
+    train: Callable
+    eval: Callable
+    grad: Callable
+    trainable: Trainable
+
+
+def make_steps(
+    graphdef: nnx.GraphDef,
+    loss_fn: Callable,
+    trainable: Trainable = Trainable(),
+    skip_nonfinite: bool = False,
+) -> Steps:
+    return Steps(
+        train=make_train_step(graphdef, loss_fn, skip_nonfinite, trainable),
+        eval=make_eval_step(graphdef, loss_fn),
+        grad=make_grad_step(graphdef, loss_fn, trainable),
+        trainable=trainable,
+    )
 
 
 def _loss_and_grads(
@@ -132,7 +157,7 @@ def make_grad_step(
 def make_eval_step(graphdef: nnx.GraphDef, loss_fn: Callable) -> Callable:
     """`eval_step(state, sums, batch, key) -> sums`: per-example metrics summed under the
     batch's mask, so padding rows count for nothing and every real example counts once (or
-    with the weight the loss function gives it, see `zoo.registry.WEIGHT`)."""
+    with the weight the loss function gives it, see `train.registry.WEIGHT`)."""
 
     @jax.jit
     def eval_step(state, sums: Metrics, batch: Mapping[str, jax.Array], key: jax.Array):

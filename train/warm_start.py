@@ -19,9 +19,9 @@ import jax
 from flax import nnx
 
 from train.checkpoint import SavedPath, read_json, restore_arrays, saved_shapes, saved_steps
+from train.config import resume_step
+from train.errors import ZooError
 from train.paths import dotted, matches
-from zoo.config import resume_step
-from zoo.errors import ZooError
 
 MODEL = "0"
 """The model's part of a checkpoint's `state` item (the optimizer's is "1")."""

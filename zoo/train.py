@@ -20,8 +20,9 @@ from omegaconf import DictConfig
 
 import zoo
 from train import resume
+from train.console import CONSOLE
 from train.signals import Interrupted
-from zoo.console import CONSOLE
+from zoo.hydra_store import store_registry
 
 EXIT_BAD_INPUT = 2
 
@@ -72,6 +73,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         except zoo.ZooError as e:
             _fail(str(e))
     sys.argv = [sys.argv[0], *argv]
+    store_registry()  # plugins may have registered models since
     hydra.main(version_base=None, config_path=None, config_name="config")(_train)()
 
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 import stateful_model
-from helpers import read_events, run_cli, scalar_steps
-from test_trainer import assert_same_bits
+from helpers import assert_same_bits, read_events, run_cli, scalar_steps
 
 import zoo
 from train.loop import Trainer

@@ -7,13 +7,16 @@ import numpy as np
 import pytest
 import stateful_model
 from flax import nnx
-from helpers import read_events, scalar_steps
+from helpers import assert_same_bits, read_events, scalar_steps
 from jax.sharding import PartitionSpec as P
 
 import zoo
-from data import pipeline
+from train import pipeline, sharding
 from train.checkpoint import Checkpointer, abstract_like
-from zoo.registry import get_data
+from train.loop import Trainer
+from train.norms import global_norm
+from train.registry import get_data
+from train.steps import make_grad_step
 
 MODEL = stateful_model.NAME
 
@@ -99,16 +102,6 @@ def test_checkpoints_restore_the_final_state_bit_for_bit(run):
     assert config["model"]["name"] == MODEL and config["trainer"]["steps"] == 60
 
 
-def assert_same_bits(a, b) -> None:
-    def raw(x):
-        return jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
-
-    leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
-    assert len(leaves_a) == len(leaves_b) > 0
-    for x, y in zip(leaves_a, leaves_b):
-        np.testing.assert_array_equal(np.asarray(raw(x)), np.asarray(raw(y)))
-
-
 def test_multi_device_mesh_matches_single_device(run, tmp_path):
     sharded = train(
         tmp_path,
@@ -123,3 +116,30 @@ def test_multi_device_mesh_matches_single_device(run, tmp_path):
     assert len(kernel.sharding.device_set) == 8
     for a, b in zip(params(run.model), params(sharded.model), strict=True):
         np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5)
+
+
+def test_update_norms_measure_the_gradients_the_step_applies(tmp_path):
+    """With the backbone frozen, `train/grad_norm` is the norm of the head's gradients (those
+    the step applies), not of every param's."""
+    cfg = zoo.compose(
+        [
+            "model=mlp",
+            "data=digits",
+            f"workdir={tmp_path}",
+            "model.hidden_sizes=[32,32]",
+            "finetune.freeze=backbone",
+        ]
+    )
+    trainer = Trainer(cfg, jax.devices()[:1])
+    loss_fn = zoo.get_model("mlp").loss
+    with sharding.activate(trainer.mesh, trainer.rules):
+        batch = trainer.shard(next(iter(trainer.train_data)))
+        norms = trainer.norms_step(trainer.state, batch, trainer.step_key)
+        _, applied = trainer.jitted.grad(trainer.state, batch, trainer.step_key)
+        _, every = make_grad_step(trainer.graphdef, loss_fn)(trainer.state, batch, trainer.step_key)
+    assert {path[0] for path, _ in nnx.to_flat_state(applied)} == {"head"}
+    applied_norm = float(global_norm(jax.tree.leaves(applied)))
+    np.testing.assert_allclose(float(norms["grad_norm"]), applied_norm, rtol=1e-6)
+    assert applied_norm < float(global_norm(jax.tree.leaves(every)))
+    head = jax.tree.leaves(nnx.state(nnx.merge(trainer.graphdef, trainer.state)[0].head, nnx.Param))
+    np.testing.assert_allclose(float(norms["param_norm"]), float(global_norm(head)), rtol=1e-6)

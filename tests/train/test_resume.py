@@ -8,8 +8,8 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
+import helpers
 import jax
 import numpy as np
 import pytest
@@ -18,10 +18,10 @@ from flax import nnx
 from helpers import ROOT, assert_same_bits, read_events, run_cli, scalar_steps
 
 import zoo
-from data import pipeline
+from train import pipeline
 from train.checkpoint import Checkpointer, abstract_like
 from train.loop import Trainer
-from zoo.registry import Splits, get_data
+from train.registry import Splits, get_data
 
 PLUGIN_ENV = {"ZOO_PLUGINS": "stateful_model", "PYTHONPATH": str(ROOT / "tests")}
 STEPS, EVERY = 160, 20
@@ -37,24 +37,7 @@ def command(case: str, workdir) -> list[str]:
 
 
 def run_and_signal(args: list[str], workdir, kill_after: int, signum: int):
-    """Start `python -m zoo.train ARGS`, wait until its train.log shows that step `kill_after`
-    is done (each window's line is logged once the next window closes), then send `signum`."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "zoo.train", *args],
-        cwd=ROOT,
-        env={**os.environ, "JAX_NUM_CPU_DEVICES": "8", **PLUGIN_ENV},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    log, marker = workdir / "train.log", f"] step {kill_after}/{STEPS} "
-    while process.poll() is None:
-        if log.exists() and marker in log.read_text():
-            process.send_signal(signum)
-            break
-        time.sleep(0.002)
-    _, stderr = process.communicate(timeout=300)
-    return process.returncode, stderr
+    return helpers.run_and_signal(args, workdir, kill_after, signum, STEPS, PLUGIN_ENV)
 
 
 def restore_final(case: str, workdir, step: int = STEPS) -> nnx.State:

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import zoo
-from data import pipeline
-from zoo.registry import get_data
+from train import pipeline
+from train.registry import get_data
 
 
 def column(n: int) -> dict[str, np.ndarray]:

@@ -13,11 +13,8 @@ from flax import nnx
 from helpers import read_events, scalar_steps
 
 import zoo
-from train import rngs as zoo_rngs
-from train import sharding
 from train.loop import Trainer
-from zoo.config import DEFAULT_RULES
-from zoo.registry import get_data
+from train.registry import get_data
 
 # Small versions of each model, so that a few dozen steps on 8 simulated devices take seconds.
 SMALL = {
@@ -86,16 +83,6 @@ def _digits_images(count: int = 64) -> np.ndarray:
     return splits.transform({"image": splits.eval["image"][:count]})["image"]
 
 
-def _small_model(name: str, **overrides) -> nnx.Module:
-    """The small model, fresh, on the test mesh; call it under `_mesh()`."""
-    return zoo.create_model(name, data="digits", mesh=MESH, **{**SMALL[name], **overrides})
-
-
-def _mesh():
-    rules = sharding.AxisRules.from_mapping(DEFAULT_RULES)
-    return sharding.activate(sharding.make_mesh(MESH), rules)
-
-
 @nnx.jit
 def _call_with_rngs(model, images, rngs):
     return model(images, rngs=rngs)
@@ -104,25 +91,6 @@ def _call_with_rngs(model, images, rngs):
 @nnx.jit
 def _call(model, images):
     return model(images)
-
-
-def test_vit_draws_fresh_dropout_keys_every_step_and_the_same_on_a_rerun():
-    model, images = _small_model("vit", dropout_rate=0.3), _digits_images()
-
-    def train_mode_output(seed: int, step: int) -> np.ndarray:
-        base = zoo_rngs.step_key(seed)  # the trainer's base key for call-time randomness
-        return np.asarray(_call_with_rngs(model, images, zoo_rngs.call_rngs(base, step)))
-
-    with _mesh():
-        model.train()
-        step1, step2 = train_mode_output(0, 1), train_mode_output(0, 2)
-        rerun_step1, other_seed_step1 = train_mode_output(0, 1), train_mode_output(1, 1)
-        model.eval()
-        eval_output = np.asarray(_call(model, images))  # no dropout, no keys needed
-    assert not np.allclose(step1, step2)  # each step its own masks
-    np.testing.assert_array_equal(step1, rerun_step1)  # the same seed and step: the same masks
-    assert not np.allclose(step1, other_seed_step1)
-    assert not np.allclose(step1, eval_output)
 
 
 HAS_BATCHNORM = {"mlp": False, "cnn": True, "resnet": True, "vit": False}

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from data.files import CACHE_ENV, FileSource, RemoteFile, cache_root, find_or_fetch
-from zoo.errors import ZooError
-from zoo.registry import get_data
+from train.errors import ZooError
+from train.registry import get_data
 
 CONTENT = {"a.bin.gz": b"first file " * 1000, "b.bin": b"second file"}
 

@@ -13,16 +13,17 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 
 import grain
+import jax
 import numpy as np
 
-from zoo.errors import ZooError
+from train.errors import ZooError
+from train.registry import Batch, Splits
 
 MASK = "mask"
 """Eval batches carry this column: 1.0 for a real example, 0.0 for padding."""
 
 _ENDLESS = 2**62
 
-Batch = dict[str, np.ndarray]
 RandomAccess = Sequence[Mapping[str, np.ndarray]]
 """Anything with `__len__` and `__getitem__(index) -> {column: array}`, e.g. a `MapDataset`."""
 
@@ -172,3 +173,19 @@ def eval_batches(
 def _updating(transform: Callable[[Batch], Batch]) -> Callable[[Batch], Batch]:
     """A transform returns the columns it changes; the others (the eval `mask`) pass through."""
     return lambda batch: {**batch, **transform(batch)}
+
+
+def process_pipelines(
+    splits: Splits, batch_size: int, seed: int
+) -> tuple[grain.IterDataset, grain.MapDataset]:
+    """This process's training and eval batches of `splits` (all of them with one process)."""
+    shard = {"shard_index": jax.process_index(), "shard_count": jax.process_count()}
+    train = train_batches(
+        splits.train,
+        batch_size,
+        seed,
+        transform=splits.transform,
+        augment=splits.augment,
+        **shard,
+    )
+    return train, eval_batches(splits.eval, batch_size, transform=splits.transform, **shard)

@@ -12,16 +12,24 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import read_events
-from test_sharding import one_step
+from helpers import one_step, read_events
+from model_checks import (
+    MESH,
+    ONE_DEVICE,
+    Models,
+    assert_a_few_steps_lower_the_loss,
+    assert_born_sharded_as_planned,
+    assert_same_on_one_device_and_the_mesh,
+    outputs,
+)
 
 import zoo
 from data.text import LENGTH, TOKENS
 from models import generate as sampling
 from train import sharding
 from train.loop import Trainer
-from zoo.config import DEFAULT_RULES
-from zoo.registry import get_data
+from train.registry import get_data
+from train.sharding import DEFAULT_RULES
 
 SMALL = [
     "model.context_length=32",
@@ -122,6 +130,49 @@ def test_scan_and_remat_compute_what_the_layer_loop_does():
         np.testing.assert_allclose(
             scan_grads[name][...], loop_grads[name][...], rtol=1e-4, atol=1e-6
         )
+
+
+@pytest.fixture(scope="module")
+def models():
+    return Models("gpt", "text", context_length=32, dim=32, depth=2, num_heads=2, mlp_ratio=2)
+
+
+def logits(model, tokens):
+    return model(tokens)
+
+
+def test_outputs_next_byte_logits_on_one_device_and_on_the_mesh(models):
+    tokens = _text_batch()["tokens"][:, :-1].astype(np.int32)
+    out = assert_same_on_one_device_and_the_mesh(models, logits, tokens)
+    assert out.shape == (8, 32, 256) and np.isfinite(out).all()
+
+
+def test_a_position_sees_only_itself_and_earlier_ones(models):
+    tokens = _text_batch()["tokens"][:, :-1].astype(np.int32)
+    changed = tokens.copy()
+    changed[:, 20:] = (changed[:, 20:] + 1) % 256
+    before, after = (outputs(models.one, ONE_DEVICE, logits, t) for t in (tokens, changed))
+    np.testing.assert_array_equal(before[:, :20], after[:, :20])
+    assert not np.allclose(before[:, 20:], after[:, 20:])
+
+
+def test_heads_mlp_and_vocabulary_split_over_tensor(models):
+    split = assert_born_sharded_as_planned(models.split)
+    assert {"embedding", "blocks.0.attention.key.kernel", "blocks.1.mlp_out.kernel"} <= set(split)
+
+
+def test_a_few_steps_lower_the_loss(models):
+    assert_a_few_steps_lower_the_loss(models, _text_batch())
+
+
+def test_generation_works_with_remat_and_scanned_layers(models):
+    """The same weights in another layout write the same text (greedy, on the same mesh)."""
+    other = zoo.create_model("gpt", mesh=MESH, **models.hparams, scan_layers=True, remat=True)
+    models.split.eval()
+    other.eval()
+    with _mesh():
+        want = sampling.generate_bytes(models.split, "def f(x):", 12, temperature=0.0)
+        assert sampling.generate_bytes(other, "def f(x):", 12, temperature=0.0) == want
 
 
 BUCKETS = [32, 64, 96, 128]

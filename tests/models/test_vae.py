@@ -11,15 +11,21 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import read_events, run_cli, scalar_steps
+from helpers import assert_same_bits, read_events, run_and_signal, run_cli, scalar_steps
+from model_checks import (
+    Models,
+    assert_a_few_steps_lower_the_loss,
+    assert_born_sharded_as_planned,
+    assert_same_on_one_device_and_the_mesh,
+    digits,
+)
 from PIL import Image
-from test_resume import STEPS, assert_same_bits, run_and_signal
 
 from train.checkpoint import Checkpointer, abstract_like
 from train.loop import Trainer
-from zoo.config import compose
+from zoo.overrides import compose
 
-EVERY = 40
+STEPS, EVERY = 160, 40
 
 
 def args(workdir) -> list[str]:
@@ -58,7 +64,7 @@ def noise_count(state) -> int:
 def test_noise_stream_advances_once_per_step_and_resume_reproduces_it(uninterrupted, tmp_path):
     trainer, result = uninterrupted
     assert noise_count(result.state) == STEPS
-    code, stderr = run_and_signal(args(tmp_path), tmp_path, STEPS // 2 + 5, signal.SIGKILL)
+    code, stderr = run_and_signal(args(tmp_path), tmp_path, STEPS // 2 + 5, signal.SIGKILL, STEPS)
     assert code == -signal.SIGKILL, stderr
     checkpointer = Checkpointer(tmp_path / "checkpoints")
     restart = max(checkpointer.all_steps())  # the step-80 save may not have finished
@@ -98,3 +104,27 @@ def test_reconstructions_and_samples_land_in_tensorboard(uninterrupted):
         # reconstructions, or 64 samples.
         assert pixels.shape[:2] == (71, 71)
         assert pixels.std() > 10  # not a blank image
+
+
+@pytest.fixture(scope="module")
+def models():
+    return Models("vae", "digits", hidden_sizes=[64, 32], latent_dim=4)
+
+
+def forward(model, images):
+    return model(images)
+
+
+def test_outputs_pixel_logits_and_posterior_on_one_device_and_on_the_mesh(models):
+    images = digits(normalize=False)["image"]
+    pixels, mean, log_var = assert_same_on_one_device_and_the_mesh(models, forward, images)
+    assert pixels.shape == (16, 64) and mean.shape == log_var.shape == (16, 4)
+
+
+def test_encoder_and_decoder_layers_alternate_over_tensor(models):
+    split = assert_born_sharded_as_planned(models.split)
+    assert {"encoder.layers.0.kernel", "decoder.layers.1.kernel", "pixels.kernel"} <= set(split)
+
+
+def test_a_few_steps_lower_the_loss(models):
+    assert_a_few_steps_lower_the_loss(models, digits(64, normalize=False))

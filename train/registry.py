@@ -1,16 +1,20 @@
-"""Registries of models and data sets, in the style of timm's `@register_model`.
+"""The registries of models and data sets, in the style of timm's `@register_model`: a leaf that
+only records.
 
 A model is registered once, with everything the generic trainer needs to know about it: its NNX
 module constructor, its loss/metrics function, its default data set and any trainer or optimizer
 defaults of its own. The constructor's keyword parameters (type-hinted, each with a default) *are*
 the model's config schema: the CLI's `model.<param>=...` overrides, `--cfg job` and
-`create_model(name, **overrides)` are all derived from the signature, so a hyper-parameter is
+`zoo.create_model(name, **overrides)` are all derived from the signature, so a hyper-parameter is
 declared exactly once.
 
 Data sets work the same way: a loader function whose keyword parameters are the `data.*` config.
 A data set also states what models must know about it (`info`, e.g. `input_shape` and
 `num_classes`): a model parameter of the same name left at `None` takes the data set's value, so
 `model=cnn data=digits` builds a CNN for 8x8 images without anything else to say.
+
+Registering has no other effect: the command line builds its Hydra configs from these records
+when it composes a config.
 """
 
 from __future__ import annotations
@@ -24,8 +28,7 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
-from zoo import config as zoo_config
-from zoo.errors import ZooError
+from train.errors import ZooError
 
 LossFn = Callable[[nnx.Module, Mapping[str, Any], nnx.Rngs], tuple[Any, dict[str, Any]]]
 """`loss(model, batch, rngs) -> (loss[B], {metric: value[B]})`: per-example values.
@@ -45,6 +48,27 @@ OnEval = Callable[[nnx.Module, Any], None]
 `train.report.EvalReport` (the step, a key of its own, the first eval batch, every eval batch
 on demand, and ways to write text and images to TensorBoard and a line to the console)."""
 
+DATA_FACTS = ("input_shape", "num_classes")
+"""What a data set may tell models in its `info`."""
+
+Batch = dict[str, np.ndarray]
+
+
+@dataclasses.dataclass(frozen=True)
+class Splits:
+    """A data set held in memory: column name -> array, the same leading length per split.
+
+    `transform` runs on every batch of both splits (e.g. uint8 pixels -> normalised float32);
+    `augment` on training batches only, before `transform`, with a generator seeded from the run's
+    seed and the batch's index, so augmentations are the same on every rerun and after a resume.
+    Each returns the columns it changes; the others pass through. Both work on whole batches,
+    since one vectorised call per batch costs far less than one per example."""
+
+    train: Mapping[str, np.ndarray]
+    eval: Mapping[str, np.ndarray]
+    transform: Callable[[Batch], Batch] | None = None
+    augment: Callable[[Batch, np.random.Generator], Batch] | None = None
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelEntry:
@@ -60,10 +84,6 @@ class ModelEntry:
     data: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     on_eval: OnEval | None = None
 
-    def hparams(self, **overrides: Any) -> dict[str, Any]:
-        """The constructor's keyword arguments: defaults, then type-checked overrides."""
-        return _checked_params(f"model '{self.name}'", self.config, overrides)
-
     def resolve(self, hparams: Mapping[str, Any], data: DataEntry) -> dict[str, Any]:
         """`hparams` with each parameter left at None that the data set knows filled in."""
         resolved = dict(hparams)
@@ -74,36 +94,13 @@ class ModelEntry:
 
     def build(self, hparams: Mapping[str, Any], rngs: nnx.Rngs) -> nnx.Module:
         params = {k: v for k, v in hparams.items() if k != "name"}
-        missing = [k for k, v in params.items() if v is None and k in _DATA_FACTS]
+        missing = [k for k, v in params.items() if v is None and k in DATA_FACTS]
         if missing:
             raise ZooError(
                 f"Model '{self.name}' needs {', '.join(missing)}, which come from its data set: "
                 f"resolve the parameters with a data set first, or set model.{missing[0]}."
             )
         return self.constructor(**params, rngs=rngs)
-
-
-Batch = dict[str, np.ndarray]
-
-
-@dataclasses.dataclass(frozen=True)
-class Splits:
-    """A data set held in memory: column name -> array, the same leading length per split.
-
-    `transform` runs on every batch of both splits (e.g. uint8 pixels -> normalised float32);
-    `augment` on training batches only, before `transform`, with a generator seeded from the run's
-    seed and the batch's index, so augmentations are the same on every rerun and after a resume.
-    Each returns the columns it changes; the others pass through. Both work on whole batches, since one vectorised call per batch costs far less than one per
-    example."""
-
-    train: Mapping[str, np.ndarray]
-    eval: Mapping[str, np.ndarray]
-    transform: Callable[[Batch], Batch] | None = None
-    augment: Callable[[Batch, np.random.Generator], Batch] | None = None
-
-
-_DATA_FACTS = ("input_shape", "num_classes")
-"""What a data set may tell models in its `info`."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,7 +140,7 @@ def register_model(
         if name in _MODELS:
             raise ZooError(f"A model named '{name}' is already registered; choose another name.")
         schema = _signature_dataclass(ctor, name, f"{_camel(name)}ModelConfig")
-        entry = ModelEntry(
+        _MODELS[name] = ModelEntry(
             name,
             ctor,
             loss,
@@ -154,10 +151,6 @@ def register_model(
             dict(data or {}),
             on_eval,
         )
-        zoo_config.store_model(
-            entry.name, schema, default_data, entry.trainer, entry.optimizer, entry.data
-        )
-        _MODELS[name] = entry
         return ctor
 
     return register if constructor is None else register(constructor)
@@ -179,7 +172,6 @@ def register_data(
         if name in _DATASETS:
             raise ZooError(f"A data set named '{name}' is already registered; choose another.")
         schema = _signature_dataclass(fn, name, f"{_camel(name)}DataConfig")
-        zoo_config.store_data(name, schema)
         info = {"input_shape": input_shape, "num_classes": num_classes}
         _DATASETS[name] = DataEntry(
             name, fn, schema, {k: v for k, v in info.items() if v is not None}
@@ -211,58 +203,6 @@ def get_data(name: str) -> DataEntry:
             f"Unknown data set '{name}'. Registered data sets: {', '.join(list_datasets())}."
         )
     return _DATASETS[name]
-
-
-def load_data(name: str, **params: Any) -> Splits:
-    """A registered data set's splits, e.g. `load_data("digits")`; `params` are its `data.*`
-    keys (`load_data("fashion_mnist", download=False)`), type-checked."""
-    entry = get_data(name)
-    return entry.splits(_checked_params(f"data set '{name}'", entry.config, params))
-
-
-def create_model(
-    name: str,
-    *,
-    data: str | None = None,
-    seed: int = 0,
-    mesh: Mapping[str, Any] | None = None,
-    devices: Any = None,
-    **overrides: Any,
-) -> nnx.Module:
-    """Build a registered model with fresh parameters, e.g. `create_model("xor", num_hidden=16)`.
-
-    Parameters the data set decides (`input_shape`, `num_classes`) come from `data` (default: the
-    model's own default data set) unless given.
-
-    The params are born sharded on a device mesh, as their logical annotations and the rules
-    ask; `mesh` takes the keys of the `mesh` config section (default: data parallel over every
-    device), `devices` restricts it to some devices. Call the model under
-    `train.sharding.activate(...)` (or use the trainer), since explicit sharding needs a mesh.
-    """
-    from train import rngs, sharding
-    from train.plan import create_sharded
-
-    entry = get_model(name)
-    hparams = entry.resolve(entry.hparams(**overrides), get_data(data or entry.default_data))
-    mesh_cfg = zoo_config.checked_dict(zoo_config.MeshConfig, dict(mesh or {}), "mesh")
-    rules = sharding.AxisRules.from_mapping(mesh_cfg["rules"])
-    device_mesh = sharding.make_mesh(mesh_cfg, devices)
-    with sharding.activate(device_mesh, rules):
-        (model,), _ = create_sharded(
-            lambda: (entry.build(hparams, rngs.init_rngs(seed)),), device_mesh, rules
-        )
-    return model
-
-
-def _checked_params(what: str, schema: type, overrides: Mapping[str, Any]) -> dict[str, Any]:
-    valid = [f.name for f in dataclasses.fields(schema) if f.name != "name"]
-    unknown = sorted(set(overrides) - set(valid))
-    if unknown:
-        raise ZooError(
-            f"Unknown parameter(s) {', '.join(map(repr, unknown))} for {what}. "
-            f"Valid parameters: {', '.join(valid)}."
-        )
-    return zoo_config.checked_dict(schema, overrides, what)
 
 
 def _signature_dataclass(fn: Callable[..., Any], name: str, class_name: str) -> type:

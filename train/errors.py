@@ -7,3 +7,7 @@ message itself must name the bad value and what would be valid.
 
 class ZooError(ValueError):
     """Bad input from the user: an unknown name, a wrong key or type, missing data."""
+
+
+class NonFiniteLoss(ZooError):
+    """The training loss became NaN or Inf under `trainer.nan_policy=stop`."""

@@ -8,13 +8,12 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import read_events, run_cli
+from helpers import one_step, read_events, run_cli
 from jax.sharding import PartitionSpec as P
 
 import zoo
 from train import sharding
 from train.loop import Trainer
-from train.steps import make_grad_step
 
 MESHES = [
     {"data": 8},
@@ -33,15 +32,6 @@ def config(model: str, workdir, mesh: dict[str, int], *extra: str):
     sizes = {"data": 1, "fsdp": 1, "tensor": 1, **mesh}
     overrides = [f"mesh.{axis}={size}" for axis, size in sizes.items()]
     return zoo.compose([f"model={model}", f"workdir={workdir}", *MODELS[model], *overrides, *extra])
-
-
-def one_step(trainer: Trainer):
-    """Loss and grads of the first training step, fetched to the host."""
-    batch = next(iter(trainer.train_data))
-    grad_step = make_grad_step(trainer.graphdef, zoo.get_model(trainer.cfg.model.name).loss)
-    with sharding.activate(trainer.mesh, trainer.rules):
-        loss, grads = grad_step(trainer.state, trainer.shard(batch), trainer.step_key)
-    return float(loss), jax.device_get(jax.tree.leaves(grads))
 
 
 @pytest.fixture(scope="module", params=list(MODELS))

@@ -14,8 +14,7 @@ import deep_mlp
 import pytest
 from helpers import ROOT, read_events, run_cli, scalar_steps
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
-PLUGIN_ENV = {"ZOO_PLUGINS": "deep_mlp", "PYTHONPATH": TESTS}
+PLUGIN_ENV = {"ZOO_PLUGINS": "deep_mlp", "PYTHONPATH": str(ROOT / "tests")}
 
 
 def free_port() -> int:

@@ -20,9 +20,8 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from helpers import ROOT, read_events, run_cli, scalar_steps
+from helpers import ROOT, assert_same_bits, read_events, run_cli, scalar_steps
 from PIL import Image
-from test_resume import assert_same_bits
 
 import zoo
 from train.checkpoint import Checkpointer, abstract_like

@@ -13,10 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data import pipeline, vision
+from data import vision
 from data.files import CACHE_ENV
-from zoo.errors import ZooError
-from zoo.registry import get_data
+from train import pipeline
+from train.errors import ZooError
+from train.registry import get_data
 
 DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
 

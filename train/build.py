@@ -1,0 +1,64 @@
+"""Building a model on a device mesh: the one way the trainer, `zoo.load` and
+`zoo.create_model` make a model, so each of them gets the same params, born sharded.
+
+The model is the registered constructor's, with the LoRA adapters its run's `finetune` section
+asks for; with an optax transformation it comes with its `nnx.Optimizer`. Both are created inside
+`jax.jit` under the mesh and the rules (`train.plan.create_sharded`): no device ever holds a full
+copy of a param that the plan shards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from train import rngs, sharding
+from train.lora import add_adapters
+from train.plan import ShardingPlan, create_sharded
+from train.registry import ModelEntry
+
+
+def build_model(
+    entry: ModelEntry, hparams: Mapping[str, Any], seed: int, finetune: Any = None
+) -> nnx.Module:
+    """The model a run's config describes: the registered model, with the LoRA adapters that
+    `finetune` asks for. Call it under the mesh, so everything is born sharded."""
+    model = entry.build(hparams, rngs.init_rngs(seed))
+    if finetune is not None and finetune.lora_rank:
+        add_adapters(model, finetune.lora_rank, finetune.lora_layers, rngs.adapter_rngs(seed))
+    return model
+
+
+@dataclasses.dataclass(frozen=True)
+class Built:
+    model: nnx.Module
+    optimizer: nnx.Optimizer | None
+    plan: ShardingPlan
+
+
+def build_on_mesh(
+    entry: ModelEntry,
+    hparams: Mapping[str, Any],
+    seed: int,
+    mesh: Mesh,
+    rules: sharding.AxisRules,
+    *,
+    finetune: Any = None,
+    tx: optax.GradientTransformation | None = None,
+    wrt: nnx.filterlib.Filter = nnx.Param,
+) -> Built:
+    """The model (and, given `tx`, its optimizer over the params `wrt` selects), every array
+    born with the sharding its plan gives it on `mesh`."""
+
+    def create():
+        model = build_model(entry, hparams, seed, finetune)
+        return (model,) if tx is None else (model, nnx.Optimizer(model, tx, wrt=wrt))
+
+    with sharding.activate(mesh, rules):
+        created, plan = create_sharded(create, mesh, rules)
+    return Built(created[0], created[1] if tx is not None else None, plan)

@@ -1,0 +1,189 @@
+"""The typed config schema of a run: one dataclass per section, checked by OmegaConf.
+
+The command line and the Python API compose configs against this schema (a wrong key or type
+fails there), and `train.validate` checks what types cannot say (ranges, cadences, meshes). The
+model's and the data set's sections come from their registered signatures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Mapping
+from typing import Any
+
+from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from train.errors import ZooError
+from train.sharding import DEFAULT_RULES
+
+
+class OptimizerName(str, enum.Enum):
+    sgd = "sgd"
+    adam = "adam"
+    adamw = "adamw"
+
+
+class BestMode(str, enum.Enum):
+    min = "min"
+    max = "max"
+
+
+class NanPolicy(str, enum.Enum):
+    stop = "stop"
+    skip = "skip"
+
+
+class ScheduleName(str, enum.Enum):
+    constant = "constant"
+    cosine = "cosine"
+    linear = "linear"
+
+
+@dataclasses.dataclass
+class TrainerConfig:
+    steps: int = 1000
+    batch_size: int = 128
+    # Eval (over the whole eval split) every N steps and always after the last step; 0: only then.
+    eval_every: int = 0
+    log_every: int = 50
+    # Checkpoint every N steps and always after the last step; 0: only then.
+    checkpoint_every: int = 0
+    # Keep the latest N checkpoints (and the best one, with `best_metric`).
+    keep: int = 3
+    # Also keep the checkpoint with the best value of this eval metric (e.g. `loss`, `accuracy`)
+    # among those saved at an eval step; null: keep only the latest.
+    best_metric: str | None = None
+    best_mode: BestMode = BestMode.min  # `min` for a loss, `max` for an accuracy
+    # `auto`: continue from the latest readable checkpoint in the workdir, if any; `never`: start
+    # fresh (refused if the workdir holds checkpoints); a step number: continue from that one.
+    resume: str = "auto"
+    # A NaN or Inf training loss: `stop` the run (keeping the last good checkpoint), or `skip`
+    # that step's update and go on.
+    nan_policy: NanPolicy = NanPolicy.stop
+    # Run this many train steps per call from the host, in one compiled loop (same bits, metrics
+    # still per step): pays off for tiny models, whose steps are shorter than the host's work
+    # per step. steps, log_every, eval_every and checkpoint_every must be multiples of it.
+    steps_per_dispatch: int = 1
+    # `[first, last]`: write a JAX profiler trace of these steps into the run's TensorBoard
+    # directory; empty: no trace.
+    profile_steps: list[int] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class LoggingConfig:
+    # Histograms of every param and its gradient every N steps; 0: never (the default: they
+    # cost a second gradient computation at each of those steps).
+    histogram_every: int = 0
+    # Global gradient norm, parameter norm and update/parameter ratio, sampled every N steps
+    # (each sample costs about one extra gradient computation); 0: never.
+    norms_every: int = 500
+
+
+@dataclasses.dataclass
+class OptimizerConfig:
+    name: OptimizerName = OptimizerName.adam
+    learning_rate: float = 1e-3
+    # The peak learning rate is reached after `warmup_steps` of linear warm-up, then `schedule`
+    # decays it to `learning_rate * final_lr_fraction` at the last step.
+    schedule: ScheduleName = ScheduleName.constant
+    warmup_steps: int = 0
+    final_lr_fraction: float = 0.0
+    momentum: float = 0.0  # sgd only; 0 is plain SGD
+    weight_decay: float = 1e-4  # adamw only
+    grad_clip_norm: float | None = None
+
+
+@dataclasses.dataclass
+class MeshConfig:
+    # Devices along each mesh axis; one may be -1: all the remaining devices.
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+    rules: dict[str, Any] = dataclasses.field(default_factory=lambda: dict(DEFAULT_RULES))
+    # Simulated CPU devices for this process (0: what the platform has); must be set before
+    # JAX starts, so it works from the command line, not after JAX is already in use.
+    cpu_devices: int = 0
+
+
+@dataclasses.dataclass
+class DistributedConfig:
+    # Several processes (one per host, typically): set these, or let JAX read them from the
+    # environment (JAX_COORDINATOR_ADDRESS, SLURM, Open MPI, Kubernetes).
+    coordinator: str | None = None  # host:port of process 0
+    num_processes: int | None = None
+    process_id: int | None = None
+    # A process that has not been heard from for this long is dead: the others stop with an
+    # error instead of waiting for it forever.
+    heartbeat_timeout: int = 100
+
+
+@dataclasses.dataclass
+class FinetuneConfig:
+    # Start from the weights of another run: its workdir (null: fresh weights). Params and
+    # BatchNorm statistics are restored; RNG streams and the optimizer start fresh.
+    init_from: str | None = None
+    # Which of its checkpoints: `latest`, `best` (by its trainer.best_metric, else eval loss) or
+    # a step number.
+    init_step: str = "latest"
+    # Params that keep their fresh initialisation instead of being restored (path patterns,
+    # e.g. [head] for a new classification head). Any other param whose shape differs from the
+    # checkpoint's is an error.
+    reinit: list[str] = dataclasses.field(default_factory=list)
+    # Params that get no gradient and no optimizer state: a path pattern, or `backbone` for every
+    # param outside `head`. A BatchNorm whose params are all frozen keeps its statistics too.
+    freeze: str | None = None
+    # The path of the model's classification head (every model of the zoo calls it `head`).
+    head: str = "head"
+    # Add LoRA adapters of this rank to the Linear layers that `lora_layers` matches and train
+    # only them (and the params in `reinit`); 0: no adapters.
+    lora_rank: int = 0
+    lora_layers: str = ".*"
+
+
+@dataclasses.dataclass
+class Config:
+    model: Any = MISSING
+    data: Any = MISSING
+    trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
+    finetune: FinetuneConfig = dataclasses.field(default_factory=FinetuneConfig)
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    workdir: str = "runs/${model.name}/${now:%Y%m%d-%H%M%S}"
+    seed: int = 0
+
+
+def checked_dict(schema: type, values: Mapping[str, Any], what: str) -> dict[str, Any]:
+    """Defaults of `schema` updated by `values`, type-checked the same way the CLI checks."""
+    try:
+        cfg = OmegaConf.merge(OmegaConf.structured(schema), dict(values))
+    except OmegaConfBaseException as e:
+        raise ZooError(f"Invalid value for {what}: {reason(e)}.") from None
+    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+
+
+def resume_step(resume: Any) -> int | None:
+    """The step that `trainer.resume` names, or None for `auto`/`never`/anything else."""
+    text = str(resume).strip()
+    return int(text) if text.isdigit() else None
+
+
+def reason(error: OmegaConfBaseException) -> str:
+    """The first line of an OmegaConf error, on one line."""
+    return " ".join(str(getattr(error, "msg", None) or error).split("\n")[0].split())
+
+
+def checked_params(what: str, schema: type, overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """A registered model's or data set's parameters: its defaults, then `overrides`, each
+    named in its schema and type-checked."""
+    valid = [f.name for f in dataclasses.fields(schema) if f.name != "name"]
+    unknown = sorted(set(overrides) - set(valid))
+    if unknown:
+        raise ZooError(
+            f"Unknown parameter(s) {', '.join(map(repr, unknown))} for {what}. "
+            f"Valid parameters: {', '.join(valid)}."
+        )
+    return checked_dict(schema, overrides, what)

@@ -1,0 +1,199 @@
+"""Where a run starts: a checkpoint of its own workdir, another run's weights, or its seed.
+
+The order, first match wins:
+  1. `trainer.resume=<step>`: that checkpoint of this workdir; if it cannot be read, an error
+     (an explicit step never falls back).
+  2. `trainer.resume=auto` (the default): the latest readable checkpoint of this workdir. Later
+     ones that cannot be read are set aside as `<step>.unreadable`, with a warning naming each.
+     If none can be read, an error: the run never silently starts over on top of them.
+  3. No checkpoint (or `trainer.resume=never` on a workdir without any): a fresh start, its
+     params and BatchNorm statistics filled from `finetune.init_from` when that is set.
+  4. Otherwise a fresh start from the seed.
+
+A restored checkpoint gives everything the run's future depends on: the state (resharded onto
+this run's mesh), the open log window's sums, the data iterator's position, the last eval.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import grain
+import jax
+from flax import nnx
+from omegaconf import DictConfig
+
+from train import resume
+from train.checkpoint import FORMAT as CHECKPOINT_FORMAT
+from train.checkpoint import Checkpointer, abstract_like, read_json
+from train.config import resume_step
+from train.errors import ZooError
+from train.steps import Metrics
+from train.warm_start import locate, warm_start
+
+log = logging.getLogger("zoo")
+_timing_log = logging.getLogger("train.timing")  # train.log only, not the console
+
+
+@dataclasses.dataclass
+class Progress:
+    """Where a run is: the last step done, the open log window, the last eval."""
+
+    step: int
+    window: Metrics
+    window_start: int
+    eval_step: int
+    eval_metrics: dict[str, float]
+
+
+@dataclasses.dataclass(frozen=True)
+class RunStart:
+    """What `start` needs of the run: its config (and that config as saved in checkpoints),
+    its state and graphdef, a fresh data iterator, zero window sums and its base key."""
+
+    cfg: DictConfig
+    saved_config: Mapping[str, Any]
+    graphdef: nnx.GraphDef
+    state: Any
+    iterator: grain.DatasetIterator
+    zeros: Metrics
+    base_key: jax.Array
+
+
+def start(run: RunStart, checkpointer: Checkpointer) -> tuple[Any, Progress]:
+    """The state the run starts from and where it stands, by the order above; the iterator is
+    set to the restored position."""
+    resumed = _resume(run, checkpointer)
+    if resumed is not None:
+        return resumed
+    fresh = Progress(step=0, window=run.zeros, window_start=0, eval_step=0, eval_metrics={})
+    if run.cfg.finetune.init_from is None:
+        return run.state, fresh
+    return _warm_start(run), fresh
+
+
+def _resume(run: RunStart, checkpointer: Checkpointer) -> tuple[Any, Progress] | None:
+    """Steps 1 and 2: the restored state and progress, or None when there is no checkpoint."""
+    explicit = resume_step(run.cfg.trainer.resume) is not None
+    unreadable: list[tuple[int, str]] = []
+    for step in resume.candidates(checkpointer, str(run.cfg.trainer.resume)):
+        restored, why = _restore(run, checkpointer, step)
+        if why is not None:
+            unreadable.append((step, why))
+            if explicit:
+                break
+            continue
+        meta = restored["meta"]
+        _check_meta(run, step, checkpointer.step_path(step), meta)
+        _set_aside(checkpointer, unreadable, step)
+        return restored["state"], Progress(
+            step=step,
+            window=restored["window"],
+            window_start=int(meta["window_start"]),
+            eval_step=int(meta["eval"]["step"]),
+            eval_metrics=dict(meta["eval"]["metrics"]),
+        )
+    if unreadable:
+        raise _unreadable(checkpointer, unreadable, explicit)
+    return None
+
+
+def _restore(
+    run: RunStart, checkpointer: Checkpointer, step: int
+) -> tuple[dict[str, Any] | None, str | None]:
+    """(everything saved at `step`, None), or (None, why it cannot be read)."""
+    path = checkpointer.step_path(step)
+    saved_config, why = _read(checkpointer.restore_config, step)
+    if why is not None:
+        return None, why
+    resume.check_config(step, path, saved_config, run.saved_config)
+    started = time.perf_counter()
+    restored, why = _read(
+        checkpointer.restore,
+        step,
+        abstract_like(run.state),
+        run.iterator,
+        abstract_like(run.zeros),
+    )
+    if why is None:
+        seconds = time.perf_counter() - started
+        _timing_log.info("Restored step %d from %s in %.3f s", step, path, seconds)
+    return restored, why
+
+
+def _read(load: Callable[..., Any], *args: Any) -> tuple[Any, str | None]:
+    """`(load(*args), None)`, or `(None, why)` when the checkpoint cannot be read at all."""
+    # Before the read: a failing read's siblings report the closed loop as soon as it fails.
+    resume.quiet_closed_loop_noise()
+    try:
+        return load(*args), None
+    except Exception as e:  # noqa: BLE001  (any read failure: the caller tries an older step)
+        return None, resume.reason(e)
+
+
+def _check_meta(run: RunStart, step: int, path: str, meta: Mapping[str, Any]) -> None:
+    expected = jax.random.key_data(run.base_key).tolist()
+    if meta.get("format") != CHECKPOINT_FORMAT or meta.get("base_key") != expected:
+        raise ZooError(
+            f"The checkpoint at step {step} ({path}) was written by an incompatible version "
+            f"of zoo (format {meta.get('format')}, expected {CHECKPOINT_FORMAT}; or another "
+            "base PRNG key for this seed). Use another workdir to start a new run."
+        )
+
+
+def _set_aside(checkpointer: Checkpointer, unreadable: list[tuple[int, str]], step: int) -> None:
+    """Rename the later checkpoints that could not be read, saying so, before resuming."""
+    for bad_step, why in unreadable:
+        aside = checkpointer.set_aside(bad_step)
+        log.warning(
+            "Checkpoint at step %d (%s) cannot be read (%s); kept as %s. Falling back to step %d.",
+            bad_step,
+            checkpointer.step_path(bad_step),
+            why,
+            aside,
+            step,
+        )
+
+
+def _unreadable(
+    checkpointer: Checkpointer, unreadable: list[tuple[int, str]], explicit: bool
+) -> ZooError:
+    if explicit:
+        step, why = unreadable[0]
+        return ZooError(
+            f"Cannot resume from trainer.resume={step}: the checkpoint at "
+            f"{checkpointer.step_path(step)} cannot be read ({why}). Nothing was changed; "
+            "trainer.resume=auto falls back to the latest readable earlier step."
+        )
+    details = "; ".join(f"step {s} at {checkpointer.step_path(s)}: {w}" for s, w in unreadable)
+    return ZooError(
+        f"Cannot resume: no checkpoint in {checkpointer.directory} can be read ({details}). "
+        "Nothing was changed; move the damaged checkpoints away to start over, or use another "
+        "workdir."
+    )
+
+
+def _warm_start(run: RunStart) -> Any:
+    """Step 3: a fresh fine-tune's state, its params and BatchNorm statistics from
+    `finetune.init_from`."""
+    finetune, name = run.cfg.finetune, run.cfg.model.name
+    step, path = locate(finetune.init_from, finetune.init_step)
+    trained = read_json(path, "config")["model"]["name"]
+    if trained != name:
+        raise ZooError(
+            f"finetune.init_from={finetune.init_from} holds a '{trained}' model, but this "
+            f"run builds '{name}': use model={trained}."
+        )
+    model, optimizer = nnx.merge(run.graphdef, run.state)
+    fresh = warm_start(model, path, list(finetune.reinit), option="finetune.reinit")
+    log.info(
+        "Starting from %s (step %d)%s",
+        path,
+        step,
+        f"; initialised afresh: {', '.join(fresh)}" if fresh else "",
+    )
+    return nnx.state((model, optimizer))

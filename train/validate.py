@@ -1,0 +1,121 @@
+"""Checks of a composed run config that its types alone cannot express: keys that no schema
+has, ranges, cadences, meshes and rules, fine-tuning patterns.
+
+One function, `validate`, for every way a config enters: the command line and the Python API
+call it after composing, so a bad value is refused with one paragraph before anything runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import typing
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from train import registry
+from train.config import Config, resume_step
+from train.dispatch import check_cadences
+from train.errors import ZooError
+from train.sharding import AxisRules, check_mesh_sizes
+
+
+def validate(cfg: DictConfig) -> None:
+    """Raise `ZooError` naming the first key whose value cannot run."""
+    check_keys(cfg)
+    check_trainer(cfg.trainer)
+    for key in ("histogram_every", "norms_every"):
+        if cfg.logging[key] < 0:
+            raise ZooError(f"logging.{key}={cfg.logging[key]} must be 0 (off) or positive.")
+    check_mesh_sizes(cfg.mesh)
+    AxisRules.from_mapping(cfg.mesh.rules)
+    check_optimizer(cfg.optimizer, cfg.trainer.steps)
+    check_finetune(cfg.finetune)
+
+
+def check_keys(cfg: DictConfig) -> None:
+    """Hydra's `+key=value` adds keys even to typed nodes: reject any key that no schema has,
+    with the chosen model's and data set's own schemas standing in for `model` and `data`."""
+    schemas = {
+        "model": registry.get_model(cfg.model.name).config,
+        "data": registry.get_data(cfg.data.name).config,
+    }
+    for path, schema in _unknown_keys(OmegaConf.to_container(cfg), Config, "", schemas):
+        parent = path.rpartition(".")[0]
+        where = f"'{parent}'" if parent else "the top level"
+        raise ZooError(
+            f"Unknown config key '{path}'. Valid keys at {where}: "
+            f"{', '.join(f.name for f in dataclasses.fields(schema))}."
+        )
+
+
+def _unknown_keys(
+    node: Mapping[str, Any], schema: type, path: str, overrides: Mapping[str, type]
+) -> Iterator[tuple[str, type]]:
+    hints = typing.get_type_hints(schema)
+    for key, value in node.items():
+        child = overrides.get(f"{path}{key}", hints.get(key))
+        if key not in hints:
+            yield f"{path}{key}", schema
+        elif dataclasses.is_dataclass(child) and isinstance(value, Mapping):
+            yield from _unknown_keys(value, child, f"{path}{key}.", overrides)
+
+
+def check_trainer(trainer: Any) -> None:
+    for key in ("steps", "batch_size", "log_every"):
+        if trainer[key] < 1:
+            raise ZooError(f"trainer.{key}={trainer[key]} must be at least 1.")
+    for key in ("eval_every", "checkpoint_every"):
+        if trainer[key] < 0:
+            raise ZooError(f"trainer.{key}={trainer[key]} must be 0 (off) or positive.")
+    check_cadences(trainer)
+    if trainer.keep < 1:
+        raise ZooError(
+            f"trainer.keep={trainer.keep} must be at least 1: the latest checkpoint is always kept."
+        )
+    _check_profile_steps(list(trainer.profile_steps), trainer.steps)
+    if resume_step(trainer.resume) is None and trainer.resume not in ("auto", "never"):
+        raise ZooError(
+            f"trainer.resume={trainer.resume} must be 'auto', 'never' or a step number (an "
+            "integer >= 0)."
+        )
+
+
+def check_optimizer(optimizer: Any, steps: int) -> None:
+    if optimizer.learning_rate <= 0:
+        raise ZooError(f"optimizer.learning_rate={optimizer.learning_rate} must be positive.")
+    if not 0 <= optimizer.warmup_steps <= steps:
+        raise ZooError(
+            f"optimizer.warmup_steps={optimizer.warmup_steps} must lie between 0 and "
+            f"trainer.steps={steps}."
+        )
+
+
+def check_finetune(finetune: Any) -> None:
+    """Range and syntax checks of the `finetune` section."""
+    if finetune.lora_rank < 0:
+        raise ZooError(f"finetune.lora_rank={finetune.lora_rank} must be 0 (off) or positive.")
+    step = str(finetune.init_step)
+    if resume_step(step) is None and step not in ("latest", "best"):
+        raise ZooError(
+            f"finetune.init_step={step} must be 'latest', 'best' or a step number (an integer "
+            ">= 0)."
+        )
+    patterns = [*finetune.reinit, finetune.freeze, finetune.head, finetune.lora_layers]
+    for pattern in filter(None, patterns):
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise ZooError(f"The path pattern '{pattern}' is not a valid regex: {e}.") from None
+
+
+def _check_profile_steps(steps: list[int], total: int) -> None:
+    if not steps:
+        return
+    if len(steps) != 2 or not 1 <= steps[0] <= steps[1] <= total:
+        raise ZooError(
+            f"trainer.profile_steps={steps} must be [] (no trace) or [first, last], two steps "
+            f"with 1 <= first <= last <= trainer.steps={total}, e.g. trainer.profile_steps=[10,20]."
+        )

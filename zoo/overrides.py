@@ -1,0 +1,99 @@
+"""Composing a run config from command-line style overrides, and explaining bad ones.
+
+`compose(["model=xor", "trainer.steps=500"])` is what `python -m zoo.train model=xor
+trainer.steps=500` trains: Hydra composes the registered model's and data set's configs with the
+overrides against the typed schema, then `train.validate` checks the values. Every failure is
+one paragraph naming the bad override and what would be valid.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from train import registry
+from train.config import reason as config_reason
+from train.errors import ZooError
+from train.validate import validate
+from zoo.hydra_store import store_registry
+
+
+def compose(overrides: Sequence[str] = ()) -> DictConfig:
+    """The resolved run config for command-line style `overrides`, e.g. `["model=xor"]`.
+
+    Raises `ZooError` with a one-paragraph message for an unknown model, data set or key, or a
+    value of the wrong type.
+    """
+    overrides = list(overrides)
+    check_choices(overrides)
+    try:
+        cfg = _compose(overrides)
+        validate(cfg)
+    except ZooError:
+        raise
+    except OmegaConfBaseException as e:
+        raise ZooError(_explain(e, overrides)) from None
+    except HydraException as e:  # Hydra wraps OmegaConf errors in its own exception types.
+        cause = e
+        while cause.__cause__ is not None:
+            cause = cause.__cause__
+        if isinstance(cause, OmegaConfBaseException):
+            raise ZooError(_explain(cause, overrides)) from None
+        raise ZooError(
+            f"Invalid config overrides {overrides}: {' '.join(str(e).split())}"
+        ) from None
+    OmegaConf.resolve(cfg)
+    return cfg
+
+
+def _compose(overrides: list[str]) -> DictConfig:
+    from hydra import compose as hydra_compose
+    from hydra import initialize
+
+    store_registry()
+    with initialize(version_base=None, config_path=None):
+        return hydra_compose("config", overrides=overrides)
+
+
+def check_choices(overrides: Sequence[str]) -> None:
+    """Reject an unknown `model=`/`data=` choice with the list of registered ones."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+    except HydraException as e:
+        raise ZooError(f"Cannot parse the overrides {list(overrides)}: {e}") from None
+    for override in parsed:
+        key = override.key_or_group
+        if key in ("model", "data") and not override.is_sweep_override():
+            value = override.value()
+            valid = registry.list_models() if key == "model" else registry.list_datasets()
+            if value not in valid:
+                kind = "model" if key == "model" else "data set"
+                raise ZooError(
+                    f"Unknown {kind} '{value}' (from '{override.input_line}'). "
+                    f"Valid choices: {', '.join(valid)}."
+                )
+
+
+def _explain(error: OmegaConfBaseException, overrides: list[str]) -> str:
+    """One paragraph naming the bad override, why it is bad, and the valid keys around it."""
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+
+    key = getattr(error, "full_key", None) or ""
+    reason = config_reason(error)
+    culprit = next((o for o in overrides if o.lstrip("+~").split("=")[0] == key), None)
+    message = f"Invalid override '{culprit}': {reason}" if culprit else f"Invalid config: {reason}"
+    if isinstance(error, ConfigKeyError | ConfigAttributeError) and culprit:
+        parent = key.rpartition(".")[0]
+        try:
+            node = OmegaConf.select(_compose([o for o in overrides if o != culprit]), parent)
+        except (HydraException, OmegaConfBaseException):
+            node = None
+        if isinstance(node, DictConfig):
+            where = f"'{parent}'" if parent else "the top level"
+            message += f". Valid keys at {where}: {', '.join(str(k) for k in node)}"
+    return message.rstrip(".") + "."
