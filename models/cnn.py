@@ -16,6 +16,7 @@ import itertools
 import jax
 from flax import nnx
 
+from models import hparams
 from models.classification import classification_loss, report_classifier
 from models.layers import batch_norm, conv, dense
 from train.registry import register_model
@@ -53,6 +54,8 @@ class CNN(nnx.Module):
         *,
         rngs: nnx.Rngs,
     ):
+        hparams.positive("cnn", input_shape=input_shape, num_classes=num_classes, channels=channels)
+        hparams.rates("cnn", dropout_rate=dropout_rate)
         # The first stage keeps the resolution; each later one halves it.
         widths = [input_shape[-1], *channels]
         self.blocks = nnx.List(

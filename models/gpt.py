@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models import hparams
 from models.generate import sample_on_eval
 from models.layers import dense, layer_norm
 from models.transformer import Block, KVCache, dropout_key, tokens_spec
@@ -95,12 +96,17 @@ class GPT(nnx.Module):
         *,
         rngs: nnx.Rngs,
     ):
-        if dim % num_heads or min(context_length, dim, depth, num_heads, mlp_ratio) < 1:
-            raise ZooError(
-                f"gpt: dim={dim} must be a multiple of num_heads={num_heads}, and "
-                f"context_length={context_length}, dim, depth={depth}, num_heads and "
-                f"mlp_ratio={mlp_ratio} at least 1."
-            )
+        hparams.positive(
+            "gpt",
+            context_length=context_length,
+            dim=dim,
+            depth=depth,
+            num_heads=num_heads,
+            mlp_ratio=mlp_ratio,
+        )
+        hparams.rates("gpt", dropout_rate=dropout_rate)
+        if dim % num_heads:
+            raise ZooError(f"gpt: dim={dim} must be a multiple of num_heads={num_heads}.")
         normal = nnx.initializers.normal(0.02)
         self.embedding = nnx.Param(
             nnx.with_partitioning(normal, ("vocab", "embed"))(rngs.params(), (VOCAB, dim))

@@ -11,6 +11,7 @@ import math
 import jax
 from flax import nnx
 
+from models import hparams
 from models.classification import classification_loss, report_classifier
 from models.layers import dense, dense_stack, run_stack, stack_output_axis
 from train.registry import register_model
@@ -35,6 +36,10 @@ class MLP(nnx.Module):
         *,
         rngs: nnx.Rngs,
     ):
+        hparams.positive(
+            "mlp", input_shape=input_shape, num_classes=num_classes, hidden_sizes=hidden_sizes
+        )
+        hparams.rates("mlp", dropout_rate=dropout_rate)
         sizes = [math.prod(input_shape), *hidden_sizes]
         self.hidden = dense_stack(sizes, rngs=rngs)
         # Module-bound: each Dropout keeps its own stream, carried in the state between steps.

@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
+from models import hparams
 from models.classification import classification_loss, report_classifier
 from models.layers import batch_norm, conv, dense
 from train.registry import register_model
@@ -76,6 +77,14 @@ class ResNet(nnx.Module):
         *,
         rngs: nnx.Rngs,
     ):
+        hparams.positive(
+            "resnet",
+            input_shape=input_shape,
+            num_classes=num_classes,
+            width=width,
+            stage_sizes=stage_sizes,
+            stem_strides=stem_strides,
+        )
         self.stem = conv(input_shape[-1], width, 3, strides=stem_strides, rngs=rngs)
         self.stem_norm = batch_norm(width, rngs=rngs)
         blocks, cin = [], width

@@ -29,6 +29,7 @@ import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from models import hparams
 from models.layers import dense, dense_stack, run_stack, stack_output_axis
 from train import sharding
 from train.registry import register_model
@@ -94,6 +95,9 @@ class VAE(nnx.Module):
         *,
         rngs: nnx.Rngs,
     ):
+        hparams.positive(
+            "vae", input_shape=input_shape, hidden_sizes=hidden_sizes, latent_dim=latent_dim
+        )
         pixels = math.prod(input_shape)
         self.encoder = MLPStack([pixels, *hidden_sizes], rngs=rngs)
         self.mean = dense(hidden_sizes[-1], latent_dim, (self.encoder.out_axis, None), rngs=rngs)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
+from models import hparams
 from models.classification import classification_loss_with_rngs, report_classifier
 from models.layers import conv, dense, layer_norm
 from models.transformer import Block, dropout_key
@@ -52,6 +53,17 @@ class ViT(nnx.Module):
         *,
         rngs: nnx.Rngs,
     ):
+        hparams.positive(
+            "vit",
+            input_shape=input_shape,
+            num_classes=num_classes,
+            patch_size=patch_size,
+            dim=dim,
+            depth=depth,
+            num_heads=num_heads,
+            mlp_ratio=mlp_ratio,
+        )
+        hparams.rates("vit", dropout_rate=dropout_rate)
         height, width, channels = input_shape
         if height % patch_size or width % patch_size or dim % num_heads:
             raise ZooError(

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from models import hparams
 from train.registry import register_model
 from train.sharding import logical_spec
 
@@ -32,6 +33,9 @@ class XorClassifier(nnx.Module):
     def __init__(
         self, num_inputs: int = 2, num_hidden: int = 8, num_outputs: int = 1, *, rngs: nnx.Rngs
     ):
+        hparams.positive(
+            "xor", num_inputs=num_inputs, num_hidden=num_hidden, num_outputs=num_outputs
+        )
         kernel, zeros = nnx.initializers.lecun_normal(), nnx.initializers.zeros_init()
         # Two input features are too few to split: tensor parallelism splits the hidden units,
         # and on an fsdp mesh this model is simply data parallel.

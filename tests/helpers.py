@@ -17,14 +17,14 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_cli(*args: str, env: dict[str, str | None] | None = None, timeout: float = 300):
-    """`python -m zoo.train ARGS` from the repository root, as a user would run it; `env`
-    entries set to None are removed from the environment."""
+def run_cli(*args: str, env: dict[str, str | None] | None = None, timeout: float = 300, cwd=ROOT):
+    """`python -m zoo.train ARGS` from the repository root (or `cwd`), as a user would run it;
+    `env` entries set to None are removed from the environment."""
     merged = {**os.environ, "JAX_NUM_CPU_DEVICES": "8", **(env or {})}
     full_env = {key: value for key, value in merged.items() if value is not None}
     return subprocess.run(
         [sys.executable, "-m", "zoo.train", *args],
-        cwd=ROOT,
+        cwd=cwd,
         env=full_env,
         check=False,
         capture_output=True,
@@ -87,3 +87,14 @@ def one_step(trainer):
     with sharding.activate(trainer.mesh, trainer.rules):
         loss, grads = trainer.jitted.grad(trainer.state, trainer.shard(batch), trainer.step_key)
     return float(loss), jax.device_get(jax.tree.leaves(grads))
+
+
+def overriding(*overrides: str) -> list[str]:
+    """`overrides` with each key once, its last value winning, so a test can set a value over
+    a base list (the command line refuses a key typed twice)."""
+    merged: dict[str, str] = {}
+    for override in overrides:
+        key = override.split("=", 1)[0].lstrip("+~")
+        merged.pop(key, None)
+        merged[key] = override
+    return list(merged.values())

@@ -34,6 +34,13 @@ def build_model(
     return model
 
 
+def check_buildable(entry: ModelEntry, hparams: Mapping[str, Any], finetune: Any = None) -> None:
+    """Build the model abstractly (shapes only, no arrays, no mesh): a size its constructor
+    refuses fails here, in a fraction of a second, before any data is loaded."""
+    with nnx.use_eager_sharding(False):
+        nnx.eval_shape(lambda: build_model(entry, hparams, 0, finetune))
+
+
 @dataclasses.dataclass(frozen=True)
 class Built:
     model: nnx.Module

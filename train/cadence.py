@@ -119,6 +119,7 @@ class Every:
     log: int
     eval: int
     checkpoint: int
+    k: int  # steps per dispatch
 
     @classmethod
     def of(cls, trainer: Any) -> Every:
@@ -127,6 +128,7 @@ class Every:
             int(trainer.log_every),
             int(trainer.eval_every),
             int(trainer.checkpoint_every),
+            int(trainer.steps_per_dispatch),
         )
 
     def closes_window(self, step: int) -> bool:
@@ -162,6 +164,7 @@ class Cadence:
 
     def after_dispatch(self, step: int, state: Any, sums: Metrics) -> Metrics:
         """Log, evaluate and checkpoint as due at `step`; the sums of the open window."""
+        self._checkpointer.poll()  # a save failing in the background stops the run here
         if self.every.closes_window(step):
             self.windows.close(step, sums)
             sums = self._zeros
@@ -169,10 +172,11 @@ class Cadence:
             self.windows.report_pending()
             metrics = self._evaluate(step)
             self.progress.eval_metrics, self.progress.eval_step = metrics, step
-        if self.every.saves(step) or self.stop.signum is not None:
+        stop = self.stop.due(step // self.every.k)
+        if self.every.saves(step) or stop is not None:
             self.save(step, state, sums)
-        if self.stop.signum is not None:
-            raise Interrupted(self.stop.signum, step, self._checkpointer.step_path(step))
+        if stop is not None:
+            raise Interrupted(stop, step, self._checkpointer.step_path(step))
         self.progress.step = step
         return sums
 

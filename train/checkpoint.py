@@ -6,13 +6,17 @@ A checkpoint `<workdir>/checkpoints/<step>/` holds five items:
 - `window`: the training metrics summed so far in the current, not yet logged, log window, so a
   resumed run logs exactly the numbers an uninterrupted one would;
 - `data`: the Grain iterator's position;
-- `meta` (JSON): the step, the base PRNG key, where the log window started, the last eval;
+- `meta` (JSON): the step, the base PRNG key, where the log window started, the last eval, and
+  a checksum of every array of `state` and `window` (`train.checksums`), verified at restore;
 - `config` (JSON): the resolved config. Nothing is ever pickled or eval'ed.
 
 Saves are asynchronous: the blocking part copies device arrays to host, the write to disk
 overlaps with training, and `close()` waits for it. Orbax writes into `<step>.orbax-checkpoint-
 tmp-*` and renames it when complete, so a save killed midway never looks like a checkpoint; the
-leftover is deleted when the next run opens the directory.
+leftover is deleted when the next run opens the directory. A save that fails (permission, full
+disk, I/O error), at once or in the background, stops the run with `SaveFailed`: one line with
+the cause, the directory and the last complete checkpoint. `poll()` looks for a background
+failure, at most once a second.
 
 Retention: the latest `keep` checkpoints, plus (with `best_metric`) the best one by that eval
 metric among the checkpoints saved with an eval. The latest is never deleted (DESIGN.md §8).
@@ -20,20 +24,32 @@ metric among the checkpoints saved with an eval. The latest is never deleted (DE
 
 from __future__ import annotations
 
-import json
+import logging
 import math
 import os
+import tempfile
+import time
 from collections.abc import Mapping
 from typing import Any
 
 import grain
-import jax
 import orbax.checkpoint as ocp
-from etils import epath
 from orbax.checkpoint import checkpoint_managers as policies
 
-FORMAT = 1
-"""Version of the checkpoint layout above; a checkpoint with another version is refused."""
+from train import checksums
+from train.errors import SaveFailed
+from train.failures import cause, quiet_storage_noise
+from train.saved import saved_steps, verify
+
+FORMAT = 2
+"""Version of the checkpoint layout above; 1 is the same without checksums. A checkpoint with
+another version is refused."""
+FORMATS = (1, 2)
+
+POLL_SECONDS = 1.0
+"""How often, at most, `poll()` asks whether a background save failed."""
+
+_details = logging.getLogger("train.checkpoint")  # train.log only, not the console
 
 UNREADABLE_SUFFIX = ".unreadable"
 """A checkpoint that cannot be read is renamed `<step>.unreadable` (kept, never deleted), so the
@@ -66,15 +82,23 @@ class Checkpointer:
                     keep_checkpoints_without_metrics=False,
                 )
             )
+        quiet_storage_noise()
+        _check_writable(self.directory)
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
                 create=True,
                 enable_async_checkpointing=True,
+                # Directories made while `save` blocks: a directory that cannot be made fails
+                # there, instead of leaving the background writers waiting minutes for it.
+                async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
                 cleanup_tmp_directories=True,
                 preservation_policy=policies.AnyPreservationPolicy(preserve),
             ),
         )
+        self._polled = time.monotonic()
+        self._saving: int | None = None  # the step of the save that may still be writing
+        self._broken = False  # a save failed: its threads are not waited for
 
     def save(
         self,
@@ -91,18 +115,58 @@ class Checkpointer:
 
         `metrics` (an eval's) rank the checkpoint for `best_metric`; without them it is kept
         only while it is among the latest `keep`."""
+        arrays = {**checksums.flat(state, "state"), **checksums.flat(window or {}, "window")}
+        meta = {"format": FORMAT, "step": step, **dict(meta or {})}
+        meta["checksums"] = checksums.checksums(arrays)
         items: dict[str, Any] = {
             "state": ocp.args.StandardSave(state),
             "data": grain.checkpoint.CheckpointSave(data_iterator),
             "config": ocp.args.JsonSave(dict(config)),
-            "meta": ocp.args.JsonSave({"format": FORMAT, "step": step, **dict(meta or {})}),
+            "meta": ocp.args.JsonSave(meta),
         }
         if window is not None:
             items["window"] = ocp.args.StandardSave(window)
-        self._manager.save(
-            step,
-            args=ocp.args.Composite(**items),
-            metrics=dict(metrics) if metrics else None,
+        try:  # a failure of the previous save surfaces here too
+            self._manager.save(
+                step, args=ocp.args.Composite(**items), metrics=dict(metrics) if metrics else None
+            )
+        except Exception as e:  # noqa: BLE001  (any failure to write: stop, naming it)
+            raise self._failed(self._saving or step, e) from None
+        self._saving = step
+
+    def poll(self) -> None:
+        """Raise `SaveFailed` if a save running in the background has failed (asks at most once
+        every `POLL_SECONDS`)."""
+        now = time.monotonic()
+        if self._saving is None or now - self._polled < POLL_SECONDS:
+            return
+        self._polled = now
+        try:
+            self._manager.check_for_errors()
+        except Exception as e:  # noqa: BLE001
+            raise self._failed(self._saving, e) from None
+
+    def _failed(self, step: int, error: BaseException) -> SaveFailed:
+        _details.info("Saving checkpoint %d failed", step, exc_info=error)
+        self._broken = True
+        good = saved_steps(self.directory)
+        if step in good:  # saved; what failed was removing an older one
+            return SaveFailed(
+                f"Checkpoint {step} was saved, but removing an older checkpoint from "
+                f"{self.directory} (trainer.keep) failed: {cause(error)}. The run stopped; "
+                f"the latest checkpoints, step {step} among them, are intact. Fix the "
+                "permissions (or move the old checkpoint away) and run the same command again "
+                "to resume."
+            )
+        safe = (
+            f"the last complete checkpoint is step {good[-1]} ({self.step_path(good[-1])})"
+            if good
+            else "no checkpoint of this run is complete"
+        )
+        return SaveFailed(
+            f"Saving checkpoint {step} into {self.directory} failed: {cause(error)}. The run "
+            f"stopped; {safe}. Fix the cause (space, permissions) and run the same command "
+            "again to resume from there."
         )
 
     def latest_step(self) -> int | None:
@@ -133,6 +197,10 @@ class Checkpointer:
         if abstract_window is not None:
             items["window"] = ocp.args.StandardRestore(abstract_window)
         restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+        if restored["meta"].get("format") in FORMATS:
+            arrays = checksums.flat(restored["state"], "state")
+            arrays.update(checksums.flat(restored.get("window") or {}, "window"))
+            verify(self.step_path(step), arrays)
         return {name: restored[name] for name in items}
 
     def restore_state(self, step: int, abstract_state: Any) -> Any:
@@ -157,77 +225,32 @@ class Checkpointer:
         self._manager.reload()
         return target
 
+    def wait(self) -> None:
+        """Block until every save started so far is on disk; `SaveFailed` if one failed."""
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001
+            raise self._failed(self._saving or 0, e) from None
+
     def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
+        """Wait for the last save and let go of the directory; once (later calls do nothing).
+        After a failed save there is nothing left to wait for."""
+        if self._manager is None or self._broken:
+            self._manager = None  # a failed save's threads are not joined: the process exits
+            return
+        self.wait()
+        self._manager, manager = None, self._manager
+        manager.close()
 
 
-def saved_steps(directory: str | os.PathLike) -> list[int]:
-    """The complete checkpoints in `directory`, by their step (no Orbax manager: reading only)."""
-    if not os.path.isdir(directory):
-        return []
-    return sorted(int(name) for name in os.listdir(directory) if name.isdigit())
-
-
-def read_json(step_path: str | os.PathLike, item: str) -> dict[str, Any]:
-    """A JSON item (`config`, `meta`) of the checkpoint at `step_path`."""
-    with open(os.path.join(step_path, item, "metadata")) as f:
-        return json.load(f)
-
-
-SavedPath = tuple[str, ...]
-"""A leaf of the saved `state` item: its path, e.g. ('0', 'head', 'kernel') for the model's
-head kernel ('0': the model, '1': the optimizer)."""
-
-
-def saved_shapes(step_path: str | os.PathLike) -> dict[SavedPath, tuple[int, ...]]:
-    """The shape of every array in the checkpoint's `state`, read from its metadata only."""
-    handler = ocp.PyTreeCheckpointHandler()
+def _check_writable(directory: str) -> None:
+    """Make (or find) `directory` and a directory in it, as each save will: a run that could
+    never save stops before it trains."""
     try:
-        metadata = handler.metadata(epath.Path(step_path) / "state")
-    finally:
-        handler.close()
-    shapes = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(metadata.tree)[0]:
-        parts = tuple(str(getattr(key, "key", key)) for key in path)
-        shapes[parts[:-1] if parts[-1] == "value" else parts] = tuple(leaf.shape)
-    return shapes
-
-
-def restore_arrays(
-    step_path: str | os.PathLike, targets: Mapping[SavedPath, jax.ShapeDtypeStruct]
-) -> dict[SavedPath, jax.Array]:
-    """Only the arrays `targets` names from the checkpoint's `state`, each placed with its
-    target's sharding (so a checkpoint written on one mesh loads onto another)."""
-    tree: dict[str, Any] = {}
-    for path, target in targets.items():
-        node = tree
-        for part in path:
-            node = node.setdefault(part, {})
-        node["value"] = target
-    handler = ocp.PyTreeCheckpointHandler()
-    try:
-        restored = handler.restore(
-            epath.Path(step_path) / "state",
-            args=ocp.args.PyTreeRestore(
-                item=tree,
-                restore_args=ocp.checkpoint_utils.construct_restore_args(tree),
-                partial_restore=True,
-            ),
-        )
-    finally:
-        handler.close()
-    arrays = {}
-    for path in targets:
-        node = restored
-        for part in path:
-            node = node[part]
-        arrays[path] = node["value"]
-    return arrays
-
-
-def abstract_like(state: Any) -> Any:
-    """Shape, dtype and sharding of every leaf: a restore target that allocates nothing."""
-    return jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state
-    )
+        os.makedirs(directory, exist_ok=True)
+        os.rmdir(tempfile.mkdtemp(prefix=".zoo-write-check-", dir=directory))
+    except OSError as e:
+        raise SaveFailed(
+            f"Cannot write checkpoints into {directory}: {cause(e)}. Nothing was trained; give "
+            "the run a workdir it can write (or fix the permissions) and run it again."
+        ) from None

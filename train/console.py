@@ -14,15 +14,19 @@ CONSOLE = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 class ConsoleHandler(logging.Handler):
-    """Shows INFO lines from zoo's own loggers and WARNING or worse from any logger but asyncio.
+    """Shows INFO lines from zoo's own loggers and WARNING or worse from any other logger but
+    the storage stack's.
 
-    asyncio speaks only of the checkpoint library's internal tasks: after a checkpoint that
-    could not be read, the reads still in flight fail when its event loop closes, and asyncio
-    reports each as "Task exception was never retrieved" with a traceback. zoo has already named
-    the checkpoint and what it does instead; those lines go to train.log only."""
+    asyncio and absl (the checkpoint library's logger) speak of the storage stack's internals:
+    after a checkpoint that could not be read or written, every read or write still in flight
+    fails in turn, and each is reported with a traceback. zoo has already named the checkpoint,
+    the cause and what it does instead; those lines go to train.log only (absl's CRITICAL ones
+    excepted)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.name == "asyncio":
+        if record.name == "asyncio" or (
+            record.name == "absl" and record.levelno < logging.CRITICAL
+        ):
             return False
         own = record.name == "zoo" or record.name.startswith("zoo.")
         return (own and record.levelno >= logging.INFO) or record.levelno >= logging.WARNING

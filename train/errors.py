@@ -11,3 +11,11 @@ class ZooError(ValueError):
 
 class NonFiniteLoss(ZooError):
     """The training loss became NaN or Inf under `trainer.nan_policy=stop`."""
+
+
+class CorruptCheckpoint(ZooError):
+    """A checkpoint whose arrays read back differently from how they were saved."""
+
+
+class SaveFailed(ZooError):
+    """A checkpoint could not be written (permission, full disk, I/O error)."""

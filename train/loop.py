@@ -14,6 +14,7 @@ start, not on a resume) fills the model with another run's weights.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -24,7 +25,7 @@ import jax
 from flax import nnx
 from omegaconf import DictConfig, OmegaConf
 
-from train import distributed, pipeline, registry, restore, sharding
+from train import distributed, pipeline, registry, restore, rundir, sharding
 from train import rngs as zoo_rngs
 from train.build import build_on_mesh
 from train.cadence import Cadence, Every, LogWindows
@@ -89,6 +90,7 @@ class Trainer:
         _check_batch_split(trainer.batch_size, self.mesh, self.rules)
         entry = registry.get_model(cfg.model.name)
         splits, hparams = _splits_and_hparams(cfg, entry, data)
+        pipeline.check_host_memory(splits, trainer.batch_size, trainer.steps_per_dispatch)
         self.train_data, self.eval_data = pipeline.process_pipelines(
             splits, trainer.batch_size, cfg.seed
         )
@@ -137,8 +139,13 @@ class Trainer:
             shapes = jax.eval_shape(self.eval_step, self.state, {}, batch, self.eval_key)
         return sorted(name for name in shapes if name != COUNT)
 
-    def fit(self) -> RunResult:
-        for _ in self.steps():
+    def fit(
+        self, overrides: Sequence[str] | None = None, run_log: rundir.RunLog | None = None
+    ) -> RunResult:
+        """Train to `trainer.steps` (resuming where the workdir's checkpoints say); `overrides`
+        (the command line's) are recorded in the workdir with the config; `run_log`, begun
+        before this trainer was built, holds the lines logged since (else they start here)."""
+        for _ in self.steps(overrides, run_log):
             pass
         done = self.progress
         log.info("Final eval @ step %d: %s", done.eval_step, format_metrics(done.eval_metrics))
@@ -156,38 +163,43 @@ class Trainer:
             start_step=self.resumed_from,
         )
 
-    def steps(self) -> Iterator[int]:
+    def steps(
+        self, overrides: Sequence[str] | None = None, run_log: rundir.RunLog | None = None
+    ) -> Iterator[int]:
         """The training loop of `fit()`, yielding each step's number once the step is
         dispatched (not finished); closing the generator early closes the run's checkpointer
-        and event writer without a final eval or checkpoint."""
+        and event writer without a final eval or checkpoint.
+
+        The workdir is locked for the run's life; the run writes its config, its log and its
+        events there only once it has restored (or started) its state."""
         saved_config = OmegaConf.to_container(self.cfg, resolve=True, enum_to_str=True)
         self._check_best_metric(saved_config["trainer"]["best_metric"])
-        checkpointer = Checkpointer(
-            os.path.join(self.workdir, "checkpoints"),
-            keep=saved_config["trainer"]["keep"],
-            best_metric=saved_config["trainer"]["best_metric"],
-            best_mode=saved_config["trainer"]["best_mode"],
-        )
-        iterator = self.dispatcher.iterate(self.train_data)  # a prefetch thread starts on use
-        reporter = None
-        try:
-            zeros = self._start(checkpointer, iterator, saved_config)
-            reporter = Reporter(
-                self.workdir,
-                int(self.cfg.trainer.steps),
-                start_step=self.resumed_from,
-                primary=jax.process_index() == 0,
+        primary = jax.process_index() == 0
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(rundir.hold(self.workdir, jax.process_index()))
+            run_log = run_log or stack.enter_context(rundir.RunLog())
+            checkpointer = Checkpointer(
+                os.path.join(self.workdir, "checkpoints"),
+                keep=saved_config["trainer"]["keep"],
+                best_metric=saved_config["trainer"]["best_metric"],
+                best_mode=saved_config["trainer"]["best_mode"],
             )
+            stack.callback(checkpointer.close)
+            iterator = self.dispatcher.iterate(self.train_data)  # a prefetch thread starts on use
+            stack.callback(iterator.close)
+            zeros = self._start(checkpointer, iterator, saved_config)
+            if primary:
+                rundir.record(self.workdir, self.cfg, overrides)
+            run_log.write_to(self.workdir)
+            stack.callback(checkpointer.close)  # waits for the last save, still logging
+            total = int(self.cfg.trainer.steps)
+            reporter = Reporter(self.workdir, total, start_step=self.resumed_from, primary=primary)
+            stack.callback(reporter.close)
             self._announce(reporter, saved_config)
             cadence, instruments = self._actions(
                 reporter, checkpointer, iterator, saved_config, zeros
             )
             yield from self._loop(cadence, instruments, iterator)
-        finally:
-            iterator.close()
-            checkpointer.close()
-            if reporter is not None:
-                reporter.close()
 
     def _loop(self, cadence: Cadence, instruments: Instruments, iterator) -> Iterator[int]:
         """Steps `progress.step + K .. trainer.steps`, K at a time."""

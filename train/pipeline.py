@@ -189,3 +189,54 @@ def process_pipelines(
         **shard,
     )
     return train, eval_batches(splits.eval, batch_size, transform=splits.transform, **shard)
+
+
+def example_bytes(splits: Splits) -> tuple[int, int]:
+    """(bytes, bytes once transformed) of one training example, measured on the first one."""
+    table = _table(splits.train, "train")
+    first = table.take(np.zeros(1, np.int64))
+    shown = {**first, **(splits.transform(first) if splits.transform is not None else {})}
+    return _nbytes(first), _nbytes(shown)
+
+
+def _nbytes(batch: Batch) -> int:
+    return sum(np.asarray(column).nbytes for column in batch.values())
+
+
+HOST_MEMORY_SHARE = 0.8
+
+
+def check_host_memory(splits: Splits, batch_size: int, steps_per_dispatch: int) -> None:
+    """Refuse a batch that cannot fit in this machine's memory, before any is gathered.
+
+    One dispatch's batches are held about four times over at their peak: gathered, transformed,
+    stacked (K > 1) and placed on the devices (CPU devices share the host's memory). They may
+    take at most `HOST_MEMORY_SHARE` of the memory available: the data set, the model and the
+    libraries need the rest."""
+    available = available_memory()
+    if available is None:
+        return
+    raw, shown = example_bytes(splits)
+    examples = batch_size * steps_per_dispatch
+    needed = examples * (raw + 3 * shown)
+    if needed > HOST_MEMORY_SHARE * available:
+        raise ZooError(
+            f"trainer.batch_size={batch_size} with trainer.steps_per_dispatch="
+            f"{steps_per_dispatch} needs about {needed / 2**30:,.1f} GiB of host memory for one "
+            f"dispatch's batches ({examples:,} examples of {raw:,} B, {shown:,} B once "
+            f"transformed, held about four times over), more than {HOST_MEMORY_SHARE:.0%} of the "
+            f"{available / 2**30:,.1f} GiB this machine has available. Use a smaller "
+            "trainer.batch_size or trainer.steps_per_dispatch."
+        )
+
+
+def available_memory() -> int | None:
+    """Bytes of memory the kernel says are available (Linux's MemAvailable), or None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

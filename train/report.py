@@ -34,7 +34,7 @@ class Reporter:
     """Writes events and console lines; in a multi-process job only the primary process does."""
 
     def __init__(self, workdir: str, total_steps: int, start_step: int = 0, primary: bool = True):
-        self._primary = primary
+        self.primary = primary
         # A run resumed from step s writes nothing at steps <= s. Events that an interrupted run
         # wrote after its last checkpoint (steps > s) are written again by the resumed run:
         # `purge_step` marks the new event file so that TensorBoard drops the old ones.
@@ -64,32 +64,53 @@ class Reporter:
             )
             self._progress.start()
 
+    def _events(self) -> SummaryWriter | None:
+        """The event writer; None on a secondary process, or once its thread has died (a write
+        failed, on a full disk): a later event would wait forever in its queue."""
+        if self.writer is None:
+            return None
+        worker = self.writer.file_writer.event_writer._worker  # tensorboardX's writing thread
+        if worker is None or worker.is_alive():
+            return self.writer
+        log.warning(
+            "TensorBoard events can no longer be written into %s (see train.log for why); the "
+            "run goes on without them.",
+            self.writer.logdir,
+        )
+        self.writer = None
+        return None
+
     def text(self, tag: str, markdown: str, step: int = 0) -> None:
-        if self.writer is not None:
-            self.writer.add_text(tag, markdown, global_step=step)
+        if (writer := self._events()) is not None:
+            writer.add_text(tag, markdown, global_step=step)
+
+    def image(self, tag: str, pixels: np.ndarray, step: int) -> None:
+        """An H x W x C image of floats in [0, 1]."""
+        if (writer := self._events()) is not None:
+            writer.add_image(tag, pixels, step, dataformats="HWC")
 
     def histograms(self, step: int, summaries: Mapping[str, Mapping[str, Any]]) -> None:
         """Histograms computed elsewhere, by tag (see `train.histograms.summarize`)."""
-        if self.writer is None:
+        if (writer := self._events()) is None:
             return
         for tag, summary in summaries.items():
             values = {
                 name: np.asarray(value).tolist() if name.startswith("bucket_") else float(value)
                 for name, value in summary.items()
             }
-            self.writer.add_histogram_raw(tag, global_step=step, **values)
+            writer.add_histogram_raw(tag, global_step=step, **values)
 
     def summaries(self, summaries: Sequence[Any]) -> None:
         """Ready-made summary protos (the HParams plugin's), written as they are."""
-        if self.writer is not None:
+        if (writer := self._events()) is not None:
             for summary in summaries:
-                self.writer.file_writer.add_summary(summary)
+                writer.file_writer.add_summary(summary)
 
     def scalars(self, prefix: str, step: int, values: Mapping[str, float]) -> None:
-        if self.writer is None:
+        if (writer := self._events()) is None:
             return
         for name, value in values.items():
-            self.writer.add_scalar(f"{prefix}/{name}", value, global_step=step)
+            writer.add_scalar(f"{prefix}/{name}", value, global_step=step)
 
     def train_window(
         self, step: int, metrics: Mapping[str, float], speed: Mapping[str, float]
@@ -99,19 +120,22 @@ class Reporter:
         if self._progress is not None:
             status = f"loss {metrics['loss']:.4g} | {rate}"
             self._progress.update(self._task, completed=step, status=status)
-        elif self._primary:
+        elif self.primary:
             log.info("step %d/%d %s | %s", step, self._total, format_metrics(metrics), rate)
 
     def eval(self, step: int, metrics: Mapping[str, float]) -> None:
         self.scalars("eval", step, metrics)
-        if self._primary:
+        if self.primary:
             log.info("eval @ step %d: %s", step, format_metrics(metrics))
 
     def close(self) -> None:
         if self._progress is not None:
             self._progress.stop()
-        if self.writer is not None:
-            self.writer.close()
+        if self._events() is not None:
+            try:
+                self.writer.close()
+            except OSError as e:  # a full disk: the events so far are what is left
+                log.warning("Could not finish writing the TensorBoard events: %s", e)
 
 
 @dataclasses.dataclass
@@ -134,13 +158,12 @@ class EvalReport:
 
     def image(self, tag: str, image: np.ndarray) -> None:
         """A TensorBoard image at this step: H x W x C (C = 1 or 3) floats in [0, 1]."""
-        if self.reporter.writer is not None:
-            pixels = np.clip(np.asarray(image, np.float32), 0.0, 1.0)
-            self.reporter.writer.add_image(tag, pixels, self.step, dataformats="HWC")
+        pixels = np.clip(np.asarray(image, np.float32), 0.0, 1.0)
+        self.reporter.image(tag, pixels, self.step)
 
     def log(self, line: str) -> None:
         """A line on the console (and in train.log)."""
-        if self.reporter.writer is not None:
+        if self.reporter.primary:
             log.info("%s", line)
 
 

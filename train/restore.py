@@ -28,12 +28,13 @@ from flax import nnx
 from omegaconf import DictConfig
 
 from train import resume
-from train.checkpoint import FORMAT as CHECKPOINT_FORMAT
-from train.checkpoint import Checkpointer, abstract_like, read_json
+from train.checkpoint import FORMATS, Checkpointer
 from train.config import resume_step
 from train.errors import ZooError
+from train.failures import reason
+from train.saved import abstract_like, read_json
 from train.steps import Metrics
-from train.warm_start import locate, warm_start
+from train.warm_start import read_first, warm_start
 
 log = logging.getLogger("zoo")
 _timing_log = logging.getLogger("train.timing")  # train.log only, not the console
@@ -110,7 +111,7 @@ def _restore(
     saved_config, why = _read(checkpointer.restore_config, step)
     if why is not None:
         return None, why
-    resume.check_config(step, path, saved_config, run.saved_config)
+    changed = resume.check_config(step, path, saved_config, run.saved_config)
     started = time.perf_counter()
     restored, why = _read(
         checkpointer.restore,
@@ -122,25 +123,25 @@ def _restore(
     if why is None:
         seconds = time.perf_counter() - started
         _timing_log.info("Restored step %d from %s in %.3f s", step, path, seconds)
+        if changed:
+            log.info("Resuming with changed settings: %s", "; ".join(changed))
     return restored, why
 
 
 def _read(load: Callable[..., Any], *args: Any) -> tuple[Any, str | None]:
     """`(load(*args), None)`, or `(None, why)` when the checkpoint cannot be read at all."""
-    # Before the read: a failing read's siblings report the closed loop as soon as it fails.
-    resume.quiet_closed_loop_noise()
     try:
         return load(*args), None
     except Exception as e:  # noqa: BLE001  (any read failure: the caller tries an older step)
-        return None, resume.reason(e)
+        return None, reason(e)
 
 
 def _check_meta(run: RunStart, step: int, path: str, meta: Mapping[str, Any]) -> None:
     expected = jax.random.key_data(run.base_key).tolist()
-    if meta.get("format") != CHECKPOINT_FORMAT or meta.get("base_key") != expected:
+    if meta.get("format") not in FORMATS or meta.get("base_key") != expected:
         raise ZooError(
             f"The checkpoint at step {step} ({path}) was written by an incompatible version "
-            f"of zoo (format {meta.get('format')}, expected {CHECKPOINT_FORMAT}; or another "
+            f"of zoo (format {meta.get('format')}, expected one of {list(FORMATS)}; or another "
             "base PRNG key for this seed). Use another workdir to start a new run."
         )
 
@@ -181,15 +182,18 @@ def _warm_start(run: RunStart) -> Any:
     """Step 3: a fresh fine-tune's state, its params and BatchNorm statistics from
     `finetune.init_from`."""
     finetune, name = run.cfg.finetune, run.cfg.model.name
-    step, path = locate(finetune.init_from, finetune.init_step)
-    trained = read_json(path, "config")["model"]["name"]
-    if trained != name:
-        raise ZooError(
-            f"finetune.init_from={finetune.init_from} holds a '{trained}' model, but this "
-            f"run builds '{name}': use model={trained}."
-        )
     model, optimizer = nnx.merge(run.graphdef, run.state)
-    fresh = warm_start(model, path, list(finetune.reinit), option="finetune.reinit")
+
+    def read(step: int, path: str) -> list[str]:
+        trained = read_json(path, "config")["model"]["name"]
+        if trained != name:
+            raise ZooError(
+                f"finetune.init_from={finetune.init_from} holds a '{trained}' model, but this "
+                f"run builds '{name}': use model={trained}."
+            )
+        return warm_start(model, path, list(finetune.reinit), option="finetune.reinit")
+
+    step, path, fresh = read_first(finetune.init_from, finetune.init_step, read)
     log.info(
         "Starting from %s (step %d)%s",
         path,

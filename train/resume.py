@@ -7,19 +7,16 @@ change (model, data, optimizer, seed, batch size) stops it with the list of chan
 
 from __future__ import annotations
 
-import logging
 import os
-import sys
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from train.checkpoint import Checkpointer, read_json, saved_steps
+from train.checkpoint import Checkpointer
 from train.config import resume_step
 from train.errors import ZooError
-
-log = logging.getLogger("zoo")
+from train.saved import read_json, saved_steps
 
 RESUMABLE = (
     "trainer.steps",
@@ -112,18 +109,14 @@ def precheck(cfg: DictConfig) -> None:
             saved = read_json(path, "config")
         except (OSError, ValueError):
             continue
-        check_config(step, path, saved, current, log_allowed=False)
+        check_config(step, path, saved, current)
         return
 
 
 def check_config(
-    step: int,
-    path: str,
-    saved: Mapping[str, Any],
-    current: Mapping[str, Any],
-    log_allowed: bool = True,
-) -> None:
-    """Refuse a resume whose config changes what is trained; log the allowed changes."""
+    step: int, path: str, saved: Mapping[str, Any], current: Mapping[str, Any]
+) -> list[str]:
+    """Refuse a resume whose config changes what is trained; the allowed changes."""
     refused, allowed = config_changes(saved, current)
     if refused:
         raise ZooError(
@@ -132,46 +125,7 @@ def check_config(
             f"{', '.join(k.rstrip('.') + ('.*' if k.endswith('.') else '') for k in RESUMABLE)}. "
             "Run with the original values, or use another workdir to start a new run."
         )
-    if allowed and log_allowed:
-        log.info("Resuming with changed settings: %s", "; ".join(allowed))
-
-
-def quiet_closed_loop_noise() -> None:
-    """When a restore fails, the reads still in flight finish on Orbax's event loop after it
-    has closed, and each reports `RuntimeError: Event loop is closed`: a screenful of tracebacks
-    that say nothing about the checkpoint. Python reports them two ways, as unraisable exceptions
-    and, from the storage library's own threads, through `sys.excepthook`: send those to
-    train.log only (from the first restore on); every other exception is shown."""
-    if getattr(sys.unraisablehook, "_zoo_quiet", False):
-        return
-    note = logging.getLogger("train.checkpoint").info
-    show_unraisable, show_exception = sys.unraisablehook, sys.excepthook
-
-    def unraisable_hook(unraisable) -> None:
-        if _closed_loop(unraisable.exc_value):
-            note("after a failed restore: %s", unraisable)
-        else:
-            show_unraisable(unraisable)
-
-    def exception_hook(kind, value, traceback) -> None:
-        if _closed_loop(value):
-            note("after a failed restore: %r", value)
-        else:
-            show_exception(kind, value, traceback)
-
-    unraisable_hook._zoo_quiet = True  # type: ignore[attr-defined]
-    sys.unraisablehook, sys.excepthook = unraisable_hook, exception_hook
-
-
-def _closed_loop(error: BaseException | None) -> bool:
-    return isinstance(error, RuntimeError) and "Event loop is closed" in str(error)
-
-
-def reason(error: BaseException) -> str:
-    text = " ".join(str(error).split())
-    if len(text) > 200:
-        text = text[:200] + " ..."
-    return f"{type(error).__name__}: {text}"
+    return allowed
 
 
 def _listed(steps: list[int]) -> str:

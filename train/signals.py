@@ -3,6 +3,11 @@
 The first signal only sets a flag that the loop reads after each step. A second one (a second
 Ctrl-C, or a scheduler that lost patience) exits at once, like `kill -9`: the run then resumes
 from its last complete checkpoint.
+
+In a multi-process job every process must save the same step, whichever process was signalled.
+There SIGTERM is left to JAX's preemption service, which hears it in any process and agrees with
+all of them on the next step they can all reach (`reached_preemption_sync_point`); a SIGINT is
+passed on to it as a SIGTERM of the same process. Every process then saves that step and exits.
 """
 
 from __future__ import annotations
@@ -12,6 +17,9 @@ import os
 import signal
 import threading
 from collections.abc import Iterator
+
+import jax
+from jax.experimental import multihost_utils
 
 HANDLED = (signal.SIGTERM, signal.SIGINT)
 
@@ -29,10 +37,29 @@ class Interrupted(Exception):
 
 
 class StopRequests:
-    """The first SIGTERM/SIGINT received while `installed()` is active, if any."""
+    """The first SIGTERM/SIGINT received while `installed()` is active, if any; in a
+    multi-process job, the stop that all processes agreed on."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
+        self._shared = jax.process_count() > 1
+
+    def due(self, dispatch: int) -> int | None:
+        """The signal to stop for after dispatch number `dispatch` (the same on every process:
+        ask after every dispatch), or None."""
+        if (
+            self._shared
+            and self.signum is None
+            and multihost_utils.reached_preemption_sync_point(dispatch)
+        ):
+            self.signum = signal.SIGTERM
+        return self.signum
+
+    def _pass_on(self, signum: int, frame) -> None:
+        os.write(
+            2, f"\n{signal.Signals(signum).name}: stopping every process of the job.\n".encode()
+        )
+        os.kill(os.getpid(), signal.SIGTERM)  # JAX's preemption service hears it
 
     def _handle(self, signum: int, frame) -> None:
         name = signal.Signals(signum).name
@@ -53,7 +80,10 @@ class StopRequests:
         if threading.current_thread() is not threading.main_thread():
             yield self
             return
-        previous = {sig: signal.signal(sig, self._handle) for sig in HANDLED}
+        if self._shared:
+            previous = {signal.SIGINT: signal.signal(signal.SIGINT, self._pass_on)}
+        else:
+            previous = {sig: signal.signal(sig, self._handle) for sig in HANDLED}
         try:
             yield self
         finally:

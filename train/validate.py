@@ -8,6 +8,7 @@ call it after composing, so a bad value is refused with one paragraph before any
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import typing
 from collections.abc import Iterator, Mapping
@@ -25,14 +26,24 @@ from train.sharding import AxisRules, check_mesh_sizes
 def validate(cfg: DictConfig) -> None:
     """Raise `ZooError` naming the first key whose value cannot run."""
     check_keys(cfg)
+    if not str(cfg.workdir).strip():
+        raise ZooError(
+            "workdir is empty: name the directory the run writes into, e.g. workdir=runs/a."
+        )
     check_trainer(cfg.trainer)
     for key in ("histogram_every", "norms_every"):
         if cfg.logging[key] < 0:
             raise ZooError(f"logging.{key}={cfg.logging[key]} must be 0 (off) or positive.")
     check_mesh_sizes(cfg.mesh)
+    if cfg.mesh.cpu_devices < 0:
+        raise ZooError(
+            f"mesh.cpu_devices={cfg.mesh.cpu_devices} must be 0 (the platform's devices) or a "
+            "number of simulated CPU devices."
+        )
     AxisRules.from_mapping(cfg.mesh.rules)
     check_optimizer(cfg.optimizer, cfg.trainer.steps)
     check_finetune(cfg.finetune)
+    check_distributed(cfg.distributed)
 
 
 def check_keys(cfg: DictConfig) -> None:
@@ -84,12 +95,43 @@ def check_trainer(trainer: Any) -> None:
 
 
 def check_optimizer(optimizer: Any, steps: int) -> None:
-    if optimizer.learning_rate <= 0:
-        raise ZooError(f"optimizer.learning_rate={optimizer.learning_rate} must be positive.")
+    _in_range("optimizer.learning_rate", optimizer.learning_rate, "a positive number", low=0)
+    _in_range("optimizer.final_lr_fraction", optimizer.final_lr_fraction, "between 0 and 1", 0, 1)
+    _in_range("optimizer.momentum", optimizer.momentum, "between 0 (plain SGD) and 1", 0, 1)
+    _in_range("optimizer.weight_decay", optimizer.weight_decay, "0 or positive", 0)
+    if optimizer.grad_clip_norm is not None:
+        _in_range("optimizer.grad_clip_norm", optimizer.grad_clip_norm, "positive (or null)", 0)
+    for key in ("learning_rate", "grad_clip_norm"):
+        if optimizer[key] == 0:
+            raise ZooError(f"optimizer.{key}=0 must be positive.")
+    if optimizer.momentum == 1:
+        raise ZooError("optimizer.momentum=1 must be below 1: the update would never decay.")
     if not 0 <= optimizer.warmup_steps <= steps:
         raise ZooError(
             f"optimizer.warmup_steps={optimizer.warmup_steps} must lie between 0 and "
             f"trainer.steps={steps}."
+        )
+
+
+def _in_range(key: str, value: float, valid: str, low: float, high: float = math.inf) -> None:
+    """`low <= value <= high`, and a finite number."""
+    if not (math.isfinite(value) and low <= value <= high):
+        raise ZooError(f"{key}={value} must be {valid}.")
+
+
+def check_distributed(distributed: Any) -> None:
+    if distributed.heartbeat_timeout < 1:
+        raise ZooError(
+            f"distributed.heartbeat_timeout={distributed.heartbeat_timeout} must be at least 1 "
+            "(seconds)."
+        )
+    count, index = distributed.num_processes, distributed.process_id
+    if count is not None and count < 1:
+        raise ZooError(f"distributed.num_processes={count} must be at least 1.")
+    if index is not None and (index < 0 or (count is not None and index >= count)):
+        raise ZooError(
+            f"distributed.process_id={index} must lie between 0 and num_processes - 1"
+            f"{f' = {count - 1}' if count else ''}."
         )
 
 

@@ -2,29 +2,75 @@
 
 A run's workdir holds `checkpoints/<step>/`, each with the model's state under `state/0` and the
 run's resolved config (JSON). `locate` picks one (`latest`, `best`, or a step) and explains what
-it looked for when there is none. `restore_model` fills a model with everything its checkpoint
-holds for it (loading a trained model); `warm_start` fills only its params and BatchNorm
-statistics (a fine-tune's start: RNG streams start fresh), leaves the params that `reinit` names
-as initialised, and refuses a checkpoint whose shapes differ anywhere else, naming each param.
+it looked for when there is none; `read_first` reads it, and for `latest` falls back to the
+latest checkpoint that can be read, as a resumed run does (reading never renames or deletes).
+`restore_model` fills a model with everything its checkpoint holds for it (loading a trained
+model); `warm_start` fills only its params and BatchNorm statistics (a fine-tune's start: RNG
+streams start fresh), leaves the params that `reinit` names as initialised, and refuses a
+checkpoint whose shapes differ anywhere else, naming each param.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import jax
 from flax import nnx
 
-from train.checkpoint import SavedPath, read_json, restore_arrays, saved_shapes, saved_steps
 from train.config import resume_step
-from train.errors import ZooError
+from train.errors import CorruptCheckpoint, ZooError
+from train.failures import quiet_storage_noise, reason
 from train.paths import dotted, matches
+from train.saved import SavedPath, read_json, restore_arrays, saved_shapes, saved_steps
 
 MODEL = "0"
 """The model's part of a checkpoint's `state` item (the optimizer's is "1")."""
+
+log = logging.getLogger("zoo")
+Read = TypeVar("Read")
+
+
+def read_first(
+    workdir: str | os.PathLike, which: str | int, read: Callable[[int, str], Read]
+) -> tuple[int, str, Read]:
+    """(step, path, `read(step, path)`) of the checkpoint `which` names (see `locate`). For
+    `latest`, a checkpoint that cannot be read (damaged, truncated, checksums that do not match)
+    is skipped with a warning for the one before it; a step asked for by name is not."""
+    quiet_storage_noise()
+    step, path = locate(workdir, which)
+    directory = os.path.dirname(path)
+    candidates = [s for s in reversed(saved_steps(directory))] if str(which) == "latest" else [step]
+    unreadable: list[tuple[int, str, str]] = []
+    for step in candidates:
+        path = os.path.join(directory, str(step))
+        try:
+            result = read(step, path)
+        except Exception as e:  # bad input is re-raised; damage falls back)
+            if isinstance(e, ZooError) and not isinstance(e, CorruptCheckpoint):
+                raise
+            unreadable.append((step, path, reason(e)))
+            continue
+        for bad_step, bad_path, why in unreadable:
+            log.warning(
+                "Skipped the checkpoint at step %d (%s), which cannot be read (%s); using step "
+                "%d. Nothing was changed.",
+                bad_step,
+                bad_path,
+                why,
+                step,
+            )
+        return step, path, result
+    if len(unreadable) == 1:
+        step, path, why = unreadable[0]
+        raise ZooError(f"Cannot read the checkpoint at step {step} ({path}): {why}.")
+    details = "; ".join(f"step {s} at {p}: {w}" for s, p, w in unreadable)
+    raise ZooError(
+        f"No checkpoint of the run in {directory} can be read ({details}). Nothing was changed."
+    )
 
 
 def locate(workdir: str | os.PathLike, which: str | int = "latest") -> tuple[int, str]:

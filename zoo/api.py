@@ -17,15 +17,15 @@ import numpy as np
 from flax import nnx
 from omegaconf import DictConfig, OmegaConf
 
-from train import pipeline, registry, sharding
+from train import pipeline, registry, rundir, sharding
 from train import rngs as zoo_rngs
 from train.build import build_on_mesh
-from train.checkpoint import read_json
 from train.config import Config, MeshConfig, checked_dict, checked_params
-from train.loop import RunResult, evaluate_batches, run
+from train.loop import RunResult, Trainer, evaluate_batches
 from train.lora import merge_adapters
+from train.saved import read_json
 from train.steps import make_eval_step
-from train.warm_start import locate, restore_model
+from train.warm_start import read_first, restore_model
 from zoo.overrides import compose
 
 
@@ -33,7 +33,9 @@ def fit(model: str, *overrides: str) -> RunResult:
     """Run the CLI's job from Python: `fit("cnn", "data=digits", "trainer.steps=200")` is
     `python -m zoo.train model=cnn data=digits trainer.steps=200`, returning the trained model,
     its final eval metrics and its workdir."""
-    return run(compose([f"model={model}", *overrides]))
+    args = [f"model={model}", *overrides]
+    with rundir.RunLog() as run_log:
+        return Trainer(compose(args)).fit(overrides=args, run_log=run_log)
 
 
 @dataclasses.dataclass
@@ -71,31 +73,27 @@ def load(
     It is placed on a new mesh: `mesh` takes the keys of the `mesh` config section (default:
     data parallel over every device, whatever mesh it was trained on), `devices` restricts it to
     some devices."""
-    step_number, path = locate(workdir, step)
+    step_number, _, (model, config, device_mesh, rules, metrics) = read_first(
+        workdir, step, lambda _, path: _read_model(path, mesh, devices)
+    )
+    return TrainedModel(
+        model, config, step_number, os.path.abspath(workdir), device_mesh, rules, metrics
+    )
+
+
+def _read_model(path: str, mesh: Mapping[str, Any] | None, devices: Any) -> tuple:
+    """The model saved at `path` on the mesh asked for, its config and its last eval."""
     config = saved_config(path)
     entry = registry.get_model(config.model.name)
     mesh_cfg = checked_dict(MeshConfig, {"rules": dict(config.mesh.rules), **(mesh or {})}, "mesh")
     device_mesh, rules = sharding.mesh_and_rules(mesh_cfg, devices)
     model = build_on_mesh(
-        entry,
-        resolved_hparams(config),
-        config.seed,
-        device_mesh,
-        rules,
-        finetune=config.finetune,
+        entry, resolved_hparams(config), config.seed, device_mesh, rules, finetune=config.finetune
     ).model
     restore_model(model, path)
     model.eval()
     evaluated = read_json(path, "meta").get("eval", {})
-    return TrainedModel(
-        model,
-        config,
-        step_number,
-        os.path.abspath(workdir),
-        device_mesh,
-        rules,
-        dict(evaluated.get("metrics", {})),
-    )
+    return model, config, device_mesh, rules, dict(evaluated.get("metrics", {}))
 
 
 def merge_lora(trained: Trained) -> nnx.Module:

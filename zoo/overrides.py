@@ -58,15 +58,45 @@ def _compose(overrides: list[str]) -> DictConfig:
         return hydra_compose("config", overrides=overrides)
 
 
-def check_choices(overrides: Sequence[str]) -> None:
-    """Reject an unknown `model=`/`data=` choice with the list of registered ones."""
+def sweep_jobs(overrides: Sequence[str]) -> list[list[str]]:
+    """The overrides of each job of a sweep: one job per combination of the comma-separated
+    values (`seed=0,1 optimizer.learning_rate=0.1,0.01`: four jobs), in Hydra's order."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+
+    try:
+        (jobs,) = BasicSweeper.split_arguments(_parsed(overrides), max_batch_size=None)
+    except HydraException as e:
+        raise ZooError(f"Cannot sweep over {list(overrides)}: {' '.join(str(e).split())}") from None
+    return jobs
+
+
+def _parsed(overrides: Sequence[str]) -> list:
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     try:
-        parsed = OverridesParser.create().parse_overrides(list(overrides))
+        return OverridesParser.create().parse_overrides(list(overrides))
     except HydraException as e:
         raise ZooError(f"Cannot parse the overrides {list(overrides)}: {e}") from None
-    for override in parsed:
+
+
+def check_once(overrides: Sequence[str]) -> None:
+    """Refuse a key typed twice on a command line: the last would win silently. (A program
+    that composes a base list and then overrides some of its keys is not refused.)"""
+    seen: dict[str, str] = {}
+    for override in _parsed(overrides):
+        key = override.key_or_group
+        if key in seen:
+            raise ZooError(
+                f"{key} is given twice ('{seen[key]}' and '{override.input_line}'): give each "
+                "key once; to run several values, sweep over them with -m and a comma "
+                f"(-m {key}=a,b)."
+            )
+        seen[key] = override.input_line
+
+
+def check_choices(overrides: Sequence[str]) -> None:
+    """Reject an unknown `model=`/`data=` choice with the list of registered ones."""
+    for override in _parsed(overrides):
         key = override.key_or_group
         if key in ("model", "data") and not override.is_sweep_override():
             value = override.value()

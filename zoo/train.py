@@ -1,52 +1,99 @@
-"""The command line: `python -m zoo.train model=xor [data=...] [key=value ...]`.
+"""The command line: `python -m zoo.train model=xor [data=...] [key=value ...]`, and sweeps
+with `-m` (`python -m zoo.train -m model=xor seed=0,1,2`: one job per combination, in
+`<workdir>/0`, `/1`, ...).
 
-Hydra parses the overrides, prints `--help` and `--cfg job`, and owns logging; zoo checks the
-overrides first so that a bad model name, key or type gets a one-paragraph message and exit
-status 2 instead of a stack trace. Models registered by user code are accepted too: name the
-modules that register them in `ZOO_PLUGINS` (comma-separated), or call `main()` from a script
-that registers them first.
+Every job is composed and checked before any job writes anything: an unknown name, key or type,
+a value out of range or a resume that cannot apply gets a one-paragraph message, and that job
+does not run. The good jobs then run one after another; the command exits with status 2 if any
+job had bad input. A job writes into its workdir only once its trainer is built (mesh, data,
+model): `.hydra/` (its config and overrides) and `train.log` come after that.
+
+Hydra composes the configs and prints `--help`, `--hydra-help`, `--info` and `--cfg job`. Models
+registered by user code are accepted too: name the modules that register them in `ZOO_PLUGINS`
+(comma-separated), or call `main()` from a script that registers them first.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
+import logging.config
 import os
 import sys
 from collections.abc import Sequence
 
 import hydra
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-import zoo
-from train import resume
+from train import registry, resume, rundir
+from train.build import check_buildable
 from train.console import CONSOLE
+from train.errors import ZooError
+from train.loop import Trainer
 from train.signals import Interrupted
 from zoo.hydra_store import store_registry
+from zoo.overrides import check_once, compose, sweep_jobs
 
 EXIT_BAD_INPUT = 2
 
+# The console: zoo's own lines plus real warnings from anywhere; the INFO chatter of absl, Orbax
+# and JAX reaches each run's train.log only.
+CONSOLE_LOGGING = {
+    "version": 1,
+    "formatters": {"console": {"format": "%(message)s"}},
+    "handlers": {"console": {"class": "train.console.ConsoleHandler", "formatter": "console"}},
+    "root": {"level": "INFO", "handlers": ["console"]},
+    "disable_existing_loggers": False,
+}
 
-def _fail(message: str) -> None:
-    CONSOLE.print(f"error: {message}", markup=False)
-    sys.exit(EXIT_BAD_INPUT)
+log = logging.getLogger("zoo")
 
 
-def _train(cfg: DictConfig) -> None:
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
+@dataclasses.dataclass
+class Job:
+    number: int | None  # its place in a sweep; None for a single run
+    overrides: list[str]
+    config: DictConfig | None = None
+    error: str | None = None
 
-    hydra_cfg = HydraConfig.get()
-    if hydra_cfg.mode == RunMode.MULTIRUN:  # one workdir per job of a sweep: <workdir>/<job>
-        cfg.workdir = hydra_cfg.runtime.output_dir
+    def name(self) -> str:
+        return "" if self.number is None else f"job {self.number} ({' '.join(self.overrides)}): "
+
+
+def plan(overrides: Sequence[str], multirun: bool) -> list[Job]:
+    """Every job, composed and checked; a bad one carries its message instead of a config."""
+    check_once(overrides)
+    if not multirun:
+        return [_checked(Job(None, list(overrides)))]
+    return [_checked(Job(i, job)) for i, job in enumerate(sweep_jobs(overrides))]
+
+
+def _checked(job: Job) -> Job:
     try:
-        zoo.run(cfg)
-    except zoo.ZooError as e:
-        logging.getLogger("zoo").error("error: %s", e)
-        sys.exit(EXIT_BAD_INPUT)
-    except Interrupted as e:  # SIGTERM/SIGINT: checkpoint saved, logs flushed
-        logging.getLogger("zoo").warning("%s", e)
-        sys.exit(e.exit_code)
+        cfg = compose(job.overrides)
+        if job.number is not None:  # one workdir per job of a sweep: <workdir>/<job>
+            cfg.workdir = os.path.join(cfg.workdir, str(job.number))
+        model, data = registry.get_model(cfg.model.name), registry.get_data(cfg.data.name)
+        hparams = model.resolve(OmegaConf.to_container(cfg.model), data)
+        check_buildable(model, hparams, cfg.finetune)
+        rundir.check_free(cfg.workdir, cfg.distributed.process_id or 0)
+        resume.precheck(cfg)
+        job.config = cfg
+    except ZooError as e:
+        job.error = str(e)
+    return job
+
+
+def run(job: Job) -> int:
+    """Train one job; its exit status."""
+    with rundir.RunLog() as run_log:  # from the start: the trainer's set-up logs too
+        try:
+            Trainer(job.config).fit(overrides=job.overrides, run_log=run_log)
+        except ZooError as e:  # in train.log too if the run had started writing
+            log.error("error: %s%s", job.name(), e)
+            return EXIT_BAD_INPUT
+    return 0
 
 
 def load_plugins(env: str = "ZOO_PLUGINS") -> None:
@@ -55,7 +102,8 @@ def load_plugins(env: str = "ZOO_PLUGINS") -> None:
         try:
             importlib.import_module(module)
         except ImportError as e:
-            _fail(f"Cannot import plugin module '{module}' named in ${env}: {e}.")
+            CONSOLE.print(f"error: Cannot import plugin module '{module}' named in ${env}: {e}.")
+            sys.exit(EXIT_BAD_INPUT)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -65,16 +113,27 @@ def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     load_plugins()
     args, _ = get_args_parser().parse_known_args(argv)
-    if not (args.help or args.hydra_help or args.multirun or args.info):
+    if args.help or args.hydra_help or args.info or args.cfg:  # Hydra prints; nothing runs
+        sys.argv = [sys.argv[0], *argv]
+        store_registry()
+        hydra.main(version_base=None, config_path=None, config_name="config")(lambda cfg: None)()
+        return
+    logging.config.dictConfig(CONSOLE_LOGGING)
+    try:
+        jobs = plan(args.overrides, args.multirun)
+    except ZooError as e:
+        jobs = [Job(None, list(args.overrides), error=str(e))]
+    for job in jobs:
+        if job.error is not None:
+            CONSOLE.print(f"error: {job.name()}{job.error}", markup=False)
+    status = 0 if all(job.error is None for job in jobs) else EXIT_BAD_INPUT
+    for job in (job for job in jobs if job.error is None):
         try:
-            cfg = zoo.compose(args.overrides)
-            # Refuse a resume that cannot apply before Hydra writes .hydra/ into the workdir.
-            resume.precheck(cfg)
-        except zoo.ZooError as e:
-            _fail(str(e))
-    sys.argv = [sys.argv[0], *argv]
-    store_registry()  # plugins may have registered models since
-    hydra.main(version_base=None, config_path=None, config_name="config")(_train)()
+            status = max(status, run(job))
+        except Interrupted as e:  # SIGTERM/SIGINT: checkpoint saved, logs flushed
+            log.warning("%s", e)
+            sys.exit(e.exit_code)
+    sys.exit(status)
 
 
 if __name__ == "__main__":

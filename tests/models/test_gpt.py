@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import one_step, read_events
+from helpers import one_step, overriding, read_events
 from model_checks import (
     MESH,
     ONE_DEVICE,
@@ -48,13 +48,13 @@ MESHES = [{"tensor": 2, "data": 4}, {"fsdp": 2, "tensor": 2, "data": 2}]
 def config(workdir, mesh=None, *extra: str):
     sizes = {"data": 1, "fsdp": 1, "tensor": 1, **(mesh or {})}
     return zoo.compose(
-        [
+        overriding(
             "model=gpt",
             f"workdir={workdir}",
             *SMALL,
             *(f"mesh.{axis}={size}" for axis, size in sizes.items()),
             *extra,
-        ]
+        )
     )
 
 
@@ -214,7 +214,7 @@ def test_lines_compile_once_per_bucket(lines_run):
 
 
 def test_held_out_bits_per_byte_is_exact_over_real_bytes(lines_run):
-    trainer, result = lines_run
+    _, result = lines_run
     held_out = (
         get_data("text").splits({"mode": "lines", "buckets": BUCKETS, "eval_bytes": 3000}).eval
     )
@@ -267,8 +267,10 @@ def test_generation_is_reproducible_consistent_and_compiled_per_bucket():
         (
             {"tensor": 4},
             "model.num_heads=2",
-            r"'blocks.0.attention.\w+.kernel' \(shape .*\) has dimension \d of size 2 "
-            r"\('heads'\), which mesh axes \['tensor'\] cannot split 4 ways",
+            (
+                r"'blocks.0.attention.\w+.kernel' \(shape .*\) has dimension \d of size 2 "
+                r"\('heads'\), which mesh axes \['tensor'\] cannot split 4 ways"
+            ),
         ),
         ({}, "data.window=64", r"sequences of 64 tokens, more than model.context_length=32"),
     ],

@@ -21,8 +21,9 @@ from model_checks import (
 )
 from PIL import Image
 
-from train.checkpoint import Checkpointer, abstract_like
+from train.checkpoint import Checkpointer
 from train.loop import Trainer
+from train.saved import abstract_like
 from zoo.overrides import compose
 
 STEPS, EVERY = 160, 40

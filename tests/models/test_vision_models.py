@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import read_events, scalar_steps
+from helpers import overriding, read_events, scalar_steps
 
 import zoo
 from train.loop import Trainer
@@ -28,7 +28,7 @@ MESH = {"data": 2, "fsdp": 2, "tensor": 2}
 
 def config(name: str, workdir, *extra: str):
     return zoo.compose(
-        [
+        overriding(
             f"model={name}",
             "data=digits",
             f"workdir={workdir}",
@@ -41,7 +41,7 @@ def config(name: str, workdir, *extra: str):
             *(f"mesh.{axis}={size}" for axis, size in MESH.items()),
             *(f"model.{key}={json.dumps(value)}" for key, value in SMALL[name].items()),
             *extra,
-        ]
+        )
     )
 
 

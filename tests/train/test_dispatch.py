@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import stateful_model
-from helpers import assert_same_bits, read_events, run_cli, scalar_steps
+from helpers import assert_same_bits, overriding, read_events, run_cli, scalar_steps
 
 import zoo
 from train.loop import Trainer
@@ -13,7 +13,7 @@ MODEL = stateful_model.NAME
 
 
 def train(workdir, *overrides: str) -> zoo.RunResult:
-    return zoo.run(zoo.compose([f"model={MODEL}", f"workdir={workdir}", *overrides]))
+    return zoo.run(zoo.compose(overriding(f"model={MODEL}", f"workdir={workdir}", *overrides)))
 
 
 def test_k_steps_per_dispatch_equal_one_step_per_dispatch_and_resume_exactly(tmp_path):

@@ -72,16 +72,21 @@ def test_two_processes_match_one_process_with_eight_devices(mesh, tmp_path):
     assert (tmp_path / "two" / "checkpoints" / "20").is_dir()
 
 
-def test_a_dead_process_stops_the_other_instead_of_hanging(tmp_path):
-    processes = start_processes(
-        tmp_path, "trainer.steps=1000000", "trainer.log_every=10", heartbeat=5
-    )
-    log = tmp_path / "train.log"
+def wait_for_step_20(workdir, processes):
+    """Until both processes have logged step 20: training runs on every process."""
+    log = workdir / "train.log"
     deadline = time.monotonic() + 120
     while "step 20/" not in (log.read_text() if log.exists() else ""):
         assert time.monotonic() < deadline, "training did not start"
         assert all(p.poll() is None for p in processes)
-        time.sleep(0.5)
+        time.sleep(0.2)
+
+
+def test_a_dead_process_stops_the_other_instead_of_hanging(tmp_path):
+    processes = start_processes(
+        tmp_path, "trainer.steps=1000000", "trainer.log_every=10", heartbeat=5
+    )
+    wait_for_step_20(tmp_path, processes)
     processes[1].send_signal(signal.SIGKILL)
     killed_at = time.monotonic()
     try:
@@ -92,3 +97,17 @@ def test_a_dead_process_stops_the_other_instead_of_hanging(tmp_path):
             p.communicate()
     assert processes[0].returncode != 0
     assert time.monotonic() - killed_at < 120
+
+
+def test_a_sigterm_to_one_process_stops_every_process_at_the_same_step(tmp_path):
+    processes = start_processes(tmp_path, "trainer.steps=1000000", "trainer.log_every=10")
+    wait_for_step_20(tmp_path, processes)
+    processes[1].send_signal(signal.SIGTERM)  # process 0 hears nothing from the scheduler
+    stopped = time.monotonic()
+    outputs = [p.communicate(timeout=120) for p in processes]
+    assert time.monotonic() - stopped < 60
+    assert [p.returncode for p in processes] == [128 + signal.SIGTERM] * 2, outputs
+    saved = sorted(int(name) for name in os.listdir(tmp_path / "checkpoints") if name.isdigit())
+    assert len(saved) == 1, saved  # one step, saved by both processes together
+    for _, stderr in outputs:
+        assert f"Stopped by SIGTERM after step {saved[0]}; saved" in stderr, stderr

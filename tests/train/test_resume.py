@@ -15,13 +15,14 @@ import numpy as np
 import pytest
 import stateful_model
 from flax import nnx
-from helpers import ROOT, assert_same_bits, read_events, run_cli, scalar_steps
+from helpers import ROOT, assert_same_bits, overriding, read_events, run_cli, scalar_steps
 
 import zoo
 from train import pipeline
-from train.checkpoint import Checkpointer, abstract_like
+from train.checkpoint import Checkpointer
 from train.loop import Trainer
 from train.registry import Splits, get_data
+from train.saved import abstract_like
 
 PLUGIN_ENV = {"ZOO_PLUGINS": "stateful_model", "PYTHONPATH": str(ROOT / "tests")}
 STEPS, EVERY = 160, 20
@@ -192,7 +193,7 @@ def test_checkpoint_restores_onto_other_meshes(uninterrupted, tmp_path):
     assert jax.typeof(kernel).sharding.spec == jax.sharding.PartitionSpec(None, "fsdp")
     assert len(kernel.sharding.device_set) == 8
     for mesh, devices in [(("mesh.data=1",), 1), (("mesh.data=2", "mesh.tensor=2"), 4)]:
-        overrides = [*command("dropout_bn_fsdp8", full_dir), "mesh.fsdp=1", *mesh]
+        overrides = overriding(*command("dropout_bn_fsdp8", full_dir), "mesh.fsdp=1", *mesh)
         trainer = Trainer(zoo.compose(overrides), jax.devices()[:devices])
         checkpointer = Checkpointer(full_dir / "checkpoints")
         try:
@@ -208,8 +209,12 @@ def test_checkpoint_restores_onto_other_meshes(uninterrupted, tmp_path):
         assert len(moved.sharding.device_set) == devices
     # Resuming on another mesh is allowed: the run goes on from the restored step.
     shutil.copytree(full_dir, tmp_path, dirs_exist_ok=True)
-    more = [*command("dropout_bn_fsdp8", tmp_path), "mesh.fsdp=1", "mesh.data=2", "mesh.tensor=2"]
-    result = Trainer(zoo.compose([*more, f"trainer.steps={STEPS + 20}"]), jax.devices()[:4]).fit()
+    more = overriding(
+        *command("dropout_bn_fsdp8", tmp_path), "mesh.fsdp=1", "mesh.data=2", "mesh.tensor=2"
+    )
+    result = Trainer(
+        zoo.compose(overriding(*more, f"trainer.steps={STEPS + 20}")), jax.devices()[:4]
+    ).fit()
     assert result.step == STEPS + 20
     assert len(result.model.fc1.kernel[...].sharding.device_set) == 4
 
@@ -240,7 +245,7 @@ def test_changed_config_is_refused_with_a_diff_and_allowed_changes_resume(uninte
     # Nothing was written: the checkpoints, event files, train.log and .hydra/ as they were.
     assert snapshot(tmp_path) == before
 
-    longer = run_cli(*args, f"trainer.steps={STEPS + 10}", "trainer.log_every=5")
+    longer = run_cli(*overriding(*args, f"trainer.steps={STEPS + 10}", "trainer.log_every=5"))
     assert longer.returncode == 0, longer.stderr
     assert f"Resuming at step {STEPS}" in longer.stderr
     assert f"trainer.steps: {STEPS} -> {STEPS + 10}" in longer.stderr

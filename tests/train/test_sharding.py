@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import one_step, read_events, run_cli
+from helpers import one_step, overriding, read_events, run_cli
 from jax.sharding import PartitionSpec as P
 
 import zoo
@@ -31,7 +31,9 @@ MODELS = {
 def config(model: str, workdir, mesh: dict[str, int], *extra: str):
     sizes = {"data": 1, "fsdp": 1, "tensor": 1, **mesh}
     overrides = [f"mesh.{axis}={size}" for axis, size in sizes.items()]
-    return zoo.compose([f"model={model}", f"workdir={workdir}", *MODELS[model], *overrides, *extra])
+    return zoo.compose(
+        overriding(f"model={model}", f"workdir={workdir}", *MODELS[model], *overrides, *extra)
+    )
 
 
 @pytest.fixture(scope="module", params=list(MODELS))

@@ -20,12 +20,13 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from helpers import ROOT, assert_same_bits, read_events, run_cli, scalar_steps
+from helpers import ROOT, assert_same_bits, overriding, read_events, run_cli, scalar_steps
 from PIL import Image
 
 import zoo
-from train.checkpoint import Checkpointer, abstract_like
+from train.checkpoint import Checkpointer
 from train.loop import Trainer
+from train.saved import abstract_like
 
 STEPS, LOG_EVERY, EVAL_EVERY, HISTOGRAM_EVERY, BATCH = 40, 10, 20, 20, 64
 HIDDEN = 32
@@ -33,7 +34,7 @@ RUN = "mlp"  # the run's directory under the server's --logdir
 
 
 def mlp_args(workdir, *extra: str) -> list[str]:
-    return [
+    return overriding(
         "model=mlp",
         f"model.hidden_sizes=[{HIDDEN}]",
         f"trainer.steps={STEPS}",
@@ -43,7 +44,7 @@ def mlp_args(workdir, *extra: str) -> list[str]:
         "optimizer.warmup_steps=0",
         f"workdir={workdir}",
         *extra,
-    ]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +116,7 @@ def wait_for_tags(base: str, plugin: str, expected: set[str], limit_s: float = 1
 
 
 def test_tensorboard_server_shows_every_tab(observed):
-    logdir, workdir, _ = observed
+    logdir, _, _ = observed
     windows = list(range(LOG_EVERY, STEPS + 1, LOG_EVERY))
     evals = [EVAL_EVERY, STEPS]
     with tensorboard_server(logdir) as base:

@@ -7,22 +7,23 @@ import numpy as np
 import pytest
 import stateful_model
 from flax import nnx
-from helpers import assert_same_bits, read_events, scalar_steps
+from helpers import assert_same_bits, overriding, read_events, scalar_steps
 from jax.sharding import PartitionSpec as P
 
 import zoo
 from train import pipeline, sharding
-from train.checkpoint import Checkpointer, abstract_like
+from train.checkpoint import Checkpointer
 from train.loop import Trainer
 from train.norms import global_norm
 from train.registry import get_data
+from train.saved import abstract_like
 from train.steps import make_grad_step
 
 MODEL = stateful_model.NAME
 
 
 def train(tmp_path, *overrides: str) -> zoo.RunResult:
-    return zoo.run(zoo.compose([f"model={MODEL}", f"workdir={tmp_path}", *overrides]))
+    return zoo.run(zoo.compose(overriding(f"model={MODEL}", f"workdir={tmp_path}", *overrides)))
 
 
 def fresh(seed: int = 0) -> nnx.Module:

@@ -1,0 +1,33 @@
+"""Checks of a model's constructor arguments, so that a size of 0 or a dropout rate of 2 from
+the command line stops with its config key named instead of a shape error deep in JAX."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from train.errors import ZooError
+
+
+def positive(model: str, **sizes: int | Sequence[int] | None) -> None:
+    """Every size (or every entry of a list of sizes) is at least 1."""
+    for key, value in sizes.items():
+        values = value if isinstance(value, Sequence) else [value]
+        if not values or any(not isinstance(v, int) or v < 1 for v in values):
+            what = (
+                "a list of sizes of at least 1 each"
+                if isinstance(value, Sequence)
+                else "at least 1"
+            )
+            raise ZooError(f"model.{key}={_shown(value)} must be {what} ({model}).")
+
+
+def rates(model: str, **values: float) -> None:
+    """Every dropout rate lies in [0, 1)."""
+    for key, value in values.items():
+        if not (math.isfinite(value) and 0 <= value < 1):
+            raise ZooError(f"model.{key}={value} must be a rate in [0, 1) ({model}).")
+
+
+def _shown(value: object) -> str:
+    return str(list(value)) if isinstance(value, Sequence) else str(value)

@@ -1,0 +1,189 @@
+"""A run's directory: held by one run at a time, written only once the run is known good.
+
+`hold(workdir)` creates the directory if needed and takes an exclusive OS lock on
+`<workdir>/.zoo.lock` (`.zoo.lock.<process>` for the other processes of a multi-process job),
+recording the holder's pid, host and start time in it. The lock is `flock`: the kernel drops it
+when the process ends, however it ends, so a run killed with SIGKILL leaves no stale lock. A
+second run on the same workdir stops at once, naming the first. Reading a workdir (`zoo.load`,
+fine-tuning from it) takes no lock. Holding is reentrant within a process: the command line
+takes the lock before it writes anything, and the trainer it starts takes it again.
+
+`record(...)` then writes the run's composed config (`.hydra/config.yaml`) and command-line
+overrides (`.hydra/overrides.yaml`), and a `RunLog` appends every log line of the run to
+`<workdir>/train.log`, those logged before the run was known good included.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import fcntl
+import json
+import logging
+import logging.handlers
+import os
+import socket
+from collections.abc import Iterator, Sequence
+from typing import Self
+
+from omegaconf import DictConfig, OmegaConf
+
+from train.errors import ZooError
+
+LOCK = ".zoo.lock"
+LOG = "train.log"
+LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] %(message)s"
+
+_held: dict[str, list[int]] = {}  # lock path -> [file descriptor, holds]
+
+
+def lock_path(workdir: str, process: int = 0) -> str:
+    return os.path.join(workdir, LOCK if process == 0 else f"{LOCK}.{process}")
+
+
+@contextlib.contextmanager
+def hold(workdir: str, process: int = 0) -> Iterator[None]:
+    """The workdir, created if needed and locked for this run while the block runs."""
+    path = lock_path(os.path.abspath(workdir), process)
+    if path in _held:
+        _held[path][1] += 1
+        try:
+            yield
+        finally:
+            _held[path][1] -= 1
+        return
+    fd = _open_lock(workdir, path)
+    _held[path] = [fd, 1]
+    try:
+        yield
+    finally:
+        del _held[path]
+        os.close(fd)  # releases the lock
+
+
+def check_free(workdir: str, process: int = 0) -> None:
+    """Refuse a workdir that another run holds, without writing anything (the lock itself is
+    taken by `hold`, when the run starts writing)."""
+    path = lock_path(os.path.abspath(workdir), process)
+    if path in _held or not os.path.exists(path):
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        raise _in_use(workdir, fd) from None
+    finally:
+        os.close(fd)
+
+
+def _in_use(workdir: str, fd: int) -> ZooError:
+    return ZooError(
+        f"workdir={workdir} is in use by another run ({_read_holder(fd)}): two runs on one "
+        "workdir would overwrite each other's checkpoints. Wait for it to end or stop it, or "
+        "use another workdir; reading it (zoo.load, fine-tuning from it) is allowed meanwhile."
+    )
+
+
+def _open_lock(workdir: str, path: str) -> int:
+    if os.path.exists(workdir) and not os.path.isdir(workdir):
+        raise ZooError(f"workdir={workdir} is a file, not a directory: give a directory path.")
+    try:
+        os.makedirs(workdir, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise ZooError(
+            f"Cannot use workdir={workdir}: {e.strerror or e} ({e.filename or path}). Give a "
+            "directory that this user can create and write."
+        ) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        error = _in_use(workdir, fd)
+        os.close(fd)
+        raise error from None
+    started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    holder = {"pid": os.getpid(), "host": socket.gethostname(), "started": started}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(holder).encode(), 0)
+    return fd
+
+
+def _read_holder(fd: int) -> str:
+    try:
+        holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        return f"pid {holder['pid']} on host {holder['host']}, started {holder['started']}"
+    except (OSError, ValueError, KeyError):
+        return "its pid is not recorded yet"
+
+
+def record(workdir: str, config: DictConfig, overrides: Sequence[str] | None = None) -> None:
+    """The run's resolved config and its command-line overrides, under `<workdir>/.hydra/`."""
+    directory = os.path.join(workdir, ".hydra")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        _write(os.path.join(directory, "config.yaml"), OmegaConf.to_yaml(config, resolve=True))
+        if overrides is not None:
+            _write(os.path.join(directory, "overrides.yaml"), OmegaConf.to_yaml(list(overrides)))
+    except OSError as e:
+        raise ZooError(
+            f"Cannot write the run's config into {directory}: {e.strerror or e}. Nothing was "
+            "trained; free some space (or fix the permissions) and run the same command again."
+        ) from None
+
+
+def _write(path: str, text: str) -> None:
+    """Replace `path` whole: a reader never sees half a file."""
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
+class _LogFile(logging.FileHandler):
+    """`train.log`: a write that fails (a full disk) ends the file, never the run."""
+
+    failed = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.failed:
+            super().emit(record)
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        self.failed = True
+
+    def close(self) -> None:
+        try:
+            super().close()
+        except OSError:
+            self.failed = True
+
+
+class RunLog:
+    """The log records of a run: held in memory from its start until it is known good, then
+    written to `<workdir>/train.log` with every later one (a run that stops on bad input
+    before that writes no log at all). Records reach it through the root logger."""
+
+    def __init__(self) -> None:
+        self._buffer = logging.handlers.MemoryHandler(capacity=1 << 30, flushLevel=1 << 30)
+        self._file: _LogFile | None = None
+
+    def __enter__(self) -> Self:
+        logging.getLogger().addHandler(self._buffer)
+        return self
+
+    def write_to(self, workdir: str) -> None:
+        """From now on, into `<workdir>/train.log`, the records held so far first."""
+        self._file = _LogFile(os.path.join(workdir, LOG))
+        self._file.setFormatter(logging.Formatter(LOG_FORMAT))
+        self._buffer.setTarget(self._file)
+        self._buffer.flush()
+        root = logging.getLogger()
+        root.removeHandler(self._buffer)
+        root.addHandler(self._file)
+
+    def __exit__(self, *exc_info: object) -> None:
+        root = logging.getLogger()
+        root.removeHandler(self._buffer)
+        self._buffer.close()
+        if self._file is not None:
+            root.removeHandler(self._file)
+            self._file.close()
