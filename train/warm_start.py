@@ -49,7 +49,7 @@ def read_first(
         path = os.path.join(directory, str(step))
         try:
             result = read(step, path)
-        except Exception as e:  # bad input is re-raised; damage falls back)
+        except Exception as e:  # bad input is re-raised; damage falls back
             if isinstance(e, ZooError) and not isinstance(e, CorruptCheckpoint):
                 raise
             unreadable.append((step, path, reason(e)))
