@@ -6,6 +6,7 @@ otherwise (CI logs, pipes), plus a one-line summary after each eval.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -77,6 +78,7 @@ class Reporter:
             "run goes on without them.",
             self.writer.logdir,
         )
+        _abandon(self.writer)
         self.writer = None
         return None
 
@@ -136,6 +138,19 @@ class Reporter:
                 self.writer.close()
             except OSError as e:  # a full disk: the events so far are what is left
                 log.warning("Could not finish writing the TensorBoard events: %s", e)
+                _abandon(self.writer)
+
+
+def _abandon(writer: SummaryWriter) -> None:
+    """Give up on an event file that can no longer be written (a full disk): mark it closed, so
+    that tensorboardX's own exit handler does not flush it again and print a traceback as the
+    process ends. (tensorboardX leaves a writer whose flush failed open.)"""
+    events = writer.file_writer.event_writer if writer.file_writer else None
+    if events is None:
+        return
+    with contextlib.suppress(OSError):
+        events._ev_writer.close()
+    events._closed = True
 
 
 @dataclasses.dataclass
