@@ -29,5 +29,14 @@ def rates(model: str, **values: float) -> None:
             raise ZooError(f"model.{key}={value} must be a rate in [0, 1) ({model}).")
 
 
+def choice(model: str, **choices: tuple[str, Sequence[str]]) -> None:
+    """Every value (first of each pair) is one of its valid choices (second)."""
+    for key, (value, valid) in choices.items():
+        if value not in valid:
+            raise ZooError(
+                f"model.{key}={value!r} is not a {model} {key}: choose one of {', '.join(valid)}."
+            )
+
+
 def _shown(value: object) -> str:
     return str(list(value)) if isinstance(value, Sequence) else str(value)

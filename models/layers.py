@@ -73,7 +73,7 @@ def conv(
     rngs: nnx.Rngs,
     strides: int = 1,
     use_bias: bool = False,
-    padding: str = "SAME",
+    padding: str | Sequence[tuple[int, int]] = "SAME",
     out_axis: str = "conv_out",
 ) -> nnx.Conv:
     """A 2-D convolution, channels last, kernel annotated (None, None, conv_in, `out_axis`).
