@@ -179,16 +179,17 @@ def _read_json(path: str) -> dict[str, Any]:
 def fill(
     model: nnx.Module,
     pretrained: Pretrained,
-    mesh: Mesh,
-    rules: AxisRules,
     *,
     hparams: Mapping[str, Any],
     skip: Sequence[str] = (),
+    mesh: Mesh | None = None,
+    rules: AxisRules | None = None,
 ) -> list[str]:
-    """Fill `model`'s params and BatchNorm statistics (it may be abstract: `nnx.eval_shape`)
-    from the checkpoint, each placed into the sharding its logical axes and `rules` give on
-    `mesh`, except those `skip` patterns match (a new head); returns the dotted paths skipped.
-    Nothing changes unless every key maps, every param is filled and every shape agrees."""
+    """Fill `model`'s params and BatchNorm statistics from the checkpoint, except those `skip`
+    patterns match (a new head); returns the dotted paths skipped. Each array takes the
+    sharding of the one it replaces; an abstract model (`nnx.eval_shape`) needs `mesh` and
+    `rules`, which give each param the sharding of its logical axes. Nothing changes unless
+    every key maps, every param is filled and every shape agrees."""
     targets = _targets(model)
     skipped = [p for p in targets if any(matches(s, p) for s in skip)]
     table = pretrained.family.rules_for(hparams)
@@ -238,11 +239,15 @@ def _rule_for(table: Sequence[Rule], key: str) -> tuple[Rule, list[str]] | None:
     return None
 
 
-def _placed(value: np.ndarray, variable: Any, path: str, mesh: Mesh, rules: AxisRules):
-    logical = variable.get_metadata().get("out_sharding")
-    shape = tuple(value.shape)
-    spec = () if logical is None else rules.spec(logical, shape, mesh, f"'{path}'")
-    sharding = NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+def _placed(value: np.ndarray, variable: Any, path: str, mesh: Mesh | None, rules: Any):
+    """`value` on the devices, each holding only its own slice of it."""
+    current, shape = variable.get_value(), tuple(value.shape)
+    if isinstance(current, jax.Array):
+        sharding = current.sharding
+    else:
+        logical = variable.get_metadata().get("out_sharding")
+        spec = () if logical is None else rules.spec(logical, shape, mesh, f"'{path}'")
+        sharding = NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
     return jax.make_array_from_callback(shape, sharding, lambda index: value[index])
 
 

@@ -17,9 +17,9 @@ import numpy as np
 from flax import nnx
 from omegaconf import DictConfig, OmegaConf
 
-from train import pipeline, registry, rundir, sharding
+from train import pipeline, registry, rundir, sharding, weights
 from train import rngs as zoo_rngs
-from train.build import build_on_mesh
+from train.build import build_model, build_on_mesh
 from train.config import Config, MeshConfig, checked_dict, checked_params
 from train.loop import RunResult, Trainer, evaluate_batches
 from train.lora import merge_adapters
@@ -72,13 +72,34 @@ def load(
 
     It is placed on a new mesh: `mesh` takes the keys of the `mesh` config section (default:
     data parallel over every device, whatever mesh it was trained on), `devices` restricts it to
-    some devices."""
+    some devices.
+
+    `workdir` may also be a pretrained checkpoint directory (`config.json` + safetensors of a
+    family some model loads, see `zoo.list_models(families=True)`): its model, at step 0, with
+    the config a run starting from it would have."""
+    if weights.is_pretrained(workdir) and not os.path.isdir(os.path.join(workdir, "checkpoints")):
+        return _load_pretrained(os.path.abspath(workdir), mesh, devices)
     step_number, _, (model, config, device_mesh, rules, metrics) = read_first(
         workdir, step, lambda _, path: _read_model(path, mesh, devices)
     )
     return TrainedModel(
         model, config, step_number, os.path.abspath(workdir), device_mesh, rules, metrics
     )
+
+
+def _load_pretrained(directory: str, mesh: Mapping[str, Any] | None, devices: Any) -> TrainedModel:
+    """The model of a pretrained directory, each param read straight into its sharding."""
+    config = compose([f"finetune.init_from={directory}"])
+    entry = registry.get_model(config.model.name)
+    mesh_cfg = checked_dict(MeshConfig, {"rules": dict(config.mesh.rules), **(mesh or {})}, "mesh")
+    device_mesh, rules = sharding.mesh_and_rules(mesh_cfg, devices)
+    hparams = resolved_hparams(config)
+    with sharding.activate(device_mesh, rules), nnx.use_eager_sharding(False):
+        model = nnx.eval_shape(lambda: build_model(entry, hparams, config.seed))
+    pretrained = weights.open_pretrained(directory, entry.name)
+    weights.fill(model, pretrained, hparams=hparams, mesh=device_mesh, rules=rules)
+    model.eval()
+    return TrainedModel(model, config, 0, directory, device_mesh, rules, {})
 
 
 def _read_model(path: str, mesh: Mapping[str, Any] | None, devices: Any) -> tuple:
