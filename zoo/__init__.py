@@ -7,6 +7,8 @@ result = zoo.fit("cnn", "data=digits")              # the CLI's job, from Python
 trained = zoo.load(result.workdir)                  # a run's model, weights and config
 tuned = zoo.finetune(trained, data=zoo.Splits(train=..., eval=...), num_classes=5,
                      replace_head=True, freeze="backbone")   # a new head on a frozen backbone
+gpt2 = zoo.load("gpt2")                             # a pretrained checkpoint directory
+zoo.export(result.workdir, "out", format="hf")      # back to the checkpoint family's layout
 
 The package is the top of three layers: `zoo` (command line, Hydra composition, this API) uses
 the plugins `models` and `data`, which use the engine `train`; nothing below imports upwards.
@@ -37,6 +39,7 @@ from zoo.api import (
     merge_lora,
     predict,
 )
+from zoo.export import export
 from zoo.overrides import compose
 from zoo.tuning import finetune
 
@@ -51,6 +54,7 @@ __all__ = [
     "compose",
     "create_model",
     "evaluate",
+    "export",
     "finetune",
     "fit",
     "generate",
