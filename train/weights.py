@@ -115,10 +115,15 @@ def _family(root: str, config: Mapping[str, Any], model: str | None) -> Family:
     if found:
         return found[0]
     known = "; ".join(f"{f.name} for {f.model} ({f.description})" for f in candidates) or "none"
-    kind = config.get("architectures") or config.get("model_type") or config.get("architecture")
+    kind = ", ".join(
+        f"{key} {config[key]!r}"
+        for key in ("model_type", "architectures", "architecture")
+        if key in config
+    )
     wanted = f" of model '{model}'" if model else ""
     raise ZooError(
-        f"The checkpoint in {root} (config.json says {kind!r}) is of no registered family"
+        f"The checkpoint in {root} (config.json says {kind or 'nothing of its kind'}) is of no "
+        f"registered family"
         f"{wanted}. Families known: {known}."
     )
 
