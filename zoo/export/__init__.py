@@ -9,8 +9,8 @@
   its weights in `weights.npz` (in the order the function takes them) and `signature.json`; a
   process with jax alone runs it: `jax.export.deserialize(...).call(*weights, inputs)`.
 
-(`zoo.export` the function is what `import zoo` gives; this module is reached as a module only
-by `python -m zoo.export`.)
+(`zoo.export` is the function once `import zoo` ran; the package's `__main__` is the CLI, so
+`python -m zoo.export` does not run this module a second time.)
 """
 
 from __future__ import annotations
@@ -121,7 +121,3 @@ def main(argv: list[str]) -> int:
         return 2
     print(out)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
