@@ -25,7 +25,6 @@ from flax import nnx
 from models import hparams
 from models.classification import classification_loss, report_classifier
 from models.layers import batch_norm, conv, dense
-from train.errors import ZooError
 from train.registry import register_model
 from train.sharding import logical_spec
 
@@ -145,7 +144,9 @@ class ResNet(nnx.Module):
         hparams.choice(
             "resnet", block=(block, BLOCKS), stem=(stem, STEMS), padding=(padding, PADDINGS)
         )
-        self.pixel_mean, self.pixel_std = _pixel_statistics(pixel_mean, pixel_std, input_shape)
+        self.pixel_mean, self.pixel_std = hparams.pixel_statistics(
+            pixel_mean, pixel_std, input_shape
+        )
         self.max_pool = stem == "imagenet"
         if self.max_pool:
             self.stem = _conv(input_shape[-1], width, 7, 2, padding, rngs)
@@ -172,28 +173,3 @@ class ResNet(nnx.Module):
         for block in self.blocks:
             h = block(h)
         return self.head(h.mean(axis=(1, 2)), out_sharding=logical_spec("batch", None))
-
-
-def _pixel_statistics(
-    mean: list[float] | None, std: list[float] | None, input_shape: list[int]
-) -> tuple[tuple[float, ...] | None, tuple[float, ...] | None]:
-    """The per-channel mean and std the model normalises its inputs with (both or neither). A
-    1-channel model given three channels' statistics (RGB weights on grayscale images, their
-    stem summed over its input channels) uses their averages."""
-    if mean is None and std is None:
-        return None, None
-    channels = input_shape[-1]
-    if mean is not None and std is not None and channels == 1 and len(mean) == len(std) == 3:
-        mean, std = [sum(mean) / 3], [sum(std) / 3]
-    if (
-        mean is None
-        or std is None
-        or len(mean) != channels
-        or len(std) != channels
-        or min(std) <= 0
-    ):
-        raise ZooError(
-            f"model.pixel_mean={mean} and model.pixel_std={std} must be given together, one "
-            f"value per input channel ({channels}), every std above 0."
-        )
-    return tuple(float(m) for m in mean), tuple(float(s) for s in std)

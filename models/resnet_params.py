@@ -25,9 +25,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
-
 from models.resnet import BOTTLENECK_EXPANSION
+from models.torch_layout import conv_load, conv_save, input_conv_load, linear_load, linear_save
 from train.errors import ZooError
 from train.registry import Family, Rule, register_family
 
@@ -42,28 +41,8 @@ _IMAGE_SIZE = [224, 224, 3]
 _IGNORE = (r".*num_batches_tracked",)
 
 
-def _conv_load(w: np.ndarray) -> tuple[np.ndarray]:
-    return (w.transpose(2, 3, 1, 0),)
-
-
-def _conv_save(kernel: np.ndarray) -> np.ndarray:
-    return kernel.transpose(3, 2, 0, 1)
-
-
-def _stem_load(channels: int):
-    """The stem's kernel for a model of `channels` inputs: a 3-channel kernel summed over its
-    inputs for a 1-channel model (timm's `adapt_input_conv`), else as stored."""
-
-    def load(w: np.ndarray) -> tuple[np.ndarray]:
-        if channels == 1 and w.shape[1] == 3:
-            w = w.sum(axis=1, keepdims=True)
-        return _conv_load(w)
-
-    return load
-
-
-def _conv(key: str, param: str, load=_conv_load) -> Rule:
-    return Rule(re.escape(key), (param,), load=load, save=_conv_save, export_key=key)
+def _conv(key: str, param: str, load=conv_load) -> Rule:
+    return Rule(re.escape(key), (param,), load=load, save=conv_save, export_key=key)
 
 
 def _norm(key: str, module: str) -> list[Rule]:
@@ -79,8 +58,8 @@ def _head(key: str) -> list[Rule]:
         Rule(
             re.escape(f"{key}.weight"),
             ("head.kernel",),
-            load=lambda w: (w.T,),
-            save=lambda kernel: kernel.T,
+            load=linear_load,
+            save=linear_save,
             export_key=f"{key}.weight",
         ),
         Rule(re.escape(f"{key}.bias"), ("head.bias",), export_key=f"{key}.bias"),
@@ -118,7 +97,7 @@ def _check_exportable(hparams: Mapping[str, Any], family: str) -> None:
 def _torchvision_rules(hparams: Mapping[str, Any]) -> list[Rule]:
     _check_exportable(hparams, "torchvision/timm")
     rules = [
-        _conv("conv1.weight", "stem.kernel", _stem_load(hparams["input_shape"][-1])),
+        _conv("conv1.weight", "stem.kernel", input_conv_load(hparams["input_shape"][-1])),
         *_norm("bn1", "stem_norm"),
         *_head("fc"),
     ]
@@ -137,7 +116,9 @@ def _hf_rules(hparams: Mapping[str, Any]) -> list[Rule]:
     _check_exportable(hparams, "Hugging Face ResNet")
     stem = "resnet.embedder.embedder"
     rules = [
-        _conv(f"{stem}.convolution.weight", "stem.kernel", _stem_load(hparams["input_shape"][-1])),
+        _conv(
+            f"{stem}.convolution.weight", "stem.kernel", input_conv_load(hparams["input_shape"][-1])
+        ),
         *_norm(f"{stem}.normalization", "stem_norm"),
         *_head("classifier.1"),
     ]
