@@ -174,8 +174,10 @@ def text(
             train=_lines(train, longest, "training", encoder),
             eval=_lines(test, longest, "held-out", encoder),
             transform=BucketPadding(list(buckets)),
+            tokenizer=encoder,
         )
     return Splits(
         train=_windows(encode(train, encoder), window, "training"),
         eval=_windows(encode(test, encoder), window, "held-out"),
+        tokenizer=encoder,
     )

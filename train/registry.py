@@ -67,12 +67,15 @@ class Splits:
     `augment` on training batches only, before `transform`, with a generator seeded from the run's
     seed and the batch's index, so augmentations are the same on every rerun and after a resume.
     Each returns the columns it changes; the others pass through. Both work on whole batches,
-    since one vectorised call per batch costs far less than one per example."""
+    since one vectorised call per batch costs far less than one per example.
+    `tokenizer`: the tokenizer (a `tokenizers.Tokenizer`) whose ids a text data set's `tokens`
+    hold, so that what a model writes can be decoded; None for bytes or non-text data."""
 
     train: Mapping[str, np.ndarray]
     eval: Mapping[str, np.ndarray]
     transform: Callable[[Batch], Batch] | None = None
     augment: Callable[[Batch, np.random.Generator], Batch] | None = None
+    tokenizer: Any = None
 
 
 @dataclasses.dataclass(frozen=True)

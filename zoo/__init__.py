@@ -9,6 +9,7 @@ tuned = zoo.finetune(trained, data=zoo.Splits(train=..., eval=...), num_classes=
                      replace_head=True, freeze="backbone")   # a new head on a frozen backbone
 gpt2 = zoo.load("gpt2")                             # a pretrained checkpoint directory
 zoo.export(result.workdir, "out", format="hf")      # back to the checkpoint family's layout
+text = zoo.generate(gpt2, "Hello", max_new_tokens=20)  # through the model's tokenizer
 
 The package is the top of three layers: `zoo` (command line, Hydra composition, this API) uses
 the plugins `models` and `data`, which use the engine `train`; nothing below imports upwards.
@@ -16,7 +17,6 @@ the plugins `models` and `data`, which use the engine `train`; nothing below imp
 
 import data  # noqa: F401  (registers the built-in data sets)
 import models  # noqa: F401  (registers the built-in models)
-from models.generate import generate
 from train.errors import NonFiniteLoss, ZooError
 from train.loop import RunResult, run
 from train.registry import (
@@ -40,6 +40,7 @@ from zoo.api import (
     predict,
 )
 from zoo.export import export
+from zoo.generate import generate
 from zoo.overrides import compose
 from zoo.tuning import finetune
 
