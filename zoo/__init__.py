@@ -2,6 +2,7 @@
 
 import zoo
 zoo.list_models()                      # ['cnn', 'gpt', 'mlp', 'resnet', 'vae', 'vit', 'xor']
+zoo.list_models(families=True)         # {'gpt': ['gpt2: GPT-2, ...'], ...}: checkpoints loaded
 model = zoo.create_model("xor", num_hidden=16)
 result = zoo.fit("cnn", "data=digits")              # the CLI's job, from Python
 trained = zoo.load(result.workdir)                  # a run's model, weights and config
@@ -24,7 +25,6 @@ from train.registry import (
     Splits,
     get_model,
     list_datasets,
-    list_models,
     register_data,
     register_model,
 )
@@ -42,6 +42,7 @@ from zoo.api import (
 from zoo.export import export
 from zoo.generate import generate
 from zoo.overrides import compose
+from zoo.pretrained import list_models
 from zoo.tuning import finetune
 
 __all__ = [

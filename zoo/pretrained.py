@@ -63,7 +63,23 @@ def _fields(entry: registry.DataEntry) -> set[str]:
     return {name for name in getattr(entry.config, "__dataclass_fields__", {})}
 
 
-def describe(model: str) -> str:
-    """'loads: GPT-2, ...' for a model that loads checkpoint families, else ''."""
-    found = registry.families(model)
-    return f"loads {'; '.join(f.description for f in found)}" if found else ""
+def list_models(families: bool = False) -> list[str] | dict[str, list[str]]:
+    """Names of the registered models, sorted; with `families`, each name -> the checkpoint
+    families it loads (one line each, e.g. "gpt2: GPT-2, transformers GPT2LMHeadModel"; [] for
+    a model that loads none), from the registry, so a family registered later shows too."""
+    names = registry.list_models()
+    if not families:
+        return names
+    return {name: [_line(f) for f in registry.families(name)] for name in names}
+
+
+def families_help() -> str:
+    """The `--help` lines on which model loads which checkpoint families."""
+    loads = {name: found for name, found in list_models(families=True).items() if found}
+    if not loads:
+        return "  (no model loads checkpoints of other libraries)\n"
+    return "".join(f"  {name}: {line}\n" for name, found in loads.items() for line in found)
+
+
+def _line(family: registry.Family) -> str:
+    return f"{family.name}: {family.description}" if family.description else family.name
