@@ -77,7 +77,7 @@ def load(
     `workdir` may also be a pretrained checkpoint directory (`config.json` + safetensors of a
     family some model loads, see `zoo.list_models(families=True)`): its model, at step 0, with
     the config a run starting from it would have."""
-    if weights.is_pretrained(workdir) and not os.path.isdir(os.path.join(workdir, "checkpoints")):
+    if is_pretrained_dir(workdir):
         return _load_pretrained(os.path.abspath(workdir), mesh, devices)
     step_number, _, (model, config, device_mesh, rules, metrics) = read_first(
         workdir, step, lambda _, path: _read_model(path, mesh, devices)
@@ -85,6 +85,12 @@ def load(
     return TrainedModel(
         model, config, step_number, os.path.abspath(workdir), device_mesh, rules, metrics
     )
+
+
+def is_pretrained_dir(path: str | os.PathLike) -> bool:
+    """Whether `path` is a pretrained checkpoint directory rather than a run's workdir (an
+    exported run may hold both: its checkpoints win)."""
+    return weights.is_pretrained(path) and not os.path.isdir(os.path.join(path, "checkpoints"))
 
 
 def _load_pretrained(directory: str, mesh: Mapping[str, Any] | None, devices: Any) -> TrainedModel:
