@@ -6,6 +6,7 @@ Its `Conv1D` layers store weights as (in, out), as `nnx.Linear` does, so no tran
 to the model's padded vocabulary. Keys come with the `transformer.` prefix (a saved
 `GPT2LMHeadModel`) or without (a saved `GPT2Model`, like the original `gpt2` upload); the causal
 mask buffers (`attn.bias`, `attn.masked_bias`) and the tied `lm_head.weight` are not params.
+With `scan_layers`, layer i's keys fill slice i of the stacked blocks' params.
 """
 
 from __future__ import annotations
@@ -139,5 +140,6 @@ GPT2 = register_family(
         ignore=(_PREFIX + r"h\.\d+\.attn\.(?:bias|masked_bias)", r"lm_head\.weight"),
         export_config=_export_config,
         description="GPT-2, transformers GPT2LMHeadModel",
+        stacked=lambda hparams: ("blocks",) if hparams.get("scan_layers") else (),
     )
 )

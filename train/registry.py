@@ -161,7 +161,10 @@ class Family:
     - `ignore`: regexes of checkpoint keys that are not params (buffers, tied copies);
     - `export_config(hparams)`: the `config.json` written on export (None: no export);
     - `description`: one line for listings, e.g. "GPT-2 (transformers GPT2LMHeadModel)";
-    - `facts`: anything else the model's code wants to know (e.g. input normalisation)."""
+    - `facts`: anything else the model's code wants to know (e.g. input normalisation);
+    - `stacked(hparams)`: the param prefixes whose layers the model stacks along a leading
+      axis (`nnx.scan`), e.g. ("blocks",): the rules' per-layer paths `blocks.<i>.<rest>`
+      then fill (and export) slice i of `blocks.<rest>`."""
 
     name: str
     model: str
@@ -172,6 +175,7 @@ class Family:
     export_config: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
     description: str = ""
     facts: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    stacked: Callable[[Mapping[str, Any]], Sequence[str]] = lambda hparams: ()
 
     def rules_for(self, hparams: Mapping[str, Any]) -> tuple[Rule, ...]:
         return tuple(self.rules(hparams) if callable(self.rules) else self.rules)

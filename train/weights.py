@@ -198,8 +198,9 @@ def fill(
     targets = _targets(model)
     skipped = [p for p in targets if any(matches(s, p) for s in skip)]
     table = pretrained.family.rules_for(hparams)
+    stacked = tuple(pretrained.family.stacked(hparams))
     ignore = [re.compile(pattern) for pattern in pretrained.family.ignore]
-    unmapped, absent, differ, arrays = [], [], [], {}
+    unmapped, absent, differ, arrays, layers = [], [], [], {}, {}
     for key, tensor in pretrained.tensors():
         if any(pattern.fullmatch(key) for pattern in ignore):
             continue
@@ -209,17 +210,36 @@ def fill(
             continue
         rule, paths = found
         for path, value in zip(paths, rule.load(tensor), strict=True):
-            if path in skipped:
+            target, layer = _unstacked(path, stacked)
+            if target in skipped:
                 continue
-            if path not in targets:
+            variable = targets.get(target)
+            depth = None if variable is None or layer is None else variable.shape[0]
+            if variable is None or (depth is not None and layer >= depth):
                 absent.append(f"{path} (from {key})")
                 continue
-            variable = targets[path]
-            if tuple(value.shape) != tuple(variable.shape):
-                differ.append(f"{path} (from {key}: {value.shape}, model {variable.shape})")
+            shape = tuple(variable.shape[1:] if depth else variable.shape)
+            if tuple(value.shape) != shape:
+                differ.append(f"{path} (from {key}: {value.shape}, model {shape})")
                 continue
-            arrays[path] = _placed(np.asarray(value, variable.dtype), variable, path, mesh, rules)
-    unfilled = [p for p in targets if p not in arrays and p not in skipped]
+            if depth is None:
+                arrays[target] = _placed(
+                    np.asarray(value, variable.dtype), variable, target, mesh, rules
+                )
+            else:  # one layer of a stacked param: gathered on the host, placed once whole
+                host, filled = layers.setdefault(
+                    target, (np.empty(variable.shape, variable.dtype), set())
+                )
+                host[layer] = value
+                filled.add(layer)
+    unfilled = []
+    for target, (stack, filled) in layers.items():
+        missing = sorted(set(range(len(stack))) - filled)
+        if missing:
+            unfilled.append(f"{target} (layer(s) {', '.join(map(str, missing))})")
+        else:
+            arrays[target] = _placed(stack, targets[target], target, mesh, rules)
+    unfilled += [p for p in targets if p not in arrays and p not in layers and p not in skipped]
     _refuse(pretrained, unmapped, absent, differ, unfilled)
     for path, array in arrays.items():
         targets[path].set_value(array)
@@ -234,6 +254,16 @@ def _targets(model: nnx.Module) -> dict[str, nnx.Variable]:
         for path, variable in nnx.to_flat_state(nnx.state(model, FILLED))
         if not isinstance(variable, nnx.LoRAParam)
     }
+
+
+def _unstacked(path: str, stacked: Sequence[str]) -> tuple[str, int | None]:
+    """(param path, layer) of a rule's per-layer path `<prefix>.<i>.<rest>` when `prefix` is
+    stacked (`<prefix>.<rest>`, slice i); else (`path`, None)."""
+    for prefix in stacked:
+        match = re.fullmatch(rf"{re.escape(prefix)}\.(\d+)\.(.+)", path)
+        if match:
+            return f"{prefix}.{match[2]}", int(match[1])
+    return path, None
 
 
 def _rule_for(table: Sequence[Rule], key: str) -> tuple[Rule, list[str]] | None:
@@ -280,7 +310,7 @@ def export_tensors(
 ) -> dict[str, np.ndarray]:
     """The model's params as the family's checkpoint keys (the rules' inverse). Every param must
     be exported by some rule: a model with adapters is merged first."""
-    state = {path: variable for path, variable in _targets(model).items()}
+    state = _per_layer(_targets(model), tuple(family.stacked(hparams)))
     tensors: dict[str, np.ndarray] = {}
     used: set[str] = set()
     for rule in family.rules_for(hparams):
@@ -291,7 +321,7 @@ def export_tensors(
                 continue
             groups = match.groups()
             paths = [_substitute(p, groups) for p in rule.params]
-            arrays = [np.asarray(jax.device_get(state[p][...])) for p in paths]
+            arrays = [state[p] for p in paths]
             key = _substitute(rule.export_key or rule.key, groups)
             tensors[key] = np.ascontiguousarray(rule.save(*arrays))
             used.update(paths)
@@ -302,6 +332,20 @@ def export_tensors(
             f"param(s) {', '.join(left)}."
         )
     return tensors
+
+
+def _per_layer(targets: Mapping[str, Any], stacked: Sequence[str]) -> dict[str, np.ndarray]:
+    """Path -> host array of every param, a stacked param split into `<prefix>.<i>.<rest>`."""
+    host = {}
+    for path, variable in targets.items():
+        value = np.asarray(jax.device_get(variable[...]))
+        prefix = next((p for p in stacked if path.startswith(f"{p}.")), None)
+        if prefix is None:
+            host[path] = value
+            continue
+        rest = path[len(prefix) + 1 :]
+        host.update((f"{prefix}.{i}.{rest}", layer) for i, layer in enumerate(value))
+    return host
 
 
 def _template_regex(template: str) -> re.Pattern:

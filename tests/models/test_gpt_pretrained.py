@@ -12,8 +12,12 @@ import numpy as np
 import pytest
 from flax import nnx
 from helpers import ROOT
+from model_checks import ONE_DEVICE
+from pretrained_checks import loaded
+from pretrained_checks import logits as pretrained_logits
 
 import zoo
+from train import weights
 from zoo.export import export
 
 FIXTURES = ROOT / "tests" / "fixtures" / "pretrained"
@@ -119,3 +123,34 @@ def test_a_key_that_maps_nowhere_and_an_unfilled_param_are_named(tmp_path):
         zoo.ZooError, match=r"transformer.extra.weight.*no checkpoint key fills: norm.bias"
     ):
         zoo.load(directory)
+
+
+@pytest.mark.parametrize(
+    "mesh", [ONE_DEVICE, {"data": 2, "fsdp": 2, "tensor": 2}], ids=["1", "2x2x2"]
+)
+def test_scanned_layers_load_each_layer_into_its_slice(mesh):
+    scanned, hparams = loaded(TINY, mesh, scan_layers=True)
+    assert scanned.blocks.attention.query.kernel.shape[0] == 2  # one stacked module
+    tokens = np.concatenate([REFERENCE["tokens"]] * 2)  # a batch that splits 4 ways
+    out = pretrained_logits(scanned, tokens, mesh)[: len(REFERENCE["tokens"])]
+    np.testing.assert_allclose(out[..., :VOCAB], REFERENCE["logits"], atol=1e-5, rtol=0)
+    family = weights.open_pretrained(TINY).family
+    per_layer, plain_hparams = loaded(TINY)
+    back = weights.export_tensors(scanned, family, hparams)
+    plain = weights.export_tensors(per_layer, family, plain_hparams)
+    assert back.keys() == plain.keys()
+    for key in plain:
+        np.testing.assert_array_equal(back[key], plain[key], err_msg=key)
+
+
+def test_a_layer_missing_from_a_scanned_model_is_named(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    directory = copy_of(tmp_path)
+    tensors = load_file(directory / "model.safetensors")
+    del tensors["transformer.h.1.ln_2.bias"]
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(
+        zoo.ZooError, match=r"no checkpoint key fills: blocks.mlp_norm.bias \(layer"
+    ):
+        loaded(directory, scan_layers=True)
