@@ -7,8 +7,9 @@ registering a `train.registry.Family`: which `config.json` belongs to it, the hy
 it implies, and a table of `Rule`s from checkpoint keys to its params, with the transform of
 each (transpose, split of a fused qkv, reshape to heads) and its inverse for export.
 
-Reading needs no PyTorch: the `safetensors` library's numpy API reads one tensor at a time
-(bf16 comes as `ml_dtypes.bfloat16`), converted to the param's dtype, and each param is placed
+Reading needs no PyTorch: the `safetensors` library checks each file and lists its keys; each
+tensor is then read from the file straight into a numpy array of its own, one at a time (bf16
+as `ml_dtypes.bfloat16`), converted to the param's dtype, and each param is placed
 straight into its planned sharding with `jax.make_array_from_callback`: every device receives
 its own slice, so no device ever holds a full copy of a sharded param, and the host holds one
 checkpoint tensor at a time besides the model.
@@ -24,10 +25,12 @@ import dataclasses
 import json
 import os
 import re
+import struct
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
+import ml_dtypes
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
@@ -85,14 +88,60 @@ class Pretrained:
         return path if os.path.isfile(path) else None
 
     def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
-        """(key, array) of every tensor, one at a time, file by file."""
+        """(key, array) of every tensor, one at a time, file by file: each read straight from
+        the file into its own array (the library's `get_tensor` holds a second copy while it
+        converts, twice the memory of GPT-2's 150 MB embedding)."""
         by_file: dict[str, list[str]] = {}
         for key, path in self.files.items():
             by_file.setdefault(path, []).append(key)
         for path, keys in by_file.items():
-            with _opened(path) as f:
+            start, header = _header(path)
+            with open(path, "rb", buffering=0) as f:
                 for key in keys:
-                    yield key, f.get_tensor(key)
+                    yield key, _read_tensor(f, start, header[key], f"{key} of {path}")
+
+
+_DTYPES = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+
+
+def _header(path: str) -> tuple[int, dict[str, Any]]:
+    """(where the data start, the JSON header) of a safetensors file that `safe_open` read
+    (so checked whole): an 8-byte little-endian length, then the header."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        return 8 + length, json.loads(f.read(length))
+
+
+def _read_tensor(f: Any, start: int, entry: Mapping[str, Any], what: str) -> np.ndarray:
+    if entry["dtype"] not in _DTYPES:
+        raise ZooError(
+            f"Tensor {what} has dtype {entry['dtype']}, which zoo does not read; it reads "
+            f"{', '.join(_DTYPES)}."
+        )
+    array = np.empty(entry["shape"], _DTYPES[entry["dtype"]])
+    view = memoryview(array.reshape(-1).view(np.uint8))
+    begin, end = entry["data_offsets"]
+    if end - begin != len(view):
+        raise ZooError(f"Tensor {what} holds {end - begin} bytes for shape {entry['shape']}.")
+    f.seek(start + begin)
+    done = 0
+    while done < len(view):
+        read = f.readinto(view[done:])
+        if not read:
+            raise ZooError(f"The file ends inside tensor {what}: it is truncated.")
+        done += read
+    return array
 
 
 def open_pretrained(directory: str | os.PathLike, model: str | None = None) -> Pretrained:

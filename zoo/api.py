@@ -93,8 +93,29 @@ def is_pretrained_dir(path: str | os.PathLike) -> bool:
     return weights.is_pretrained(path) and not os.path.isdir(os.path.join(path, "checkpoints"))
 
 
-def _load_pretrained(directory: str, mesh: Mapping[str, Any] | None, devices: Any) -> TrainedModel:
-    """The model of a pretrained directory, each param read straight into its sharding."""
+@dataclasses.dataclass
+class PlannedLoad:
+    """A pretrained directory's model before its weights: abstract (shapes and shardings, no
+    arrays), with the config, mesh and opened checkpoint that `weights.fill` needs."""
+
+    model: nnx.Module
+    pretrained: weights.Pretrained
+    config: DictConfig
+    hparams: dict[str, Any]
+    mesh: jax.sharding.Mesh
+    rules: sharding.AxisRules
+
+    def fill(self) -> nnx.Module:
+        """The model with every param read straight into its sharding, in eval mode."""
+        weights.fill(
+            self.model, self.pretrained, hparams=self.hparams, mesh=self.mesh, rules=self.rules
+        )
+        self.model.eval()
+        return self.model
+
+
+def plan_pretrained(directory: str, mesh: Mapping[str, Any] | None, devices: Any) -> PlannedLoad:
+    """Everything `zoo.load` of a pretrained directory does before it reads a tensor."""
     config = compose([f"finetune.init_from={directory}"])
     entry = registry.get_model(config.model.name)
     mesh_cfg = checked_dict(MeshConfig, {"rules": dict(config.mesh.rules), **(mesh or {})}, "mesh")
@@ -103,9 +124,14 @@ def _load_pretrained(directory: str, mesh: Mapping[str, Any] | None, devices: An
     with sharding.activate(device_mesh, rules), nnx.use_eager_sharding(False):
         model = nnx.eval_shape(lambda: build_model(entry, hparams, config.seed))
     pretrained = weights.open_pretrained(directory, entry.name)
-    weights.fill(model, pretrained, hparams=hparams, mesh=device_mesh, rules=rules)
-    model.eval()
-    return TrainedModel(model, config, 0, directory, device_mesh, rules, {})
+    return PlannedLoad(model, pretrained, config, hparams, device_mesh, rules)
+
+
+def _load_pretrained(directory: str, mesh: Mapping[str, Any] | None, devices: Any) -> TrainedModel:
+    """The model of a pretrained directory, each param read straight into its sharding."""
+    planned = plan_pretrained(directory, mesh, devices)
+    model = planned.fill()
+    return TrainedModel(model, planned.config, 0, directory, planned.mesh, planned.rules, {})
 
 
 def _read_model(path: str, mesh: Mapping[str, Any] | None, devices: Any) -> tuple:
