@@ -154,3 +154,21 @@ def test_a_layer_missing_from_a_scanned_model_is_named(tmp_path):
         zoo.ZooError, match=r"no checkpoint key fills: blocks.mlp_norm.bias \(layer"
     ):
         loaded(directory, scan_layers=True)
+
+
+def test_tensors_read_as_the_safetensors_library_reads_them(tmp_path):
+    import ml_dtypes
+    from safetensors.numpy import load_file, save_file
+
+    directory = copy_of(tmp_path)
+    tensors = load_file(directory / "model.safetensors")
+    tensors["transformer.wpe.weight"] = tensors["transformer.wpe.weight"].astype(np.float16)
+    tensors["transformer.wte.weight"] = tensors["transformer.wte.weight"].astype(ml_dtypes.bfloat16)
+    tensors["transformer.ln_f.bias"] = tensors["transformer.ln_f.bias"][:0]  # empty
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    read = dict(weights.open_pretrained(directory).tensors())
+    expected = load_file(directory / "model.safetensors")
+    assert read.keys() == expected.keys()
+    for key, array in expected.items():
+        assert read[key].dtype == array.dtype and read[key].shape == array.shape, key
+        np.testing.assert_array_equal(read[key], array, err_msg=key)
