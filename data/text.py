@@ -1,8 +1,11 @@
 """Text as bytes, for byte-level language models: any text file or directory, by default the
 Python standard library's own source files (present on every machine, nothing to download).
+With `tokenizer` (a Hugging Face `tokenizer.json`, or a directory holding one), the text is
+encoded into that tokenizer's ids instead (int32), for a model with its vocabulary (GPT-2's).
 
-Every split holds `tokens` (uint8, N x (L + 1)): a sequence of bytes whose first L predict the
-last L, and `length` (int32, N): how many of those L targets are real text. Two ways to cut it:
+Every split holds `tokens` (uint8 bytes or int32 ids, N x (L + 1)): a sequence whose first L
+predict the last L, and `length` (int32, N): how many of those L targets are real text. Two
+ways to cut it:
 
 - `windows` (default): the text packed end to end and cut into windows of `window` + 1 bytes
   that overlap by one, so every byte after the first is predicted exactly once.
@@ -20,6 +23,7 @@ import enum
 import sysconfig
 import zlib
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -28,6 +32,7 @@ from train.errors import ZooError
 from train.registry import Batch, Splits, register_data
 
 TOKENS, LENGTH = "tokens", "length"
+TOKENIZER_FILE = "tokenizer.json"
 
 
 class TextMode(str, enum.Enum):
@@ -78,25 +83,50 @@ def _split(texts: list[tuple[str, bytes]]) -> tuple[bytes, bytes]:
     return stream[:cut], stream[cut:]
 
 
-def _windows(stream: bytes, window: int, what: str) -> dict[str, np.ndarray]:
-    data = np.frombuffer(stream, np.uint8)
+def load_tokenizer(path: str | Path) -> Any:
+    """The `tokenizers.Tokenizer` of a `tokenizer.json` file, or of the one in a directory."""
+    from tokenizers import Tokenizer
+
+    file = Path(path).expanduser()
+    file = file / TOKENIZER_FILE if file.is_dir() else file
+    if not file.is_file():
+        raise ZooError(
+            f"data.tokenizer={path} is not a tokenizer: give a Hugging Face {TOKENIZER_FILE} "
+            "file or a directory holding one (unset: byte-level text)."
+        )
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as e:  # noqa: BLE001  (the library raises a bare Exception)
+        raise ZooError(f"Cannot read the tokenizer {file}: {e}.") from None
+
+
+def encode(text: bytes, tokenizer: Any | None) -> np.ndarray:
+    """The model's tokens for `text`: its bytes (uint8), or the tokenizer's ids (int32)."""
+    if tokenizer is None:
+        return np.frombuffer(text, np.uint8)
+    ids = tokenizer.encode(text.decode("utf-8", errors="replace"), add_special_tokens=False).ids
+    return np.asarray(ids, np.int32)
+
+
+def _windows(data: np.ndarray, window: int, what: str) -> dict[str, np.ndarray]:
     if len(data) < window + 1:
         raise ZooError(
-            f"The {what} text has {len(data)} bytes, fewer than one window of data.window="
+            f"The {what} text has {len(data)} tokens, fewer than one window of data.window="
             f"{window} + 1: use more text or a smaller data.window."
         )
     tokens = sliding_window_view(data, window + 1)[::window]
     return {TOKENS: tokens, LENGTH: np.full(len(tokens), window, np.int32)}
 
 
-def _lines(stream: bytes, longest: int, what: str) -> dict[str, np.ndarray]:
+def _lines(stream: bytes, longest: int, what: str, tokenizer: Any) -> dict[str, np.ndarray]:
     """One row per line with something to predict, truncated to `longest` targets."""
-    lines = [line[: longest + 1] for line in stream.splitlines(keepends=True) if len(line) > 1]
+    encoded = (encode(line, tokenizer) for line in stream.splitlines(keepends=True))
+    lines = [line[: longest + 1] for line in encoded if len(line) > 1]
     if not lines:
-        raise ZooError(f"The {what} text has no line of two or more bytes.")
-    tokens = np.zeros((len(lines), longest + 1), np.uint8)
+        raise ZooError(f"The {what} text has no line of two or more tokens.")
+    tokens = np.zeros((len(lines), longest + 1), lines[0].dtype)
     for row, line in zip(tokens, lines, strict=True):
-        row[: len(line)] = np.frombuffer(line, np.uint8)
+        row[: len(line)] = line
     return {TOKENS: tokens, LENGTH: np.array([len(line) - 1 for line in lines], np.int32)}
 
 
@@ -121,10 +151,12 @@ def text(
     window: int = 128,
     buckets: list[int] = [32, 64, 128, 256],  # noqa: B006  (a config default, never mutated)
     eval_bytes: int = 262_144,
+    tokenizer: str | None = None,
 ) -> Splits:
     """Bytes of text for a byte-level language model. `path`: a text file or a directory
     (its files matching `pattern`); unset: the Python standard library's sources. `eval_bytes`
-    caps the held-out text (0: all of it), which keeps an eval to seconds."""
+    caps the held-out text (0: all of it), which keeps an eval to seconds. `tokenizer`: a
+    `tokenizer.json` (or a directory with one) whose ids replace the bytes."""
     if window < 1 or eval_bytes < 0:
         raise ZooError(
             f"data.window={window} must be at least 1 and data.eval_bytes={eval_bytes} at "
@@ -135,13 +167,17 @@ def text(
     where = "The Python standard library" if path is None else f"data.path={path}"
     train, test = _split(_read_texts(_text_files(path, pattern), where))
     test = test[:eval_bytes] if eval_bytes else test
+    encoder = None if tokenizer is None else load_tokenizer(tokenizer)
     if mode == TextMode.lines:
         longest = max(buckets)
         return Splits(
-            train=_lines(train, longest, "training"),
-            eval=_lines(test, longest, "held-out"),
+            train=_lines(train, longest, "training", encoder),
+            eval=_lines(test, longest, "held-out", encoder),
             transform=BucketPadding(list(buckets)),
+            tokenizer=encoder,
         )
     return Splits(
-        train=_windows(train, window, "training"), eval=_windows(test, window, "held-out")
+        train=_windows(encode(train, encoder), window, "training"),
+        eval=_windows(encode(test, encoder), window, "held-out"),
+        tokenizer=encoder,
     )

@@ -1,3 +1,14 @@
 """The zoo's models, one module per family; importing registers them."""
 
-from models import cnn, gpt, mlp, resnet, vae, vit, xor  # noqa: F401
+from models import (  # noqa: F401
+    cnn,
+    gpt,
+    gpt_params,
+    mlp,
+    resnet,
+    resnet_params,
+    vae,
+    vit,
+    vit_params,
+    xor,
+)

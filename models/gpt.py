@@ -1,8 +1,12 @@
-"""A decoder-only transformer language model over bytes (vocabulary 256, no tokenizer).
+"""A decoder-only transformer language model: over bytes by default (vocabulary 256, no
+tokenizer), or over a tokenizer's vocabulary of any size (`vocab_size`; GPT-2's is 50,257).
 
-Byte embedding + learned positions -> pre-norm blocks (causal multi-head attention, GELU MLP)
--> final norm -> logits over the 256 byte values, through the embedding itself (tied, the
-default) or a separate output layer.
+Token embedding (a gather of rows) + learned positions -> pre-norm blocks (causal multi-head
+attention, GELU MLP) -> final norm -> logits over the vocabulary, through the embedding itself
+(tied, the default) or a separate output layer. The embedding's rows are padded to a multiple
+of `VOCAB_MULTIPLE`, so the vocabulary shards over `tensor` whatever its size; the padded rows'
+logits are masked out. `attention_bias`, `norm_epsilon` and `exact_gelu` are the block options
+that pretrained checkpoints differ in (see `models.gpt_params` for GPT-2's).
 
 The blocks can be stacked into one module whose params carry a leading layer axis and run with
 `nnx.scan` (`scan_layers`: one compiled block instead of `depth` copies, so compile time does
@@ -27,16 +31,39 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from models import hparams
 from models.generate import sample_on_eval
 from models.layers import dense, layer_norm
-from models.transformer import Block, KVCache, dropout_key, tokens_spec
+from models.transformer import Block, BlockOptions, KVCache, dropout_key, tokens_spec
 from train.errors import ZooError
 from train.registry import WEIGHT, register_model
 from train.sharding import logical_spec
 
 VOCAB = 256
+"""The byte-level vocabulary, the default."""
+VOCAB_MULTIPLE = 128
+"""The embedding's rows are padded to a multiple of this, so any tensor-parallel size up to it
+that divides it shards the vocabulary."""
+_MASKED = -1e30  # the logit of a padded row: softmax gives it exactly zero probability
+
+
+def _embed(tokens: jax.Array, table: jax.Array) -> jax.Array:
+    """The rows of `table` that `tokens` name: a gather, except for a table of at most `VOCAB`
+    rows (the byte-level default), which keeps the one-hot matmul it was trained with: the two
+    compute the same rows, but their gradients sum repeated tokens in a different order, and
+    byte-level runs stay bit for bit what they were."""
+    if table.shape[0] <= VOCAB:
+        one_hot = jax.nn.one_hot(tokens, table.shape[0], dtype=table.dtype)
+        return jnp.einsum("btv,vd->btd", one_hot, table, out_sharding=tokens_spec())
+    rows = jax.sharding.reshard(table, P())  # every device looks up any token's row
+    return rows.at[tokens].get(out_sharding=tokens_spec())
+
+
+def padded_vocab(vocab_size: int) -> int:
+    """The embedding's number of rows for a vocabulary of `vocab_size` tokens."""
+    return -(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
 
 
 def _cache_spec():
@@ -51,17 +78,18 @@ _remat_block = nnx.remat(_apply_block)
 
 
 def language_model_loss(model: GPT, batch: Mapping[str, jax.Array], rngs: nnx.Rngs):
-    """Per sequence: the mean cross-entropy (nats) of its real next-byte predictions, and the
-    same in bits per byte; weighted by its number of real targets, so that the trainer's means
-    are exact means over bytes, padding excluded."""
+    """Per sequence: the mean cross-entropy (nats) of its real next-token predictions, and the
+    same in bits per byte (per token, with a tokenizer); weighted by its number of real targets,
+    so that the trainer's means are exact means over tokens, padding excluded."""
     tokens = batch["tokens"].astype(jnp.int32)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     log_probs = jax.nn.log_softmax(model(inputs, rngs=rngs).astype(jnp.float32), axis=-1)
-    per_byte = -jnp.sum(jax.nn.one_hot(targets, VOCAB) * log_probs, axis=-1)
+    per_token = -jnp.sum(jax.nn.one_hot(targets, log_probs.shape[-1]) * log_probs, axis=-1)
     real = (jnp.arange(targets.shape[1])[None, :] < batch["length"][:, None]).astype(jnp.float32)
     count = jnp.sum(real, axis=-1)
-    loss = jnp.sum(per_byte * real, axis=-1) / jnp.maximum(count, 1.0)
-    return loss, {"bits_per_byte": loss / math.log(2), WEIGHT: count}
+    loss = jnp.sum(per_token * real, axis=-1) / jnp.maximum(count, 1.0)
+    unit = "bits_per_byte" if model.vocab_size == VOCAB else "bits_per_token"
+    return loss, {unit: loss / math.log(2), WEIGHT: count}
 
 
 @register_model(
@@ -93,6 +121,10 @@ class GPT(nnx.Module):
         tie_embeddings: bool = True,
         scan_layers: bool = False,
         remat: bool = False,
+        vocab_size: int = VOCAB,
+        attention_bias: bool = False,
+        norm_epsilon: float = 1e-6,
+        exact_gelu: bool = False,
         *,
         rngs: nnx.Rngs,
     ):
@@ -103,21 +135,34 @@ class GPT(nnx.Module):
             depth=depth,
             num_heads=num_heads,
             mlp_ratio=mlp_ratio,
+            vocab_size=vocab_size,
         )
+        if not norm_epsilon > 0:
+            raise ZooError(f"model.norm_epsilon={norm_epsilon} must be positive (gpt).")
         hparams.rates("gpt", dropout_rate=dropout_rate)
         if dim % num_heads:
             raise ZooError(f"gpt: dim={dim} must be a multiple of num_heads={num_heads}.")
         normal = nnx.initializers.normal(0.02)
         self.embedding = nnx.Param(
-            nnx.with_partitioning(normal, ("vocab", "embed"))(rngs.params(), (VOCAB, dim))
+            nnx.with_partitioning(normal, ("vocab", "embed"))(
+                rngs.params(), (padded_vocab(vocab_size), dim)
+            )
         )
         self.positions = nnx.Param(
             nnx.with_partitioning(normal, (None, None))(rngs.params(), (context_length, dim))
         )
 
+        options = BlockOptions(mlp_ratio, attention_bias, norm_epsilon, exact_gelu)
+
         def block(key: jax.Array) -> Block:
             return Block(
-                dim, num_heads, mlp_ratio, dropout_rate, causal=True, rngs=nnx.Rngs(params=key)
+                dim,
+                num_heads,
+                mlp_ratio,
+                dropout_rate,
+                causal=True,
+                options=options,
+                rngs=nnx.Rngs(params=key),
             )
 
         layer_keys = jax.random.split(rngs.params(), depth)
@@ -125,19 +170,20 @@ class GPT(nnx.Module):
             self.blocks = nnx.vmap(block, transform_metadata={nnx.PARTITION_NAME: None})(layer_keys)
         else:
             self.blocks = nnx.List([block(key) for key in layer_keys])
-        self.norm = layer_norm(dim, rngs=rngs)
+        self.norm = layer_norm(dim, rngs=rngs, epsilon=norm_epsilon)
         self.unembed = (
             None
             if tie_embeddings
-            else dense(dim, VOCAB, ("embed", "vocab"), use_bias=False, rngs=rngs)
+            else dense(dim, padded_vocab(vocab_size), ("embed", "vocab"), use_bias=False, rngs=rngs)
         )
         self.context_length, self.depth, self.num_heads = context_length, depth, num_heads
-        self.vocab_size = VOCAB
+        self.vocab_size = vocab_size
         self.head_dim = dim // num_heads
         self.scan_layers, self.remat, self.dropout_rate = scan_layers, remat, dropout_rate
 
     def __call__(self, tokens: jax.Array, *, rngs: nnx.Rngs | None = None) -> jax.Array:
-        """Next-byte logits (batch x length x 256) for every position of `tokens`."""
+        """Next-token logits (batch x length x padded vocabulary; the padded rows' are masked)
+        for every position of `tokens`."""
         first = self.blocks.dropout if self.scan_layers else self.blocks[0].dropout
         key = dropout_key(rngs, self.dropout_rate, first.deterministic, "gpt")
         logits, _ = self._forward(tokens, key, None, 0)
@@ -165,15 +211,22 @@ class GPT(nnx.Module):
                 f"{self.context_length}, or a larger model.context_length."
             )
         table = self.embedding[...]
-        one_hot = jax.nn.one_hot(tokens, VOCAB, dtype=table.dtype)
-        x = jnp.einsum("btv,vd->btd", one_hot, table, out_sharding=tokens_spec())
+        x = _embed(tokens, table)
         x = x + jax.lax.dynamic_slice_in_dim(self.positions[...], start, length)
         x, cache = self._run_blocks(x, jax.random.split(key, self.depth), cache, start)
         x = self.norm(x)
         vocab = logical_spec("batch", None, "vocab")
         if self.unembed is None:
-            return jnp.einsum("btd,vd->btv", x, table, out_sharding=vocab), cache
-        return self.unembed(x, out_sharding=vocab), cache
+            logits = jnp.einsum("btd,vd->btv", x, table, out_sharding=vocab)
+        else:
+            logits = self.unembed(x, out_sharding=vocab)
+        return self._mask_padding(logits), cache
+
+    def _mask_padding(self, logits: jax.Array) -> jax.Array:
+        if logits.shape[-1] == self.vocab_size:
+            return logits
+        real = jnp.arange(logits.shape[-1]) < self.vocab_size
+        return jnp.where(real, logits, jnp.asarray(_MASKED, logits.dtype))
 
     def _run_blocks(self, x, keys, cache, start):
         apply = _remat_block if self.remat else _apply_block

@@ -42,18 +42,22 @@ def dense(
     )
 
 
-def head_projections(dim: int, num_heads: int, *, rngs: nnx.Rngs) -> tuple[nnx.LinearGeneral, ...]:
-    """Attention's query, key, value and output projections, without biases: `dim` features
-    <-> (`num_heads`, dim // num_heads), the heads on the logical `heads` axis. The output
-    projection sums over heads: call it with `out_sharding` where heads are sharded."""
+def head_projections(
+    dim: int, num_heads: int, *, rngs: nnx.Rngs, use_bias: bool = False
+) -> tuple[nnx.LinearGeneral, ...]:
+    """Attention's query, key, value and output projections (biases with `use_bias`): `dim`
+    features <-> (`num_heads`, dim // num_heads), the heads on the logical `heads` axis. The
+    output projection sums over heads: call it with `out_sharding` where heads are sharded."""
 
     def projection(in_features, out_features, axis, axes):
+        bias_axes = (axes[1], None) if axes[0] == "embed" else (None,)
         return nnx.LinearGeneral(
             in_features,
             out_features,
             axis=axis,
-            use_bias=False,
+            use_bias=use_bias,
             kernel_init=nnx.with_partitioning(_LECUN, axes),
+            bias_init=nnx.with_partitioning(_ZEROS, bias_axes),
             rngs=rngs,
         )
 
@@ -73,7 +77,7 @@ def conv(
     rngs: nnx.Rngs,
     strides: int = 1,
     use_bias: bool = False,
-    padding: str = "SAME",
+    padding: str | Sequence[tuple[int, int]] = "SAME",
     out_axis: str = "conv_out",
 ) -> nnx.Conv:
     """A 2-D convolution, channels last, kernel annotated (None, None, conv_in, `out_axis`).
@@ -109,10 +113,11 @@ def batch_norm(
     )
 
 
-def layer_norm(features: int, *, rngs: nnx.Rngs) -> nnx.LayerNorm:
+def layer_norm(features: int, *, rngs: nnx.Rngs, epsilon: float = 1e-6) -> nnx.LayerNorm:
     """LayerNorm over `embed` features; its params are replicated (see the module docstring)."""
     return nnx.LayerNorm(
         features,
+        epsilon=epsilon,
         scale_init=nnx.with_partitioning(_ONES, (None,)),
         bias_init=nnx.with_partitioning(_ZEROS, (None,)),
         rngs=rngs,

@@ -1,6 +1,9 @@
 """The transformer block that `vit` and `gpt` share: pre-norm multi-head self-attention and a
 GELU MLP, each added back to its input.
 
+What pretrained checkpoints differ in is an option (`BlockOptions`): biases on the attention
+projections, the LayerNorm epsilon, exact or tanh-approximated GELU, the MLP's width.
+
 Attention is written out (three projections and two einsums) rather than taken from
 `nnx.MultiHeadAttention`, so each contraction can say where its output lives: heads are split
 over the `tensor` mesh axis, and explicit sharding needs the output projection's sum over heads
@@ -13,6 +16,7 @@ stack of blocks can be scanned over (the keys are a scanned input).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -29,6 +33,19 @@ KVCache = tuple[jax.Array, jax.Array]
 _NO_ATTENTION = -1e30  # a logit that softmax turns into exactly zero weight
 
 
+@dataclasses.dataclass(frozen=True)
+class BlockOptions:
+    """How a block differs between model families: `attention_bias` on the query, key, value
+    and output projections; `norm_epsilon` of both LayerNorms; `exact_gelu` (erf) instead of
+    the tanh approximation; an MLP `mlp_ratio` times as wide as the features (a float allowed:
+    the width is rounded down)."""
+
+    mlp_ratio: float = 4
+    attention_bias: bool = False
+    norm_epsilon: float = 1e-6
+    exact_gelu: bool = False
+
+
 def tokens_spec():
     """Where a batch x length x features activation lives: split along the batch only."""
     return logical_spec("batch", None, None)
@@ -39,9 +56,18 @@ class Attention(nnx.Module):
     Dropout on the attention weights at `dropout_rate`."""
 
     def __init__(
-        self, dim: int, num_heads: int, *, dropout_rate: float, causal: bool, rngs: nnx.Rngs
+        self,
+        dim: int,
+        num_heads: int,
+        *,
+        dropout_rate: float,
+        causal: bool,
+        rngs: nnx.Rngs,
+        use_bias: bool = False,
     ):
-        self.query, self.key, self.value, self.out = head_projections(dim, num_heads, rngs=rngs)
+        self.query, self.key, self.value, self.out = head_projections(
+            dim, num_heads, rngs=rngs, use_bias=use_bias
+        )
         self.dropout = nnx.Dropout(dropout_rate)
         self.causal = causal
 
@@ -76,21 +102,29 @@ class Block(nnx.Module):
         self,
         dim: int,
         num_heads: int,
-        mlp_ratio: int,
+        mlp_ratio: float,
         dropout_rate: float,
         *,
         attention_dropout: float = 0.0,
         causal: bool = False,
+        options: BlockOptions = BlockOptions(),
         rngs: nnx.Rngs,
     ):
-        self.attention_norm = layer_norm(dim, rngs=rngs)
+        epsilon, hidden = options.norm_epsilon, int(dim * mlp_ratio)
+        self.attention_norm = layer_norm(dim, rngs=rngs, epsilon=epsilon)
         self.attention = Attention(
-            dim, num_heads, dropout_rate=attention_dropout, causal=causal, rngs=rngs
+            dim,
+            num_heads,
+            dropout_rate=attention_dropout,
+            causal=causal,
+            rngs=rngs,
+            use_bias=options.attention_bias,
         )
-        self.mlp_norm = layer_norm(dim, rngs=rngs)
-        self.mlp_in = dense(dim, dim * mlp_ratio, ("embed", "mlp"), rngs=rngs)
-        self.mlp_out = dense(dim * mlp_ratio, dim, ("mlp", "embed"), rngs=rngs)
+        self.mlp_norm = layer_norm(dim, rngs=rngs, epsilon=epsilon)
+        self.mlp_in = dense(dim, hidden, ("embed", "mlp"), rngs=rngs)
+        self.mlp_out = dense(hidden, dim, ("mlp", "embed"), rngs=rngs)
         self.dropout = nnx.Dropout(dropout_rate)
+        self.exact_gelu = options.exact_gelu
 
     def __call__(
         self,
@@ -103,7 +137,8 @@ class Block(nnx.Module):
         h, cache = self.attention(self.attention_norm(x), weights_key, cache, start)
         x = x + self.dropout(h, rngs=attention_key)
         h = self.mlp_in(self.mlp_norm(x), out_sharding=logical_spec("batch", None, "mlp"))
-        h = self.mlp_out(nnx.gelu(h), out_sharding=tokens_spec())
+        h = nnx.gelu(h, approximate=not self.exact_gelu)
+        h = self.mlp_out(h, out_sharding=tokens_spec())
         return x + self.dropout(h, rngs=mlp_key), cache
 
 

@@ -2,6 +2,16 @@
 pre-norm transformer blocks (`models.transformer`: multi-head self-attention, GELU MLP) -> mean
 over tokens -> logits.
 
+The options that pretrained ViTs (Hugging Face's, timm's; `models.vit_params`) differ in:
+`class_token` (a learned token before the patches) and `pool=cls` (its output is the image's),
+or `pool=mean` over the patches; `norm_after_pool` (timm's `fc_norm`: the final LayerNorm of the
+pooled vector instead of every token's); the block's `attention_bias`, `norm_epsilon`,
+`exact_gelu` and `mlp_ratio`. `position_grid` is the patch grid the learned positions are held
+for (a checkpoint's): images of another size get them resized bicubically on every call, as
+Hugging Face's `interpolate_pos_encoding` (`position_resize=bicubic`) or timm's
+`resample_abs_pos_embed` (`bicubic_antialias`) does. `pixel_mean`/`pixel_std` make the model
+normalise its inputs, as pretrained weights expect: give it pixels in [0, 1].
+
 Its randomness comes at call time: `model(images, rngs=rngs)`. The Dropout layers hold no stream
 of their own; the trainer passes Rngs built from its base key and the step number, so every step
 draws fresh masks, a rerun with the same seed draws the same ones, and a resumed run draws what
@@ -11,12 +21,13 @@ the uninterrupted run would have.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
-from models import hparams
+from models import hparams, positions
 from models.classification import classification_loss_with_rngs, report_classifier
 from models.layers import conv, dense, layer_norm
-from models.transformer import Block, dropout_key
+from models.transformer import Block, BlockOptions, dropout_key
 from train.errors import ZooError
 from train.registry import register_model
 from train.sharding import logical_spec
@@ -50,6 +61,16 @@ class ViT(nnx.Module):
         num_heads: int = 4,
         mlp_ratio: int = 2,
         dropout_rate: float = 0.1,
+        class_token: bool = False,
+        pool: str = "mean",
+        norm_after_pool: bool = False,
+        attention_bias: bool = False,
+        norm_epsilon: float = 1e-6,
+        exact_gelu: bool = False,
+        position_grid: list[int] | None = None,
+        position_resize: str = "bicubic",
+        pixel_mean: list[float] | None = None,
+        pixel_std: list[float] | None = None,
         *,
         rngs: nnx.Rngs,
     ):
@@ -64,6 +85,14 @@ class ViT(nnx.Module):
             mlp_ratio=mlp_ratio,
         )
         hparams.rates("vit", dropout_rate=dropout_rate)
+        hparams.choice(
+            "vit", pool=(pool, ("mean", "cls")), position_resize=(position_resize, positions.MODES)
+        )
+        if pool == "cls" and not class_token:
+            raise ZooError("vit: model.pool=cls needs model.class_token=true.")
+        self.pixel_mean, self.pixel_std = hparams.pixel_statistics(
+            pixel_mean, pixel_std, input_shape
+        )
         height, width, channels = input_shape
         if height % patch_size or width % patch_size or dim % num_heads:
             raise ZooError(
@@ -72,7 +101,10 @@ class ViT(nnx.Module):
                 f"model.patch_size dividing both {height} and {width}, and model.dim divisible "
                 "by model.num_heads."
             )
-        num_patches = (height // patch_size) * (width // patch_size)
+        self.patch_size, self.position_resize = patch_size, position_resize
+        grid = position_grid or [height // patch_size, width // patch_size]
+        hparams.positive("vit", position_grid=grid)
+        self.prefix = int(class_token)  # tokens before the patches
         # A patch_size-strided convolution is the patch embedding: one linear map per patch.
         self.embed = conv(
             channels,
@@ -86,9 +118,16 @@ class ViT(nnx.Module):
         )
         self.positions = nnx.Param(
             nnx.with_partitioning(nnx.initializers.normal(0.02), (None, None))(
-                rngs.params(), (num_patches, dim)
+                rngs.params(), (self.prefix + grid[0] * grid[1], dim)
             )
         )
+        self.position_grid = tuple(grid)
+        self.class_token = nnx.data(None)
+        if class_token:
+            self.class_token = nnx.Param(
+                nnx.with_partitioning(nnx.initializers.normal(0.02), (None,))(rngs.params(), (dim,))
+            )
+        options = BlockOptions(mlp_ratio, attention_bias, norm_epsilon, exact_gelu)
         self.blocks = nnx.List(
             [
                 Block(
@@ -97,22 +136,46 @@ class ViT(nnx.Module):
                     mlp_ratio,
                     dropout_rate,
                     attention_dropout=dropout_rate,
+                    options=options,
                     rngs=rngs,
                 )
                 for _ in range(depth)
             ]
         )
         self.dropout_rate = dropout_rate
-        self.norm = layer_norm(dim, rngs=rngs)
+        self.pool, self.norm_after_pool = pool, norm_after_pool
+        self.norm = layer_norm(dim, rngs=rngs, epsilon=norm_epsilon)
         self.head = dense(dim, num_classes, (None, None), rngs=rngs)
 
     def __call__(self, x: jax.Array, *, rngs: nnx.Rngs | None = None) -> jax.Array:
+        if self.pixel_mean is not None:
+            x = (x - jnp.asarray(self.pixel_mean, x.dtype)) / jnp.asarray(self.pixel_std, x.dtype)
         patches = self.embed(x, out_sharding=logical_spec("batch", None, None, None))
-        tokens = patches.reshape(x.shape[0], -1, patches.shape[-1]) + self.positions[...]
+        tokens = patches.reshape(x.shape[0], -1, patches.shape[-1])
+        if self.class_token is not None:  # zeros_like keeps the batch's sharding
+            first = jnp.zeros_like(tokens[:, :1]) + self.class_token[...]
+            tokens = jnp.concatenate([first, tokens], axis=1)
+        tokens = tokens + self._positions(patches.shape[1:3])
         deterministic = self.blocks[0].dropout.deterministic
         key = dropout_key(rngs, self.dropout_rate, deterministic, "vit")
         for block, block_key in zip(
             self.blocks, jax.random.split(key, len(self.blocks)), strict=True
         ):
             tokens, _ = block(tokens, block_key)
-        return self.head(self.norm(tokens).mean(axis=1), out_sharding=logical_spec("batch", None))
+        if self.norm_after_pool:
+            pooled = self.norm(self._pooled(tokens))
+        else:
+            pooled = self._pooled(self.norm(tokens))
+        return self.head(pooled, out_sharding=logical_spec("batch", None))
+
+    def _positions(self, grid: tuple[int, int]) -> jax.Array:
+        """The learned positions of the prefix tokens and of a `grid` of patches."""
+        table = self.positions[...]
+        if tuple(grid) == self.position_grid:
+            return table
+        held = table[self.prefix :].reshape(*self.position_grid, -1)
+        resized = positions.resize(held, grid, self.position_resize)
+        return jnp.concatenate([table[: self.prefix], resized.reshape(-1, table.shape[-1])])
+
+    def _pooled(self, tokens: jax.Array) -> jax.Array:
+        return tokens[:, 0] if self.pool == "cls" else tokens[:, self.prefix :].mean(axis=1)

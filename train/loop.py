@@ -91,6 +91,7 @@ class Trainer:
         entry = registry.get_model(cfg.model.name)
         splits, hparams = _splits_and_hparams(cfg, entry, data)
         pipeline.check_host_memory(splits, trainer.batch_size, trainer.steps_per_dispatch)
+        self.tokenizer = splits.tokenizer
         self.train_data, self.eval_data = pipeline.process_pipelines(
             splits, trainer.batch_size, cfg.seed
         )
@@ -345,7 +346,8 @@ class Trainer:
             def batches():
                 return (self.shard(batch) for batch in self.eval_data)
 
-            self.on_eval(model, EvalReport(step, key, self.eval_data[0], reporter, batches))
+            report = EvalReport(step, key, self.eval_data[0], reporter, batches, self.tokenizer)
+            self.on_eval(model, report)
         return metrics
 
 

@@ -13,6 +13,11 @@ A data set also states what models must know about it (`info`, e.g. `input_shape
 `num_classes`): a model parameter of the same name left at `None` takes the data set's value, so
 `model=cnn data=digits` builds a CNN for 8x8 images without anything else to say.
 
+A model may also load checkpoints of other libraries: it registers each checkpoint family it
+understands (`Family`: which `config.json` is one of them, the model's hyper-parameters it
+implies, and a table of `Rule`s from checkpoint keys to the model's params); `train.weights` does
+the reading, filling and writing back.
+
 Registering has no other effect: the command line builds its Hydra configs from these records
 when it composes a config.
 """
@@ -22,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -62,12 +67,15 @@ class Splits:
     `augment` on training batches only, before `transform`, with a generator seeded from the run's
     seed and the batch's index, so augmentations are the same on every rerun and after a resume.
     Each returns the columns it changes; the others pass through. Both work on whole batches,
-    since one vectorised call per batch costs far less than one per example."""
+    since one vectorised call per batch costs far less than one per example.
+    `tokenizer`: the tokenizer (a `tokenizers.Tokenizer`) whose ids a text data set's `tokens`
+    hold, so that what a model writes can be decoded; None for bytes or non-text data."""
 
     train: Mapping[str, np.ndarray]
     eval: Mapping[str, np.ndarray]
     transform: Callable[[Batch], Batch] | None = None
     augment: Callable[[Batch, np.random.Generator], Batch] | None = None
+    tokenizer: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,8 +122,68 @@ class DataEntry:
         return self.load(**{k: v for k, v in params.items() if k != "name"})
 
 
+def _same(array: np.ndarray) -> tuple[np.ndarray, ...]:
+    return (array,)
+
+
+def _only(*arrays: np.ndarray) -> np.ndarray:
+    (array,) = arrays
+    return array
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One row of a checkpoint family's table: the checkpoint keys that `key` (a regex, matched
+    in full) names fill the params `params` (NNX state paths, dotted; `\\1`, `\\2`, ... stand
+    for `key`'s groups, e.g. the layer index).
+
+    `load(array) -> tuple of arrays`, one per path of `params`, does the transform (transpose,
+    split of a fused qkv, reshape to heads); `save(*arrays) -> array` is its inverse, for export.
+    `export_key` is the key written on export (with the same `\\1` groups); None: `key` itself,
+    for a key without regex syntax."""
+
+    key: str
+    params: tuple[str, ...]
+    load: Callable[[np.ndarray], tuple[np.ndarray, ...]] = _same
+    save: Callable[..., np.ndarray] = _only
+    export_key: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """A family of checkpoints of another library that the model `model` loads, e.g. GPT-2 of
+    Hugging Face transformers for `gpt`.
+
+    - `matches(config_json)`: whether a checkpoint directory's `config.json` is of this family;
+    - `hparams(config_json)`: the zoo model's constructor arguments it implies;
+    - `rules`: the table from checkpoint keys to params (a sequence of `Rule`), or a function of
+      the hparams giving it (when a transform depends on a size, such as padded rows);
+    - `ignore`: regexes of checkpoint keys that are not params (buffers, tied copies);
+    - `export_config(hparams)`: the `config.json` written on export (None: no export);
+    - `description`: one line for listings, e.g. "GPT-2 (transformers GPT2LMHeadModel)";
+    - `facts`: anything else the model's code wants to know (e.g. input normalisation);
+    - `stacked(hparams)`: the param prefixes whose layers the model stacks along a leading
+      axis (`nnx.scan`), e.g. ("blocks",): the rules' per-layer paths `blocks.<i>.<rest>`
+      then fill (and export) slice i of `blocks.<rest>`."""
+
+    name: str
+    model: str
+    matches: Callable[[Mapping[str, Any]], bool]
+    hparams: Callable[[Mapping[str, Any]], dict[str, Any]]
+    rules: Sequence[Rule] | Callable[[Mapping[str, Any]], Sequence[Rule]]
+    ignore: tuple[str, ...] = ()
+    export_config: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
+    description: str = ""
+    facts: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    stacked: Callable[[Mapping[str, Any]], Sequence[str]] = lambda hparams: ()
+
+    def rules_for(self, hparams: Mapping[str, Any]) -> tuple[Rule, ...]:
+        return tuple(self.rules(hparams) if callable(self.rules) else self.rules)
+
+
 _MODELS: dict[str, ModelEntry] = {}
 _DATASETS: dict[str, DataEntry] = {}
+_FAMILIES: dict[str, Family] = {}
 
 
 def register_model(
@@ -179,6 +247,19 @@ def register_data(
         return fn
 
     return register if load is None else register(load)
+
+
+def register_family(family: Family) -> Family:
+    """Record a checkpoint family that a registered model loads (see `Family`)."""
+    if family.name in _FAMILIES:
+        raise ZooError(f"A checkpoint family named '{family.name}' is already registered.")
+    _FAMILIES[family.name] = family
+    return family
+
+
+def families(model: str | None = None) -> list[Family]:
+    """The registered checkpoint families (of `model` only, if given), by name."""
+    return [f for _, f in sorted(_FAMILIES.items()) if model is None or f.model == model]
 
 
 def list_models() -> list[str]:

@@ -7,7 +7,8 @@ The order, first match wins:
      ones that cannot be read are set aside as `<step>.unreadable`, with a warning naming each.
      If none can be read, an error: the run never silently starts over on top of them.
   3. No checkpoint (or `trainer.resume=never` on a workdir without any): a fresh start, its
-     params and BatchNorm statistics filled from `finetune.init_from` when that is set.
+     params and BatchNorm statistics filled from `finetune.init_from` when that is set (a zoo
+     workdir, or a pretrained checkpoint directory: see `train.weights`).
   4. Otherwise a fresh start from the seed.
 
 A restored checkpoint gives everything the run's future depends on: the state (resharded onto
@@ -25,9 +26,9 @@ from typing import Any
 import grain
 import jax
 from flax import nnx
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from train import resume
+from train import resume, weights
 from train.checkpoint import FORMATS, Checkpointer
 from train.config import resume_step
 from train.errors import ZooError
@@ -183,6 +184,17 @@ def _warm_start(run: RunStart) -> Any:
     `finetune.init_from`."""
     finetune, name = run.cfg.finetune, run.cfg.model.name
     model, optimizer = nnx.merge(run.graphdef, run.state)
+    if weights.is_pretrained(finetune.init_from):
+        pretrained = weights.open_pretrained(finetune.init_from, name)
+        hparams = OmegaConf.to_container(run.cfg.model)
+        fresh = weights.fill(model, pretrained, hparams=hparams, skip=list(finetune.reinit))
+        log.info(
+            "Starting from the %s checkpoint in %s%s",
+            pretrained.family.name,
+            pretrained.directory,
+            f"; initialised afresh: {', '.join(fresh)}" if fresh else "",
+        )
+        return nnx.state((model, optimizer))
 
     def read(step: int, path: str) -> list[str]:
         trained = read_json(path, "config")["model"]["name"]

@@ -2,11 +2,15 @@
 
 import zoo
 zoo.list_models()                      # ['cnn', 'gpt', 'mlp', 'resnet', 'vae', 'vit', 'xor']
+zoo.list_models(families=True)         # {'gpt': ['gpt2: GPT-2, ...'], ...}: checkpoints loaded
 model = zoo.create_model("xor", num_hidden=16)
 result = zoo.fit("cnn", "data=digits")              # the CLI's job, from Python
 trained = zoo.load(result.workdir)                  # a run's model, weights and config
 tuned = zoo.finetune(trained, data=zoo.Splits(train=..., eval=...), num_classes=5,
                      replace_head=True, freeze="backbone")   # a new head on a frozen backbone
+gpt2 = zoo.load("gpt2")                             # a pretrained checkpoint directory
+zoo.export(result.workdir, "out", format="hf")      # back to the checkpoint family's layout
+text = zoo.generate(gpt2, "Hello", max_new_tokens=20)  # through the model's tokenizer
 
 The package is the top of three layers: `zoo` (command line, Hydra composition, this API) uses
 the plugins `models` and `data`, which use the engine `train`; nothing below imports upwards.
@@ -14,7 +18,6 @@ the plugins `models` and `data`, which use the engine `train`; nothing below imp
 
 import data  # noqa: F401  (registers the built-in data sets)
 import models  # noqa: F401  (registers the built-in models)
-from models.generate import generate
 from train.errors import NonFiniteLoss, ZooError
 from train.loop import RunResult, run
 from train.registry import (
@@ -22,7 +25,6 @@ from train.registry import (
     Splits,
     get_model,
     list_datasets,
-    list_models,
     register_data,
     register_model,
 )
@@ -37,7 +39,10 @@ from zoo.api import (
     merge_lora,
     predict,
 )
+from zoo.export import export
+from zoo.generate import generate
 from zoo.overrides import compose
+from zoo.pretrained import list_models
 from zoo.tuning import finetune
 
 __all__ = [
@@ -51,6 +56,7 @@ __all__ = [
     "compose",
     "create_model",
     "evaluate",
+    "export",
     "finetune",
     "fit",
     "generate",

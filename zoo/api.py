@@ -17,9 +17,9 @@ import numpy as np
 from flax import nnx
 from omegaconf import DictConfig, OmegaConf
 
-from train import pipeline, registry, rundir, sharding
+from train import pipeline, registry, rundir, sharding, weights
 from train import rngs as zoo_rngs
-from train.build import build_on_mesh
+from train.build import build_model, build_on_mesh
 from train.config import Config, MeshConfig, checked_dict, checked_params
 from train.loop import RunResult, Trainer, evaluate_batches
 from train.lora import merge_adapters
@@ -72,13 +72,66 @@ def load(
 
     It is placed on a new mesh: `mesh` takes the keys of the `mesh` config section (default:
     data parallel over every device, whatever mesh it was trained on), `devices` restricts it to
-    some devices."""
+    some devices.
+
+    `workdir` may also be a pretrained checkpoint directory (`config.json` + safetensors of a
+    family some model loads, see `zoo.list_models(families=True)`): its model, at step 0, with
+    the config a run starting from it would have."""
+    if is_pretrained_dir(workdir):
+        return _load_pretrained(os.path.abspath(workdir), mesh, devices)
     step_number, _, (model, config, device_mesh, rules, metrics) = read_first(
         workdir, step, lambda _, path: _read_model(path, mesh, devices)
     )
     return TrainedModel(
         model, config, step_number, os.path.abspath(workdir), device_mesh, rules, metrics
     )
+
+
+def is_pretrained_dir(path: str | os.PathLike) -> bool:
+    """Whether `path` is a pretrained checkpoint directory rather than a run's workdir (an
+    exported run may hold both: its checkpoints win)."""
+    return weights.is_pretrained(path) and not os.path.isdir(os.path.join(path, "checkpoints"))
+
+
+@dataclasses.dataclass
+class PlannedLoad:
+    """A pretrained directory's model before its weights: abstract (shapes and shardings, no
+    arrays), with the config, mesh and opened checkpoint that `weights.fill` needs."""
+
+    model: nnx.Module
+    pretrained: weights.Pretrained
+    config: DictConfig
+    hparams: dict[str, Any]
+    mesh: jax.sharding.Mesh
+    rules: sharding.AxisRules
+
+    def fill(self) -> nnx.Module:
+        """The model with every param read straight into its sharding, in eval mode."""
+        weights.fill(
+            self.model, self.pretrained, hparams=self.hparams, mesh=self.mesh, rules=self.rules
+        )
+        self.model.eval()
+        return self.model
+
+
+def plan_pretrained(directory: str, mesh: Mapping[str, Any] | None, devices: Any) -> PlannedLoad:
+    """Everything `zoo.load` of a pretrained directory does before it reads a tensor."""
+    config = compose([f"finetune.init_from={directory}"])
+    entry = registry.get_model(config.model.name)
+    mesh_cfg = checked_dict(MeshConfig, {"rules": dict(config.mesh.rules), **(mesh or {})}, "mesh")
+    device_mesh, rules = sharding.mesh_and_rules(mesh_cfg, devices)
+    hparams = resolved_hparams(config)
+    with sharding.activate(device_mesh, rules), nnx.use_eager_sharding(False):
+        model = nnx.eval_shape(lambda: build_model(entry, hparams, config.seed))
+    pretrained = weights.open_pretrained(directory, entry.name)
+    return PlannedLoad(model, pretrained, config, hparams, device_mesh, rules)
+
+
+def _load_pretrained(directory: str, mesh: Mapping[str, Any] | None, devices: Any) -> TrainedModel:
+    """The model of a pretrained directory, each param read straight into its sharding."""
+    planned = plan_pretrained(directory, mesh, devices)
+    model = planned.fill()
+    return TrainedModel(model, planned.config, 0, directory, planned.mesh, planned.rules, {})
 
 
 def _read_model(path: str, mesh: Mapping[str, Any] | None, devices: Any) -> tuple:

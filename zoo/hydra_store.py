@@ -20,6 +20,7 @@ from hydra.core.config_store import ConfigStore
 
 from train import registry
 from train.config import Config
+from zoo.pretrained import families_help
 
 DEFAULT_MODEL = "xor"
 
@@ -30,11 +31,14 @@ Usage:   python -m zoo.train [model=NAME] [data=NAME] [KEY=VALUE ...] [--cfg job
 
 Models and data sets (each model names its default data set; `data=NAME` replaces it):
 $APP_CONFIG_GROUPS
+Pretrained checkpoints (`finetune.init_from=DIR`: config.json + safetensors) each model loads:
+$PRETRAINED
 Examples:
   python -m zoo.train model=xor
   python -m zoo.train model=xor trainer.steps=500 optimizer.name=adam optimizer.learning_rate=0.01
   python -m zoo.train model=xor workdir=runs/my-run seed=1
   python -m zoo.train model=xor --cfg job        # print the resolved config, train nothing
+  python -m zoo.train finetune.init_from=gpt2 data.path=my_text.txt   # fine-tune GPT-2
 
 Every run writes TensorBoard events, checkpoints and train.log under `workdir`
 (`tensorboard --logdir runs` shows all runs). The default config, every key overridable:
@@ -71,9 +75,14 @@ _PRIMARY = {
     "hydra": {
         "run": {"dir": "${workdir}"},
         "sweep": {"dir": "${workdir}", "subdir": "${hydra.job.num}"},
-        "help": {"app_name": "zoo", "template": HELP_TEMPLATE},
     },
 }
+
+
+def _primary() -> dict[str, Any]:
+    """The primary config; its `--help` lists the checkpoint families registered by now."""
+    help = {"app_name": "zoo", "template": HELP_TEMPLATE.replace("$PRETRAINED", families_help())}
+    return {**_PRIMARY, "hydra": {**_PRIMARY["hydra"], "help": help}}
 
 
 def store_registry() -> None:
@@ -81,7 +90,7 @@ def store_registry() -> None:
     cs = ConfigStore.instance()
     cs.store(name="zoo_schema", node=Config)
     cs.store(group="hydra/job_logging", name="zoo", node=JOB_LOGGING)
-    cs.store(name="config", node=_PRIMARY)
+    cs.store(name="config", node=_primary())
     for name in registry.list_models():
         cs.store(group="model", name=name, node=_model_node(name), package="_global_")
     for name in registry.list_datasets():

@@ -19,19 +19,23 @@ from train.config import reason as config_reason
 from train.errors import ZooError
 from train.validate import validate
 from zoo.hydra_store import store_registry
+from zoo.pretrained import check_tokenizer, pretrained_args
 
 
 def compose(overrides: Sequence[str] = ()) -> DictConfig:
     """The resolved run config for command-line style `overrides`, e.g. `["model=xor"]`.
 
-    Raises `ZooError` with a one-paragraph message for an unknown model, data set or key, or a
-    value of the wrong type.
+    `finetune.init_from=DIR` on a pretrained checkpoint directory sets the model's sizes and
+    the tokenizer from it (see `zoo.pretrained`). Raises `ZooError` with a one-paragraph
+    message for an unknown model, data set or key, or a value of the wrong type.
     """
     overrides = list(overrides)
+    overrides += pretrained_args(overrides)
     check_choices(overrides)
     try:
         cfg = _compose(overrides)
         validate(cfg)
+        check_tokenizer(cfg)
     except ZooError:
         raise
     except OmegaConfBaseException as e:

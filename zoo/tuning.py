@@ -16,13 +16,13 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from train import registry
+from train import registry, weights
 from train.errors import ZooError
 from train.freeze import Filter
 from train.loop import RunResult, Trainer
 from train.validate import check_finetune
 from train.warm_start import locate
-from zoo.api import Trained, TrainedModel, resolved_hparams, saved_config
+from zoo.api import Trained, TrainedModel, is_pretrained_dir, resolved_hparams, saved_config
 from zoo.overrides import compose
 
 USER_DATA = "user"
@@ -44,7 +44,9 @@ def finetune(
     """Fine-tune a trained model (or train a fresh one) with the trainer, as one more run.
 
     - `start`: the workdir of a run, a `RunResult` or `TrainedModel` (its weights at its step),
-      or a registered model's name (fresh weights; its `model.*` keys from `overrides`).
+      a pretrained checkpoint directory (its family's model, sizes and tokenizer; see
+      `zoo.list_models(families=True)`), or a registered model's name (fresh weights; its
+      `model.*` keys from `overrides`).
     - `overrides`: the CLI's keys, e.g. `"trainer.steps=200"`, `"optimizer.learning_rate=1e-3"`,
       `"workdir=runs/ft"`, `"mesh.fsdp=2"`; the model's own defaults fill the rest.
     - `data`: a registered data set's name (its `input_shape` and `num_classes` then decide the
@@ -66,13 +68,20 @@ def finetune(
     named = [o for o in overrides if o.startswith("data=")]
     if named and data is None:  # `data=NAME` among the overrides, as on the command line
         data, overrides = named[-1].partition("=")[2], tuple(o for o in overrides if o not in named)
-    workdir, step_number, base = _start(start, step)
+    pretrained = _pretrained(start, step)
+    if pretrained is not None:
+        overrides = (f"finetune.init_from={pretrained.directory}", *overrides)
+        workdir, step_number, base = None, None, None
+    else:
+        workdir, step_number, base = _start(start, step)
     if base is not None and data is None and base.data.name not in registry.list_datasets():
         raise ZooError(
             f"The run in {workdir} trained on data of its own ('{base.data.name}'): pass the "
             "data to fine-tune on as data=zoo.Splits(...) or a registered data set's name."
         )
-    name = base.model.name if base is not None else str(start)
+    name = str(start) if base is None else base.model.name
+    if pretrained is not None:
+        name = pretrained.family.model
     cfg = compose([*_model_args(name, base, data, num_classes, overrides), *overrides])
     settings = cfg.finetune
     if workdir is not None:
@@ -117,6 +126,18 @@ def _model_args(
     if num_classes is not None:
         args.append(f"model.num_classes={num_classes}")
     return args
+
+
+def _pretrained(start: Any, step: str | int | None) -> weights.Pretrained | None:
+    """The pretrained checkpoint directory `start` names, if it is one (not a run's workdir)."""
+    if not isinstance(start, str | os.PathLike) or not is_pretrained_dir(start):
+        return None
+    if step is not None:
+        raise ZooError(
+            f"The pretrained directory {start} holds one set of weights: step={step!r} is not "
+            "for it."
+        )
+    return weights.open_pretrained(start)
 
 
 def _start(start: Any, step: str | int | None) -> tuple[str | None, int | None, DictConfig | None]:

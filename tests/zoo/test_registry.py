@@ -9,6 +9,8 @@ from jax.sharding import PartitionSpec as P
 
 import zoo
 from models.xor import XorClassifier, binary_classification_loss
+from train import registry
+from zoo.pretrained import families_help
 
 
 class Tiny(nnx.Module):
@@ -29,6 +31,28 @@ def test_list_models_holds_builtins_and_user_models():
     assert "xor" in zoo.list_models() and "tiny" in zoo.list_models()
     assert zoo.list_models() == sorted(zoo.list_models())
     assert "xor" in zoo.list_datasets()
+
+
+def test_list_models_says_which_checkpoint_families_each_model_loads():
+    from train.registry import Family, Rule, register_family
+
+    if not any(f.name == "tiny-ckpt" for f in registry.families("tiny")):
+        register_family(
+            Family(
+                name="tiny-ckpt",
+                model="tiny",
+                matches=lambda config: config.get("model_type") == "tiny-ckpt",
+                hparams=lambda config: {"width": config["width"]},
+                rules=[Rule(r"layer\.weight", ("layer.kernel",))],
+                description="Tiny, a test layout",
+            )
+        )
+    loads = zoo.list_models(families=True)
+    assert list(loads) == zoo.list_models()
+    assert loads["tiny"] == ["tiny-ckpt: Tiny, a test layout"]
+    assert loads["gpt"] == ["gpt2: GPT-2, transformers GPT2LMHeadModel"]
+    assert loads["xor"] == []
+    assert "  tiny: tiny-ckpt: Tiny, a test layout\n" in families_help()
 
 
 def test_create_model_applies_overrides_with_params_born_sharded():

@@ -1,0 +1,145 @@
+"""GPT-2 checkpoints (Hugging Face transformers' `GPT2LMHeadModel`) for `gpt`.
+
+GPT-2 is `gpt` with attention biases, LayerNorm epsilon 1e-5, tanh GELU and tied embeddings.
+Its `Conv1D` layers store weights as (in, out), as `nnx.Linear` does, so no transpose: the fused
+`c_attn` is split into query, key and value and each reshaped to heads; `wte`'s rows are padded
+to the model's padded vocabulary. Keys come with the `transformer.` prefix (a saved
+`GPT2LMHeadModel`) or without (a saved `GPT2Model`, like the original `gpt2` upload); the causal
+mask buffers (`attn.bias`, `attn.masked_bias`) and the tied `lm_head.weight` are not params.
+With `scan_layers`, layer i's keys fill slice i of the stacked blocks' params.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from models.gpt import padded_vocab
+from train.errors import ZooError
+from train.registry import Family, Rule, register_family
+
+_PREFIX = r"(?:transformer\.)?"
+_TANH = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
+_ACTIVATIONS = (*_TANH, "gelu")
+
+
+def _is_gpt2(config: Mapping[str, Any]) -> bool:
+    return config.get("model_type") == "gpt2"
+
+
+def _hparams(config: Mapping[str, Any]) -> dict[str, Any]:
+    dim = int(config["n_embd"])
+    inner = config.get("n_inner") or 4 * dim
+    activation = config.get("activation_function", "gelu_new")
+    if inner % dim or activation not in _ACTIVATIONS:
+        raise ZooError(
+            f"This GPT-2 config has n_inner={inner} and activation_function={activation!r}; "
+            f"gpt loads an MLP width that is a multiple of n_embd={dim} and an activation among "
+            f"{', '.join(_ACTIVATIONS)}."
+        )
+    return {
+        "context_length": int(config["n_positions"]),
+        "dim": dim,
+        "depth": int(config["n_layer"]),
+        "num_heads": int(config["n_head"]),
+        "mlp_ratio": inner // dim,
+        "vocab_size": int(config["vocab_size"]),
+        "tie_embeddings": True,
+        "attention_bias": True,
+        "norm_epsilon": float(config.get("layer_norm_epsilon", 1e-5)),
+        "exact_gelu": activation == "gelu",
+    }
+
+
+def _export_config(hparams: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": hparams["vocab_size"],
+        "n_positions": hparams["context_length"],
+        "n_embd": hparams["dim"],
+        "n_layer": hparams["depth"],
+        "n_head": hparams["num_heads"],
+        "n_inner": hparams["dim"] * hparams["mlp_ratio"],
+        "activation_function": "gelu" if hparams["exact_gelu"] else "gelu_new",
+        "layer_norm_epsilon": hparams["norm_epsilon"],
+        "tie_word_embeddings": True,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+    }
+
+
+def _rules(hparams: Mapping[str, Any]) -> list[Rule]:
+    dim, heads, vocab = hparams["dim"], hparams["num_heads"], hparams["vocab_size"]
+    to_heads = (heads, dim // heads)
+    rows = padded_vocab(vocab) - vocab
+
+    def rule(key: str, param: str, **transform: Any) -> Rule:
+        pattern = _PREFIX + key.replace(".", r"\.")
+        return Rule(pattern, (param,), export_key=f"transformer.{key}", **transform)
+
+    def block(key: str, param: str, **transform: Any) -> Rule:
+        return Rule(
+            _PREFIX + r"h\.(\d+)\." + key.replace(".", r"\."),
+            tuple(rf"blocks.\1.{p}" for p in param.split()),
+            export_key=rf"transformer.h.\1.{key}",
+            **transform,
+        )
+
+    def norm(key: str, module: str, prefix=block) -> list[Rule]:
+        return [prefix(f"{key}.weight", f"{module}.scale"), prefix(f"{key}.bias", f"{module}.bias")]
+
+    qkv = "attention.query.{0} attention.key.{0} attention.value.{0}"
+    return [
+        rule(
+            "wte.weight",
+            "embedding",
+            load=lambda w: (np.pad(w, ((0, rows), (0, 0))),),
+            save=lambda table: table[:vocab],
+        ),
+        rule("wpe.weight", "positions"),
+        *norm("ln_1", "attention_norm"),
+        block(
+            "attn.c_attn.weight",
+            qkv.format("kernel"),
+            load=lambda w: tuple(part.reshape(dim, *to_heads) for part in np.split(w, 3, axis=1)),
+            save=lambda *parts: np.concatenate([p.reshape(dim, dim) for p in parts], axis=1),
+        ),
+        block(
+            "attn.c_attn.bias",
+            qkv.format("bias"),
+            load=lambda b: tuple(part.reshape(to_heads) for part in np.split(b, 3)),
+            save=lambda *parts: np.concatenate([p.reshape(dim) for p in parts]),
+        ),
+        block(
+            "attn.c_proj.weight",
+            "attention.out.kernel",
+            load=lambda w: (w.reshape(*to_heads, dim),),
+            save=lambda kernel: kernel.reshape(dim, dim),
+        ),
+        block("attn.c_proj.bias", "attention.out.bias"),
+        *norm("ln_2", "mlp_norm"),
+        block("mlp.c_fc.weight", "mlp_in.kernel"),
+        block("mlp.c_fc.bias", "mlp_in.bias"),
+        block("mlp.c_proj.weight", "mlp_out.kernel"),
+        block("mlp.c_proj.bias", "mlp_out.bias"),
+        *norm("ln_f", "norm", prefix=rule),
+    ]
+
+
+GPT2 = register_family(
+    Family(
+        name="gpt2",
+        model="gpt",
+        matches=_is_gpt2,
+        hparams=_hparams,
+        rules=_rules,
+        ignore=(_PREFIX + r"h\.\d+\.attn\.(?:bias|masked_bias)", r"lm_head\.weight"),
+        export_config=_export_config,
+        description="GPT-2, transformers GPT2LMHeadModel",
+        stacked=lambda hparams: ("blocks",) if hparams.get("scan_layers") else (),
+    )
+)

@@ -1,0 +1,319 @@
+"""ViT checkpoints for `vit`: Hugging Face transformers' `ViTForImageClassification` and timm's
+`vit_*` (`VisionTransformer`).
+
+Both are `vit` with a class token, attention biases and exact GELU; Hugging Face pools the class
+token after a LayerNorm of eps 1e-12 and keeps query, key and value apart
+(`vit.encoder.layer.N.attention.attention.query`); timm (eps 1e-6) fuses them (`attn.qkv`, rows
+q | k | v, each head after head) and pools the class token (`global_pool=token`) or the mean of
+the patches, then its `fc_norm` (`global_pool=avg`). Linear weights are stored (out, in) and
+become (in, out), reshaped to heads for attention; the patch embedding is a convolution kernel.
+
+timm's hub `config.json` names the `architecture` (`vit_base_patch16_224.augreg_in21k`, whose
+sizes the name implies for tiny/small/base/large) and may carry `model_args` (timm's
+`VisionTransformer` arguments: `embed_dim`, `depth`, `num_heads`, `mlp_ratio`, `patch_size`,
+`img_size`, `class_token`, `global_pool`, `fc_norm`), `num_classes`, `global_pool` and
+`pretrained_cfg` (`input_size`, `mean`, `std`). The model keeps the checkpoint's position grid
+and resizes it for images of another size as the family's own code does (module docstring of
+`models.vit`). Inputs are normalised by the model: timm's `pretrained_cfg` statistics, else
+0.5 and 0.5 per channel (`ViTImageProcessor`'s and timm's ViTs' default).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from models.torch_layout import conv_save, input_conv_load, linear_load, linear_save
+from train.errors import ZooError
+from train.registry import Family, Rule, register_family
+
+HALF = [0.5, 0.5, 0.5]
+_TIMM_ARCHITECTURE = re.compile(r"vit_(tiny|small|base|large)_patch(\d+)_(\d+)(?:\..+)?")
+_TIMM_SIZES = {"tiny": (192, 12, 3), "small": (384, 12, 6), "base": (768, 12, 12)}
+_TIMM_SIZES["large"] = (1024, 24, 16)
+_TANH = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
+
+
+def _rule(key: str, params: str, load=None, save=None, export_key: str | None = None) -> Rule:
+    """`key` with `.` literal and `N` standing for a block index (`\\1` in `params`)."""
+    pattern = re.escape(key).replace("N", r"(\d+)")
+    exported = export_key or key.replace("N", r"\1")
+    transforms = {"load": load, "save": save}
+    return Rule(
+        pattern,
+        tuple(params.split()),
+        export_key=exported,
+        **{k: v for k, v in transforms.items() if v is not None},
+    )
+
+
+def _transforms(hparams: Mapping[str, Any]) -> dict[str, tuple]:
+    """(load, save) of each kind of tensor, for this model's sizes."""
+    dim, heads = hparams["dim"], hparams["num_heads"]
+    to_heads = (heads, dim // heads)
+    grid = hparams["position_grid"]
+    prefix = int(hparams["class_token"])
+    return {
+        "linear": (linear_load, linear_save),
+        "query": (lambda w: (w.T.reshape(dim, *to_heads),), lambda k: k.reshape(dim, dim).T),
+        "query_bias": (lambda b: (b.reshape(to_heads),), lambda b: b.reshape(dim)),
+        "out": (lambda w: (w.T.reshape(*to_heads, dim),), lambda k: k.reshape(dim, dim).T),
+        "qkv": (
+            lambda w: tuple(p.T.reshape(dim, *to_heads) for p in np.split(w, 3)),
+            lambda *ks: np.concatenate([k.reshape(dim, dim).T for k in ks]),
+        ),
+        "qkv_bias": (
+            lambda b: tuple(p.reshape(to_heads) for p in np.split(b, 3)),
+            lambda *bs: np.concatenate([b.reshape(dim) for b in bs]),
+        ),
+        "patches": (input_conv_load(hparams["input_shape"][-1]), conv_save),
+        "positions": (
+            lambda p: (p.reshape(prefix + grid[0] * grid[1], dim),),
+            lambda p: p[None],
+        ),
+        "token": (lambda t: (t.reshape(dim),), lambda t: t.reshape(1, 1, dim)),
+    }
+
+
+def _norm(key: str, module: str) -> list[Rule]:
+    return [_rule(f"{key}.weight", f"{module}.scale"), _rule(f"{key}.bias", f"{module}.bias")]
+
+
+def _linear(key: str, module: str, kind: tuple, bias: tuple | None = None) -> list[Rule]:
+    load, save = kind
+    rules = [_rule(f"{key}.weight", f"{module}.kernel", load, save)]
+    bias_rule = _rule(f"{key}.bias", f"{module}.bias", *(bias or (None, None)))
+    return [*rules, bias_rule]
+
+
+def _hf_rules(hparams: Mapping[str, Any]) -> list[Rule]:
+    t, block = _transforms(hparams), "vit.encoder.layer.N"
+    attention = f"{block}.attention"
+    return [
+        _rule("vit.embeddings.cls_token", "class_token", *t["token"]),
+        _rule("vit.embeddings.position_embeddings", "positions", *t["positions"]),
+        *_linear("vit.embeddings.patch_embeddings.projection", "embed", t["patches"]),
+        *_norm(f"{block}.layernorm_before", r"blocks.\1.attention_norm"),
+        *(
+            rule
+            for name in ("query", "key", "value")
+            for rule in _linear(
+                f"{attention}.attention.{name}",
+                rf"blocks.\1.attention.{name}",
+                t["query"],
+                t["query_bias"],
+            )
+        ),
+        *_linear(f"{attention}.output.dense", r"blocks.\1.attention.out", t["out"]),
+        *_norm(f"{block}.layernorm_after", r"blocks.\1.mlp_norm"),
+        *_linear(f"{block}.intermediate.dense", r"blocks.\1.mlp_in", t["linear"]),
+        *_linear(f"{block}.output.dense", r"blocks.\1.mlp_out", t["linear"]),
+        *_norm("vit.layernorm", "norm"),
+        *_linear("classifier", "head", t["linear"]),
+    ]
+
+
+def _timm_rules(hparams: Mapping[str, Any]) -> list[Rule]:
+    t, attention = _transforms(hparams), r"blocks.\1.attention"
+    qkv = f"{attention}.query {attention}.key {attention}.value"
+    rules = [
+        _rule("pos_embed", "positions", *t["positions"]),
+        *_linear("patch_embed.proj", "embed", t["patches"]),
+        *_norm("blocks.N.norm1", r"blocks.\1.attention_norm"),
+        _rule("blocks.N.attn.qkv.weight", qkv.replace(" ", ".kernel ") + ".kernel", *t["qkv"]),
+        _rule("blocks.N.attn.qkv.bias", qkv.replace(" ", ".bias ") + ".bias", *t["qkv_bias"]),
+        *_linear("blocks.N.attn.proj", f"{attention}.out", t["out"]),
+        *_norm("blocks.N.norm2", r"blocks.\1.mlp_norm"),
+        *_linear("blocks.N.mlp.fc1", r"blocks.\1.mlp_in", t["linear"]),
+        *_linear("blocks.N.mlp.fc2", r"blocks.\1.mlp_out", t["linear"]),
+        *_norm("fc_norm" if hparams["norm_after_pool"] else "norm", "norm"),
+        *_linear("head", "head", t["linear"]),
+    ]
+    if hparams["class_token"]:
+        rules.append(_rule("cls_token", "class_token", *t["token"]))
+    return rules
+
+
+def _vit(**hparams: Any) -> dict[str, Any]:
+    """Hyper-parameters shared by every pretrained ViT, `hparams` on top."""
+    dim, heads, ratio = (
+        hparams["dim"],
+        hparams["num_heads"],
+        hparams.pop("mlp_hidden") / hparams["dim"],
+    )
+    if ratio != int(ratio) or dim % heads:
+        raise ZooError(
+            f"This ViT checkpoint has an MLP {ratio} times as wide as its {dim} features and "
+            f"{heads} heads: vit loads a whole MLP ratio and features divisible by the heads."
+        )
+    side, patch = hparams["input_shape"][0], hparams["patch_size"]
+    return {
+        "mlp_ratio": int(ratio),
+        "dropout_rate": 0.0,
+        "attention_bias": True,
+        "exact_gelu": True,
+        "norm_after_pool": False,
+        "position_grid": [side // patch, side // patch],
+        **hparams,
+    }
+
+
+def _is_hf(config: Mapping[str, Any]) -> bool:
+    return config.get("model_type") == "vit"
+
+
+def _hf_hparams(config: Mapping[str, Any]) -> dict[str, Any]:
+    activation = config.get("hidden_act", "gelu")
+    if not config.get("qkv_bias", True) or activation not in ("gelu", *_TANH):
+        raise ZooError(
+            f"This Hugging Face ViT config has qkv_bias={config.get('qkv_bias')} and "
+            f"hidden_act={activation!r}: vit loads biased attention and a GELU "
+            f"(gelu or one of {', '.join(_TANH)})."
+        )
+    side, channels = int(config.get("image_size", 224)), int(config.get("num_channels", 3))
+    return _vit(
+        input_shape=[side, side, channels],
+        num_classes=len(config.get("id2label") or {"0": 0, "1": 1}),
+        patch_size=int(config.get("patch_size", 16)),
+        dim=int(config["hidden_size"]),
+        depth=int(config["num_hidden_layers"]),
+        num_heads=int(config["num_attention_heads"]),
+        mlp_hidden=int(config["intermediate_size"]),
+        exact_gelu=activation == "gelu",
+        norm_epsilon=float(config.get("layer_norm_eps", 1e-12)),
+        class_token=True,
+        pool="cls",
+        position_resize="bicubic",
+        pixel_mean=HALF[:channels],
+        pixel_std=HALF[:channels],
+    )
+
+
+def _hf_config(hparams: Mapping[str, Any]) -> dict[str, Any]:
+    _check_square(hparams, "Hugging Face ViT")
+    if not (hparams["class_token"] and hparams["pool"] == "cls" and hparams["attention_bias"]):
+        raise ZooError(
+            "Only a vit with model.class_token=true model.pool=cls model.attention_bias=true "
+            "has the Hugging Face ViT layout."
+        )
+    classes = range(hparams["num_classes"])
+    return {
+        "architectures": ["ViTForImageClassification"],
+        "model_type": "vit",
+        "image_size": hparams["position_grid"][0] * hparams["patch_size"],
+        "patch_size": hparams["patch_size"],
+        "num_channels": hparams["input_shape"][-1],
+        "hidden_size": hparams["dim"],
+        "num_hidden_layers": hparams["depth"],
+        "num_attention_heads": hparams["num_heads"],
+        "intermediate_size": hparams["dim"] * hparams["mlp_ratio"],
+        "hidden_act": "gelu" if hparams["exact_gelu"] else "gelu_pytorch_tanh",
+        "layer_norm_eps": hparams["norm_epsilon"],
+        "qkv_bias": True,
+        "hidden_dropout_prob": 0.0,
+        "attention_probs_dropout_prob": 0.0,
+        "id2label": {str(i): f"LABEL_{i}" for i in classes},
+        "label2id": {f"LABEL_{i}": i for i in classes},
+    }
+
+
+def _check_square(hparams: Mapping[str, Any], layout: str) -> None:
+    grid = hparams["position_grid"]
+    if grid[0] != grid[1]:
+        raise ZooError(f"The {layout} layout holds square position grids; this one is {grid}.")
+
+
+def _is_timm(config: Mapping[str, Any]) -> bool:
+    return _TIMM_ARCHITECTURE.fullmatch(str(config.get("architecture", ""))) is not None
+
+
+def _timm_hparams(config: Mapping[str, Any]) -> dict[str, Any]:
+    size, patch, side = _TIMM_ARCHITECTURE.fullmatch(config["architecture"]).groups()
+    dim, depth, heads = _TIMM_SIZES[size]
+    args = {**config.get("model_args", {})}
+    pretrained = config.get("pretrained_cfg", {})
+    channels, height, _ = pretrained.get("input_size", [3, int(side), int(side)])
+    side = int(args.get("img_size", height))
+    pool = args.get("global_pool", config.get("global_pool", "token"))
+    if pool not in ("token", "avg") or args.get("no_embed_class") or args.get("reg_tokens"):
+        raise ZooError(
+            f"This timm ViT pools with global_pool={pool!r} (or has register tokens, or "
+            "positions without the class token): vit loads global_pool token or avg."
+        )
+    dim = int(args.get("embed_dim", dim))
+    channels = int(args.get("in_chans", channels))
+    fc_norm = args.get("fc_norm")
+    return _vit(
+        input_shape=[side, side, channels],
+        num_classes=int(config.get("num_classes", 1000)),
+        patch_size=int(args.get("patch_size", patch)),
+        dim=dim,
+        depth=int(args.get("depth", depth)),
+        num_heads=int(args.get("num_heads", heads)),
+        mlp_hidden=float(args.get("mlp_ratio", 4.0)) * dim,
+        norm_epsilon=1e-6,
+        class_token=bool(args.get("class_token", True)),
+        pool="cls" if pool == "token" else "mean",
+        norm_after_pool=pool == "avg" if fc_norm is None else bool(fc_norm),
+        position_resize="bicubic_antialias",
+        pixel_mean=list(pretrained.get("mean", HALF[:channels])),
+        pixel_std=list(pretrained.get("std", HALF[:channels])),
+    )
+
+
+def _timm_config(hparams: Mapping[str, Any]) -> dict[str, Any]:
+    _check_square(hparams, "timm ViT")
+    side, channels = hparams["position_grid"][0] * hparams["patch_size"], hparams["input_shape"][-1]
+    if not (hparams["attention_bias"] and hparams["exact_gelu"]):
+        raise ZooError("Only a vit with attention biases and exact GELU has timm's ViT layout.")
+    pool = "token" if hparams["pool"] == "cls" else "avg"
+    return {
+        "architecture": f"vit_base_patch{hparams['patch_size']}_{side}",
+        "num_classes": hparams["num_classes"],
+        "num_features": hparams["dim"],
+        "global_pool": pool,
+        "model_args": {
+            "embed_dim": hparams["dim"],
+            "depth": hparams["depth"],
+            "num_heads": hparams["num_heads"],
+            "mlp_ratio": hparams["mlp_ratio"],
+            "patch_size": hparams["patch_size"],
+            "img_size": side,
+            "in_chans": channels,
+            "class_token": hparams["class_token"],
+            "global_pool": pool,
+            "fc_norm": hparams["norm_after_pool"],
+        },
+        "pretrained_cfg": {
+            "input_size": [channels, side, side],
+            "mean": list(hparams.get("pixel_mean") or HALF[:channels]),
+            "std": list(hparams.get("pixel_std") or HALF[:channels]),
+        },
+    }
+
+
+HF_VIT = register_family(
+    Family(
+        name="hf-vit",
+        model="vit",
+        matches=_is_hf,
+        hparams=_hf_hparams,
+        rules=_hf_rules,
+        export_config=_hf_config,
+        description="ViT, transformers ViTForImageClassification",
+    )
+)
+TIMM_VIT = register_family(
+    Family(
+        name="timm-vit",
+        model="vit",
+        matches=_is_timm,
+        hparams=_timm_hparams,
+        rules=_timm_rules,
+        export_config=_timm_config,
+        description="ViT, timm vit_* (VisionTransformer)",
+    )
+)

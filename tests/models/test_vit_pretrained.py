@@ -1,0 +1,141 @@
+"""vit loads Hugging Face- and timm-layout ViT checkpoints exactly (logits of the reference at
+1e-5 in float32, on one device and the (2, 2, 2) mesh), at the checkpoint's image size and at a
+larger one (positions resized as each family's code does), and writes the same layouts back."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+from model_checks import MESH, ONE_DEVICE
+from pretrained_checks import (
+    FIXTURES,
+    assert_same_state,
+    exported,
+    loaded,
+    logits,
+    reference,
+    script,
+)
+from safetensors.numpy import load_file
+
+import zoo
+from train import weights
+
+CHECKPOINTS = ["vit-hf", "vit-timm-token", "vit-timm-avg"]
+HAS_REFERENCE = all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
+needs_reference = pytest.mark.skipif(not HAS_REFERENCE, reason="needs torch and transformers")
+
+
+@pytest.mark.parametrize("mesh", [ONE_DEVICE, MESH], ids=["one_device", "mesh"])
+@pytest.mark.parametrize("name", CHECKPOINTS)
+def test_logits_match_the_reference(name, mesh):
+    expected = reference(name)
+    model, _ = loaded(FIXTURES / name, mesh)
+    out = logits(model, expected["images"], mesh)
+    np.testing.assert_allclose(out, expected["logits"], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", CHECKPOINTS)
+def test_larger_images_resize_the_positions_as_the_reference_does(name):
+    expected = reference(name)
+    side = expected["large_images"].shape[1]
+    model, hparams = loaded(FIXTURES / name, input_shape=[side, side, 3])
+    assert hparams["position_grid"] == [3, 3]
+    out = logits(model, expected["large_images"])
+    np.testing.assert_allclose(out, expected["large_logits"], rtol=0, atol=1e-5)
+
+
+def test_the_families_options_come_from_config_json():
+    options = ("class_token", "pool", "norm_after_pool", "norm_epsilon", "position_resize")
+    found = {
+        name: tuple(weights.open_pretrained(FIXTURES / name).hparams()[k] for k in options)
+        for name in CHECKPOINTS
+    }
+    assert found == {
+        "vit-hf": (True, "cls", False, 1e-12, "bicubic"),
+        "vit-timm-token": (True, "cls", False, 1e-6, "bicubic_antialias"),
+        "vit-timm-avg": (False, "mean", True, 1e-6, "bicubic_antialias"),
+    }
+
+
+@pytest.mark.parametrize("name", ["vit-hf", "vit-timm-token", "vit-timm-avg"])
+def test_export_writes_back_the_checkpoint_and_reloads_bit_identical(name, tmp_path):
+    model, hparams = loaded(FIXTURES / name)
+    family = weights.open_pretrained(FIXTURES / name).family
+    out = exported(model, hparams, family, tmp_path / "out")
+    source = load_file(FIXTURES / name / "model.safetensors")
+    written = load_file(f"{out}/model.safetensors")
+    assert sorted(written) == sorted(source)
+    for key, array in source.items():
+        np.testing.assert_array_equal(written[key], array, err_msg=key)
+    again, _ = loaded(out)
+    assert_same_state(model, again)
+
+
+def test_a_head_of_another_size_is_refused_by_name():
+    with pytest.raises(zoo.ZooError, match=r"head\.kernel \(from classifier\.weight"):
+        loaded(FIXTURES / "vit-hf", num_classes=3)
+
+
+def test_a_directory_of_another_family_is_refused():
+    with pytest.raises(zoo.ZooError, match="no registered family of model 'vit'"):
+        weights.open_pretrained(FIXTURES / "resnet-hf-basic", model="vit")
+
+
+@needs_reference
+def test_the_exported_directories_load_in_the_reference_code(tmp_path):
+    make_vit = script("make_vit")
+    from transformers import ViTForImageClassification
+
+    for name in CHECKPOINTS:
+        model, hparams = loaded(FIXTURES / name)
+        family = weights.open_pretrained(FIXTURES / name).family
+        out = exported(model, hparams, family, tmp_path / name)
+        if name == "vit-hf":
+            module, mean = ViTForImageClassification.from_pretrained(out), make_vit.HALF
+            std = mean
+        else:
+            module = make_vit.timm_reference(tmp_path / name)
+            mean, std = make_vit.IMAGENET_MEAN, make_vit.IMAGENET_STD
+        expected = reference(name)
+        again = make_vit.logits(module.eval(), expected["images"], mean, std)
+        np.testing.assert_allclose(again, expected["logits"], rtol=0, atol=1e-5)
+
+
+@needs_reference
+def test_the_references_regenerate_live(tmp_path):
+    script("make_vit").main(tmp_path)
+    for name in CHECKPOINTS:
+        with np.load(tmp_path / name / "reference.npz") as again:
+            for key, array in reference(name).items():
+                np.testing.assert_allclose(again[key], array, rtol=0, atol=1e-6, err_msg=key)
+
+
+def test_a_checkpoint_fine_tunes_on_grayscale_digits_with_a_new_head(tmp_path):
+    """zoo.finetune from the checkpoint: its 3-channel patch embedding summed for 1-channel 8x8
+    digits, its 3x3 positions resized to 2x2 patches, a fresh 10-class head."""
+    start = weights.open_pretrained(FIXTURES / "vit-hf")
+    checkpoint = load_file(FIXTURES / "vit-hf" / "model.safetensors")
+    result = zoo.finetune(
+        "vit",
+        f"finetune.init_from={start.directory}",
+        "model.input_shape=[8,8,1]",
+        "data.normalize=false",
+        "trainer.steps=4",
+        "trainer.batch_size=16",
+        "trainer.eval_every=4",
+        "optimizer.warmup_steps=0",
+        "optimizer.learning_rate=1e-4",
+        f"workdir={tmp_path / 'run'}",
+        data="digits",
+        num_classes=10,
+        replace_head=True,
+    )
+    assert result.step == 4 and np.isfinite(result.eval_metrics["loss"])
+    model = zoo.load(result.workdir).model
+    assert model.head.kernel.shape == (16, 10) and model.embed.kernel.shape == (4, 4, 1, 16)
+    started = checkpoint["vit.encoder.layer.0.layernorm_before.bias"]
+    moved = np.abs(np.asarray(model.blocks[0].attention_norm.bias[...]) - started).max()
+    assert 0 < moved < 1e-2  # four small steps from the checkpoint's values

@@ -1,0 +1,113 @@
+"""`zoo.generate` speaks the model's tokenizer: prompts encoded and samples decoded by it for a
+pretrained directory and for a run fine-tuned from one (its eval-time sample too), byte-level
+otherwise (tests/models/test_gpt.py); `python -m zoo.generate DIR prompt=...` prints what the function writes."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from helpers import ROOT, run_cli
+
+import zoo
+from data.text import load_tokenizer
+from models.generate import generate_tokens
+from train.rngs import on_eval_key
+
+FIXTURES = ROOT / "tests" / "fixtures" / "pretrained"
+TINY, TEXT = FIXTURES / "gpt2-tiny", FIXTURES / "tiny.txt"
+TOKENIZER = load_tokenizer(TINY)
+PROMPT = "def main():\n    return"
+DATA = {"path": str(TEXT), "window": 16, "tokenizer": str(TINY)}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A short CLI fine-tune of the tiny GPT-2 checkpoint on a text file, with one eval."""
+    workdir = tmp_path_factory.mktemp("gpt2-finetuned")
+    result = run_cli(
+        f"finetune.init_from={TINY}",
+        *(f"data.{key}={value}" for key, value in DATA.items() if key != "tokenizer"),
+        "trainer.steps=2",
+        "trainer.batch_size=8",
+        "trainer.eval_every=2",
+        "optimizer.warmup_steps=0",
+        f"workdir={workdir}",
+    )
+    assert result.returncode == 0, result.stderr
+    return workdir
+
+
+def greedy_by_full_forward(trained, ids: list[int], count: int) -> list[int]:
+    """The likeliest next tokens one by one, each from the model run over the whole sequence."""
+    ids = list(ids)
+    for _ in range(count):
+        logits = zoo.predict(trained, np.asarray([ids], np.int32))
+        ids.append(int(np.argmax(logits[0, -1])))
+    return ids[-count:]
+
+
+def test_a_pretrained_directory_generates_through_its_tokenizer():
+    text = zoo.generate(TINY, PROMPT, max_new_tokens=4, temperature=0)
+    trained = zoo.load(TINY, devices=jax.devices()[:1])
+    prompt_ids = TOKENIZER.encode(PROMPT, add_special_tokens=False).ids
+    assert len(prompt_ids) < len(PROMPT)  # merges: ids are not bytes
+    expected = greedy_by_full_forward(trained, prompt_ids, 4)
+    assert text == TOKENIZER.decode(expected, skip_special_tokens=False)
+
+
+def test_a_run_with_a_tokenizer_generates_and_samples_through_it(run):
+    trained = zoo.load(run)
+    assert trained.config.data.tokenizer == str(TINY / "tokenizer.json")
+    from_dir = zoo.generate(run, PROMPT, max_new_tokens=6, seed=3)
+    with trained.activate():
+        bare = zoo.generate(trained.model, PROMPT, 6, seed=3, tokenizer=TINY / "tokenizer.json")
+    assert from_dir == bare
+
+    # The eval-time sample: the first held-out example's start, continued and decoded.
+    first = zoo.load_data("text", **DATA).eval
+    prompt = first["tokens"][0][: min(int(first["length"][0]), 32)]
+    with trained.activate():
+        new = generate_tokens(trained.model, prompt, 32, temperature=0.8, seed=on_eval_key(0, 2))
+    shown, written = TOKENIZER.decode(prompt.tolist()), TOKENIZER.decode(new.tolist())
+    log = (run / "train.log").read_text()
+    assert f"sample @ step 2: {shown!r} -> {written!r}" in log
+
+
+def generate_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "zoo.generate", *map(str, args)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def test_generate_cli_prints_prompt_and_continuation():
+    result = generate_cli(TINY, f"prompt={PROMPT}", "max_new_tokens=5", "temperature=0.7", "seed=1")
+    assert result.returncode == 0, result.stderr
+    assert "RuntimeWarning" not in result.stderr
+    expected = PROMPT + zoo.generate(TINY, PROMPT, 5, temperature=0.7, seed=1)
+    assert result.stdout == expected + "\n"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("max_new_tokens=many",), r"max_new_tokens='many' is not a number"),
+        (("max_new_tokens=64",), r"max_new_tokens=64 must lie between 1 and context_length - 1"),
+        ((), r"usage: python -m zoo.generate DIR prompt=TEXT"),
+    ],
+    ids=["not-a-number", "too-long", "no-prompt"],
+)
+def test_generate_cli_refuses_bad_options(args, message):
+    prompt = () if not args else (f"prompt={PROMPT}",)
+    result = generate_cli(TINY, *prompt, *args)
+    assert result.returncode == 2
+    assert re.search(message, result.stderr), result.stderr

@@ -1,0 +1,123 @@
+"""Writing a trained model out: `zoo.export(workdir, out_dir, format="hf" | "jax")`, and its CLI
+`python -m zoo.export WORKDIR OUT [format=hf|jax] [step=latest]`.
+
+- `hf`: `config.json` + `model.safetensors` (+ `tokenizer.json`) in the layout of the checkpoint
+  family the model loads (the one the run started from, else the model's first), which that
+  family's reference code reads; LoRA adapters are merged first. Generic over every registered
+  family: the family's key table, run backwards (`train.weights.export_tensors`).
+- `jax`: the inference function serialised with `jax.export` (StableHLO) in `model.jaxexport`,
+  its weights in `weights.npz` (in the order the function takes them) and `signature.json`; a
+  process with jax alone runs it: `jax.export.deserialize(...).call(*weights, inputs)`.
+
+(`zoo.export` is the function once `import zoo` ran; the package's `__main__` is the CLI, so
+`python -m zoo.export` does not run this module a second time.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+
+import jax
+import numpy as np
+from flax import nnx
+
+from train import registry, weights
+from train.errors import ZooError
+from train.lora import merge_adapters
+from zoo.api import TrainedModel, load, resolved_hparams
+
+FORMATS = ("hf", "jax")
+FUNCTION, WEIGHTS, SIGNATURE = "model.jaxexport", "weights.npz", "signature.json"
+
+
+def export(
+    workdir: str | os.PathLike, out_dir: str | os.PathLike, format: str = "hf", step="latest"
+) -> str:
+    """Write the model of the run (or pretrained directory) `workdir` at `step` into `out_dir`
+    as `format` (`hf` or `jax`, see the module docstring); returns `out_dir`'s path."""
+    if format not in FORMATS:
+        raise ZooError(f"format={format!r} is not an export format: choose one of hf, jax.")
+    trained = load(workdir, step, devices=jax.devices()[:1])
+    with trained.activate():
+        merge_adapters(trained.model)
+    out = os.path.abspath(os.fspath(out_dir))
+    return _hf(trained, out) if format == "hf" else _jax(trained, out)
+
+
+def _family(trained: TrainedModel) -> registry.Family:
+    name, start = trained.config.model.name, trained.config.finetune.init_from
+    if start and weights.is_pretrained(start):
+        return weights.open_pretrained(start, name).family
+    found = [f for f in registry.families(name) if f.export_config is not None]
+    if not found:
+        raise ZooError(
+            f"Model '{name}' loads no checkpoint family with an export layout, so format=hf "
+            "has no layout to write; use format=jax."
+        )
+    return found[0]
+
+
+def _hf(trained: TrainedModel, out: str) -> str:
+    family, hparams = _family(trained), resolved_hparams(trained.config)
+    tensors = weights.export_tensors(trained.model, family, hparams)
+    weights.write_pretrained(out, family.export_config(hparams), tensors)
+    tokenizer = trained.config.data.get("tokenizer")
+    if tokenizer:
+        source = (
+            os.path.join(tokenizer, weights.TOKENIZER) if os.path.isdir(tokenizer) else tokenizer
+        )
+        shutil.copyfile(source, os.path.join(out, weights.TOKENIZER))
+    return out
+
+
+def _jax(trained: TrainedModel, out: str) -> str:
+    graphdef, state = nnx.split(trained.model)
+    leaves, treedef = jax.tree.flatten(state)
+    example = _example_input(trained)
+
+    def infer(leaves, inputs):
+        return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))(inputs)
+
+    with trained.activate():
+        exported = jax.export.export(jax.jit(infer))(leaves, example)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, FUNCTION), "wb") as f:
+        f.write(exported.serialize())
+    arrays = {f"{i:05d}": np.asarray(jax.device_get(leaf)) for i, leaf in enumerate(leaves)}
+    np.savez(os.path.join(out, WEIGHTS), **arrays)
+    signature = {"inputs": {"shape": list(example.shape), "dtype": str(example.dtype)}}
+    with open(os.path.join(out, SIGNATURE), "w", encoding="utf-8") as f:
+        json.dump(signature, f, indent=2)
+    return out
+
+
+def _example_input(trained: TrainedModel) -> jax.ShapeDtypeStruct:
+    """One example's inputs: a sequence of `context_length` token ids, or an image."""
+    hparams = resolved_hparams(trained.config)
+    if hparams.get("input_shape"):
+        return jax.ShapeDtypeStruct((1, *hparams["input_shape"]), np.float32)
+    if hparams.get("context_length"):
+        return jax.ShapeDtypeStruct((1, hparams["context_length"]), np.int32)
+    raise ZooError(f"Cannot tell the inputs of model '{trained.config.model.name}' to export.")
+
+
+def main(argv: list[str]) -> int:
+    positional = [a for a in argv if "=" not in a]
+    options = dict(a.split("=", 1) for a in argv if "=" in a)
+    unknown = sorted(set(options) - {"format", "step"})
+    if len(positional) != 2 or unknown:
+        print(
+            "usage: python -m zoo.export WORKDIR OUT_DIR [format=hf|jax] [step=latest|best|N]",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        out = export(*positional, **options)
+    except ZooError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0

@@ -1,0 +1,7 @@
+"""`python -m zoo.export WORKDIR OUT_DIR [format=hf|jax] [step=latest|best|N]`."""
+
+import sys
+
+from zoo.export import main
+
+sys.exit(main(sys.argv[1:]))

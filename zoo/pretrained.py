@@ -1,0 +1,85 @@
+"""A pretrained checkpoint directory where a zoo workdir goes: what a run starting from one needs.
+
+`finetune.init_from=DIR` on a pretrained directory (see `train.weights`) makes the model what
+the checkpoint's `config.json` implies (its sizes, vocabulary, options: `model.*` keys the
+command line did not set itself), and gives a text data set the directory's `tokenizer.json`
+unless `data.tokenizer` is set. A tokenizer with more ids than the model's vocabulary is an
+error before anything is built.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+from omegaconf import DictConfig
+
+from data.text import load_tokenizer
+from train import registry, weights
+from train.errors import ZooError
+
+INIT_FROM = "finetune.init_from="
+
+
+def pretrained_args(overrides: Sequence[str]) -> list[str]:
+    """The overrides a run from the pretrained directory that `overrides` name implies, less
+    those `overrides` set themselves; [] when `finetune.init_from` is not one."""
+    starts = [o[len(INIT_FROM) :] for o in overrides if o.startswith(INIT_FROM)]
+    if not starts or not weights.is_pretrained(starts[-1]):
+        return []
+    models = [o.partition("=")[2] for o in overrides if o.startswith("model=")]
+    pretrained = weights.open_pretrained(starts[-1], models[-1] if models else None)
+    given = {o.split("=")[0].lstrip("+~") for o in overrides}
+    args = [] if models else [f"model={pretrained.family.model}"]
+    args += [
+        f"model.{key}={json.dumps(value)}"
+        for key, value in pretrained.hparams().items()
+        if f"model.{key}" not in given
+    ]
+    data = [o.partition("=")[2] for o in overrides if o.startswith("data=")]
+    entry = registry.get_model(pretrained.family.model)
+    fields = _fields(registry.get_data(data[-1] if data else entry.default_data))
+    takes_tokenizer = "tokenizer" in fields
+    if pretrained.tokenizer and takes_tokenizer and "data.tokenizer" not in given:
+        args.append(f"data.tokenizer={pretrained.tokenizer}")
+    return args
+
+
+def check_tokenizer(cfg: DictConfig) -> None:
+    """A tokenizer and a model that agree on the vocabulary, or a `ZooError` naming both."""
+    path, vocab = cfg.data.get("tokenizer"), cfg.model.get("vocab_size")
+    if path is None or vocab is None:
+        return
+    size = load_tokenizer(path).get_vocab_size()
+    if size > vocab:
+        raise ZooError(
+            f"The tokenizer data.tokenizer={path} has {size} ids, more than the model's "
+            f"vocabulary of model.vocab_size={vocab}: use the tokenizer that came with the "
+            f"checkpoint, or a model with model.vocab_size={size}."
+        )
+
+
+def _fields(entry: registry.DataEntry) -> set[str]:
+    return {name for name in getattr(entry.config, "__dataclass_fields__", {})}
+
+
+def list_models(families: bool = False) -> list[str] | dict[str, list[str]]:
+    """Names of the registered models, sorted; with `families`, each name -> the checkpoint
+    families it loads (one line each, e.g. "gpt2: GPT-2, transformers GPT2LMHeadModel"; [] for
+    a model that loads none), from the registry, so a family registered later shows too."""
+    names = registry.list_models()
+    if not families:
+        return names
+    return {name: [_line(f) for f in registry.families(name)] for name in names}
+
+
+def families_help() -> str:
+    """The `--help` lines on which model loads which checkpoint families."""
+    loads = {name: found for name, found in list_models(families=True).items() if found}
+    if not loads:
+        return "  (no model loads checkpoints of other libraries)\n"
+    return "".join(f"  {name}: {line}\n" for name, found in loads.items() for line in found)
+
+
+def _line(family: registry.Family) -> str:
+    return f"{family.name}: {family.description}" if family.description else family.name
