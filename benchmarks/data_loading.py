@@ -1,6 +1,6 @@
 """Loading an image folder: zoo's Grain pipeline against PyTorch's DataLoader, same work.
 
-    python -m benchmarks.data_loading --images 20000 --rounds 5 --json out.json
+    python -m benchmarks.data_loading --images 20000 --rounds 7 --batches 20 --json out.json
 
 An image folder of `--images` generated JPEGs (`--width` x `--height`, 10 classes, quality
 90) is written once into `--cache` (outside the repository). Both pipelines decode each image
@@ -9,8 +9,8 @@ with Pillow, take a random-resized crop (torchvision's sampling), resized biline
 with 0, 1 and 2 worker processes. PyTorch's side is a `Dataset` whose `__getitem__` does those
 steps with PIL and numpy (torchvision cannot be installed beside the CPU torch here), batched
 by a `DataLoader` (shuffled). Each run times `--batches` batches after its first (so neither
-side's worker start-up counts); runs alternate between the two, round after round, and the
-medians are reported.
+side's worker start-up counts); runs alternate between the two, round after round; images/s
+are medians over the rounds, zoo/torch the median of each round's ratio.
 
 Also measured: the time to restore zoo's iterator at a saved position (`set_state`, then the
 first batch: worker start-up included), and `train/data_wait_share` of a `cnn` trained on the
@@ -186,8 +186,8 @@ def main() -> None:
     parser.add_argument("--height", type=int, default=120)
     parser.add_argument("--image-size", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=128)
-    parser.add_argument("--batches", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--batches", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--train-steps", type=int, default=60)
     parser.add_argument("--cache", type=Path, default=cache_root() / "benchmark-images")
     parser.add_argument("--json", type=Path, default=None)
@@ -217,8 +217,12 @@ def main() -> None:
         "restore_seconds": {str(w): restore_seconds(splits, args, w) for w in (0, 2)},
         "data_wait_share_cnn_2_workers": data_wait_share(folder, args),
     }
+    # Ratios round by round (the two runs of a round are back to back), then their median:
+    # less sensitive to other work on the machine than a ratio of medians.
     report["zoo_over_torch"] = {
-        str(w): report["images_per_sec"]["zoo"][str(w)] / report["images_per_sec"]["torch"][str(w)]
+        str(w): statistics.median(
+            z / t for z, t in zip(rates["zoo"][w], rates["torch"][w], strict=True)
+        )
         for w in WORKERS
     }
     print(
@@ -227,7 +231,8 @@ def main() -> None:
     print(f"{'workers':<8} {'zoo img/s':>10} {'torch img/s':>12} {'zoo/torch':>10}")
     for w in WORKERS:
         zoo_rate, torch_rate = (report["images_per_sec"][s][str(w)] for s in ("zoo", "torch"))
-        print(f"{w:<8} {zoo_rate:>10,.0f} {torch_rate:>12,.0f} {zoo_rate / torch_rate:>10.2f}")
+        ratio = report["zoo_over_torch"][str(w)]
+        print(f"{w:<8} {zoo_rate:>10,.0f} {torch_rate:>12,.0f} {ratio:>10.2f}")
     for w, seconds in report["restore_seconds"].items():
         print(f"restore the iterator at batch 1,000 with {w} workers: {seconds:.2f} s")
     share = report["data_wait_share_cnn_2_workers"]

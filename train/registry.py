@@ -98,6 +98,8 @@ class ModelEntry:
         the data set's config (`data_params`), also what it decides from that (a folder's
         classes, the image size)."""
         resolved = dict(hparams)
+        if all(resolved.get(key, 0) is not None for key in DATA_FACTS):
+            return resolved  # nothing to ask the data set (which may have to read its files)
         for key, value in data.facts(data_params).items():
             if key in resolved and resolved[key] is None:
                 resolved[key] = list(value) if isinstance(value, tuple) else value

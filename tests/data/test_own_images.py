@@ -297,3 +297,23 @@ def test_parquet_arrays_of_pixels_are_images_too(tmp_path):
     splits = get_data("parquet").splits({"path": str(tmp_path / "a.parquet"), "image_size": 8})
     batch = splits.train.examples(np.arange(len(splits.train)), None, 0)
     assert batch["image"].shape == (len(splits.train), 8, 8, 3)
+
+
+def test_a_trained_model_fine_tunes_on_another_image_folder(folder, tmp_path):
+    base = zoo.fit(
+        "mlp", "data=images", f"data.path={folder}", "data.image_size=16", *SMALL, *QUICK,
+        f"workdir={tmp_path / 'base'}",
+    )  # fmt: skip
+    two_classes = tmp_path / "two"
+    write_folder(two_classes, per_class=6, classes=("yes", "no"))
+    tuned = zoo.finetune(
+        base, "data=images", f"data.path={two_classes}", "data.image_size=16",
+        "data.normalize=imagenet", "trainer.steps=3", "trainer.log_every=3",
+        "trainer.eval_every=3", f"workdir={tmp_path / 'tuned'}",
+        replace_head=True, freeze="backbone",
+    )  # fmt: skip
+    assert tuned.model.head.kernel.shape == (16, 2)
+    assert tuned.config.finetune.init_from == str(tmp_path / "base")
+    np.testing.assert_array_equal(
+        tuned.model.hidden[0].kernel[...], base.model.hidden[0].kernel[...]
+    )
