@@ -223,7 +223,7 @@ class Trainer:
     def _start(self, checkpointer: Checkpointer, iterator, saved_config) -> Metrics:
         """Restore (or start) the run; the zero window sums of its train step."""
         with sharding.activate(self.mesh, self.rules):
-            example = self.shard(next(iter(self.train_data)))  # a fresh iterator: a peek
+            example = self.shard(pipeline.peek(self.train_data))
             zeros = zero_metrics(self.train_step, self.state, {}, example, self.step_key)
             how = restore.RunStart(
                 self.cfg, saved_config, self.graphdef, self.state, iterator, zeros, self.step_key
@@ -369,8 +369,9 @@ def _splits_and_hparams(
     if data is not None:
         return data, hparams
     data_entry = registry.get_data(cfg.data.name)
-    splits = data_entry.splits(OmegaConf.to_container(cfg.data))
-    return splits, entry.resolve(hparams, data_entry)
+    params = OmegaConf.to_container(cfg.data)
+    splits = data_entry.splits(params)
+    return splits, entry.resolve(hparams, data_entry, params)
 
 
 def evaluate_batches(

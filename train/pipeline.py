@@ -4,13 +4,24 @@ Each Grain record is a whole batch. A per-example Grain chain (shuffle -> batch)
 1.7 ms per batch here, ten times a small model's step; gathering a batch with one numpy
 fancy-index from a per-epoch permutation costs about 10 us, and the pipeline stays a Grain
 dataset whose iterator state checkpoints and restores exactly. A random-access source (a user's
-Grain `MapDataset`, say) is batched the same way, its records gathered and stacked per batch.
+Grain `MapDataset`, say) is batched the same way, its records gathered and stacked per batch,
+and so is an `ExampleSource`, which makes each example itself (decodes a file, augments it).
+
+With `workers` > 0 the training batches are made in that many Grain worker processes, each
+making whole batches (batch b in worker b mod N), handed to the loop through shared memory. The
+iterator's state is then still the index of the next batch, the same form as without workers,
+so a checkpoint resumes with any number of workers, and the batches do not depend on it.
 """
 
 from __future__ import annotations
 
+import abc
+import ctypes
 import math
+import os
+import signal
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import grain
 import jax
@@ -28,6 +39,35 @@ RandomAccess = Sequence[Mapping[str, np.ndarray]]
 """Anything with `__len__` and `__getitem__(index) -> {column: array}`, e.g. a `MapDataset`."""
 
 
+class ExampleSource(abc.ABC):
+    """A split whose examples are made one at a time: decoded from files or records and, for
+    training, augmented. Every random draw of an example depends on (seed, example, epoch)
+    alone, so reruns, resumes and any number of processes or workers see the same examples."""
+
+    @abc.abstractmethod
+    def __len__(self) -> int: ...
+
+    @abc.abstractmethod
+    def examples(self, rows: np.ndarray, epochs: np.ndarray | None, seed: int) -> Batch:
+        """The examples `rows` as one batch of columns: augmented as drawn in `epochs` (one per
+        row) for training, or as evaluated (`epochs` None)."""
+
+
+class _Examples:
+    """An `ExampleSource`: a batch is its examples, made by the source."""
+
+    def __init__(self, source: ExampleSource, what: str):
+        if len(source) == 0:
+            raise ZooError(f"The {what} split is empty.")
+        self._source = source
+
+    def __len__(self) -> int:
+        return len(self._source)
+
+    def take(self, rows: np.ndarray, epochs: np.ndarray | None = None, seed: int = 0) -> Batch:
+        return self._source.examples(rows, epochs, seed)
+
+
 class _Columns:
     """In-memory columns: a batch is one numpy fancy-index per column."""
 
@@ -41,7 +81,7 @@ class _Columns:
     def __len__(self) -> int:
         return self._n
 
-    def take(self, rows: np.ndarray) -> Batch:
+    def take(self, rows: np.ndarray, epochs: np.ndarray | None = None, seed: int = 0) -> Batch:
         return {name: value[rows] for name, value in self._arrays.items()}
 
 
@@ -57,12 +97,14 @@ class _Records:
     def __len__(self) -> int:
         return len(self._source)
 
-    def take(self, rows: np.ndarray) -> Batch:
+    def take(self, rows: np.ndarray, epochs: np.ndarray | None = None, seed: int = 0) -> Batch:
         records = [self._source[int(row)] for row in rows]
         return {name: np.stack([np.asarray(r[name]) for r in records]) for name in records[0]}
 
 
 def _table(data: Mapping[str, np.ndarray] | RandomAccess, what: str) -> _Columns | _Records:
+    if isinstance(data, ExampleSource):
+        return _Examples(data, what)
     if isinstance(data, Mapping):
         return _Columns(data, what)
     if hasattr(data, "__len__") and hasattr(data, "__getitem__"):
@@ -96,13 +138,15 @@ class _TrainBatch:
     def __call__(self, index: int) -> dict[str, np.ndarray]:
         start = index * self._global_batch + self._offset
         rows = np.empty(self._local_batch, np.int64)
+        epochs = np.empty(self._local_batch, np.int64)
         filled = 0
         while filled < self._local_batch:
             epoch, position = divmod(start + filled, self._n)
             take = min(self._local_batch - filled, self._n - position)
             rows[filled : filled + take] = self._permutation(epoch)[position : position + take]
+            epochs[filled : filled + take] = epoch
             filled += take
-        return self._table.take(rows)
+        return self._table.take(rows, epochs, self._seed)
 
 
 class _EvalBatch:
@@ -140,8 +184,10 @@ def train_batches(
     shard_count: int = 1,
     transform: Callable[[Batch], Batch] | None = None,
     augment: Callable[[Batch, np.random.Generator], Batch] | None = None,
+    workers: int = 0,
 ) -> grain.IterDataset:
-    """Endless shuffled training batches; this process's share of each global batch.
+    """Endless shuffled training batches; this process's share of each global batch, made in
+    `workers` processes (0: in this one).
 
     `augment(batch, rng)` gets a generator that Grain derives from (seed, shard, batch index):
     the same augmentations on every rerun and after a resume, and different ones per process."""
@@ -153,7 +199,97 @@ def train_batches(
         dataset = dataset.random_map(lambda b, rng: {**b, **augment(b, rng)}, seed=augment_seed)
     if transform is not None:
         dataset = dataset.map(_updating(transform))
-    return dataset.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+    if workers < 0:
+        raise ZooError(f"data.workers={workers} must be 0 (no worker processes) or more.")
+    if workers:
+        return InWorkers(dataset, workers)
+    return dataset.to_iter_dataset(_INLINE)
+
+
+_INLINE = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
+
+
+class InWorkers(grain.IterDataset):
+    """The batches of an endless `MapDataset`, made in `workers` Grain processes. Its
+    iterator's state is `{"next_index": b}`, as the inline pipeline's is: restoring a state
+    restarts the workers at batch b, whatever their number was when it was saved."""
+
+    def __init__(self, batches: grain.MapDataset, workers: int):
+        super().__init__()
+        self.batches, self.workers = batches, workers
+
+    def __iter__(self) -> grain.DatasetIterator:
+        return _InWorkersIterator(self.batches, self.workers)
+
+
+class _InWorkersIterator(grain.DatasetIterator):
+    def __init__(self, batches: grain.MapDataset, workers: int):
+        super().__init__()
+        self._batches, self._workers = batches, workers
+        self._next = 0
+        self._inner: grain.DatasetIterator | None = None  # started on the first batch
+
+    def __next__(self) -> Batch:
+        if self._inner is None:
+            _flags_parsed()
+            options = grain.MultiprocessingOptions(num_workers=self._workers)
+            rest = self._batches[self._next :].to_iter_dataset(_INLINE)
+            init = _WorkerInit(os.getpid())
+            self._inner = iter(rest.mp_prefetch(options, worker_init_fn=init))
+        batch = next(self._inner)
+        self._next += 1
+        # Out of the worker's shared memory at once: the block is freed here, not whenever the
+        # last view of it (a device buffer on CPU, say) goes.
+        return {name: np.array(column) for name, column in batch.items()}
+
+    def get_state(self) -> dict[str, Any]:
+        return {"next_index": self._next}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.close()
+        self._next = int(state["next_index"])
+
+    def close(self) -> None:
+        if self._inner is not None:
+            self._inner.close()
+            self._inner = None
+
+
+def _flags_parsed() -> None:
+    """Grain reads absl flags; in a process that never parsed them (any but an absl app) that
+    fails, unless they count as parsed."""
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+
+
+class _WorkerInit:
+    """Runs first in each worker process: it dies with the training process (killed or not,
+    a worker never outlives it), and absl's flags count as parsed (Grain reads them, and a
+    process that imported JAX otherwise fails to)."""
+
+    def __init__(self, parent: int):
+        self.parent = parent
+
+    def __call__(self, index: int, count: int) -> None:
+        _flags_parsed()
+        if hasattr(signal, "SIGKILL") and os.path.exists("/proc/self"):  # Linux
+            pr_set_pdeathsig = 1
+            ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGKILL)
+        if os.getppid() != self.parent:  # the parent died before the line above
+            os._exit(1)
+
+
+def peek(train: grain.IterDataset) -> Batch:
+    """The first training batch, made in this process (no worker is started for it)."""
+    if isinstance(train, InWorkers):
+        return train.batches[0]
+    iterator = iter(train)
+    try:
+        return next(iterator)
+    finally:
+        iterator.close()
 
 
 def eval_batches(
@@ -186,6 +322,7 @@ def process_pipelines(
         seed,
         transform=splits.transform,
         augment=splits.augment,
+        workers=splits.workers,
         **shard,
     )
     return train, eval_batches(splits.eval, batch_size, transform=splits.transform, **shard)

@@ -61,7 +61,8 @@ Batch = dict[str, np.ndarray]
 
 @dataclasses.dataclass(frozen=True)
 class Splits:
-    """A data set held in memory: column name -> array, the same leading length per split.
+    """A data set: per split, column name -> array (the same leading length), a random-access
+    source of records, or a `train.pipeline.ExampleSource` that makes each example itself.
 
     `transform` runs on every batch of both splits (e.g. uint8 pixels -> normalised float32);
     `augment` on training batches only, before `transform`, with a generator seeded from the run's
@@ -76,6 +77,9 @@ class Splits:
     transform: Callable[[Batch], Batch] | None = None
     augment: Callable[[Batch, np.random.Generator], Batch] | None = None
     tokenizer: Any = None
+    workers: int = 0
+    """Processes that make the training batches (decode, augment, transform); 0: the training
+    process itself. Worth it only when making a batch costs more than starting them (seconds)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,10 +96,19 @@ class ModelEntry:
     data: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     on_eval: OnEval | None = None
 
-    def resolve(self, hparams: Mapping[str, Any], data: DataEntry) -> dict[str, Any]:
-        """`hparams` with each parameter left at None that the data set knows filled in."""
+    def resolve(
+        self,
+        hparams: Mapping[str, Any],
+        data: DataEntry,
+        data_params: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """`hparams` with each parameter left at None that the data set knows filled in; given
+        the data set's config (`data_params`), also what it decides from that (a folder's
+        classes, the image size)."""
         resolved = dict(hparams)
-        for key, value in data.info.items():
+        if all(resolved.get(key, 0) is not None for key in DATA_FACTS):
+            return resolved  # nothing to ask the data set (which may have to read its files)
+        for key, value in data.facts(data_params).items():
             if key in resolved and resolved[key] is None:
                 resolved[key] = list(value) if isinstance(value, tuple) else value
         return resolved
@@ -113,13 +126,34 @@ class ModelEntry:
 
 @dataclasses.dataclass(frozen=True)
 class DataEntry:
+    """A registered data set. `info` holds the facts that are the same for every config;
+    `describe(**params)` (if any) returns those that its config decides, cheaply (the number
+    of class folders, the image size), so a model can be checked before any data is loaded."""
+
     name: str
     load: Callable[..., Splits]
     config: type
     info: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    describe: Callable[..., Mapping[str, Any]] | None = None
 
     def splits(self, params: Mapping[str, Any]) -> Splits:
-        return self.load(**{k: v for k, v in params.items() if k != "name"})
+        return self.load(**_without_name(params))
+
+    @property
+    def decides(self) -> set[str]:
+        """The model parameters this data set fills in."""
+        return set(self.info) | (set(DATA_FACTS) if self.describe is not None else set())
+
+    def facts(self, params: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """`info`, plus what `params` (the data set's config) decide when given."""
+        described = {}
+        if self.describe is not None and params is not None:
+            described = self.describe(**_without_name(params))
+        return {**self.info, **described}
+
+
+def _without_name(params: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in params.items() if k != "name"}
 
 
 def _same(array: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -230,11 +264,13 @@ def register_data(
     *,
     input_shape: tuple[int, ...] | None = None,
     num_classes: int | None = None,
+    describe: Callable[..., Mapping[str, Any]] | None = None,
 ) -> Any:
     """Register a data-set loader under `name`; usable as a function decorator.
 
     `input_shape` (one example's, e.g. `(28, 28, 1)`) and `num_classes` are what models built
-    for this data set need to know; see `ModelEntry.resolve`."""
+    for this data set need to know; see `ModelEntry.resolve`. A data set whose config decides
+    them gives `describe(**params) -> {"input_shape": ..., "num_classes": ...}` instead."""
 
     def register(fn: Callable[..., Splits]) -> Callable[..., Splits]:
         if name in _DATASETS:
@@ -242,7 +278,7 @@ def register_data(
         schema = _signature_dataclass(fn, name, f"{_camel(name)}DataConfig")
         info = {"input_shape": input_shape, "num_classes": num_classes}
         _DATASETS[name] = DataEntry(
-            name, fn, schema, {k: v for k, v in info.items() if v is not None}
+            name, fn, schema, {k: v for k, v in info.items() if v is not None}, describe
         )
         return fn
 

@@ -32,6 +32,7 @@ RESUMABLE = (
     "trainer.steps_per_dispatch",  # same bits for every K; the checkpoint's position counts batches
     "logging.",  # what is written to TensorBoard, not what is trained
     "mesh.",  # the state is resharded onto the new mesh as it is restored
+    "data.workers",  # the batches and the iterator's position do not depend on it
     "workdir",
 )
 """Keys (or prefixes, ending in '.') that a resumed run may change."""

@@ -211,7 +211,8 @@ def resolved_hparams(config: DictConfig) -> dict[str, Any]:
     entry = registry.get_model(config.model.name)
     hparams = OmegaConf.to_container(config.model)
     if config.data.name in registry.list_datasets():
-        hparams = entry.resolve(hparams, registry.get_data(config.data.name))
+        data_params = OmegaConf.to_container(config.data, enum_to_str=True)
+        hparams = entry.resolve(hparams, registry.get_data(config.data.name), data_params)
     return hparams
 
 

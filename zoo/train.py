@@ -75,7 +75,8 @@ def _checked(job: Job) -> Job:
         if job.number is not None:  # one workdir per job of a sweep: <workdir>/<job>
             cfg.workdir = os.path.join(cfg.workdir, str(job.number))
         model, data = registry.get_model(cfg.model.name), registry.get_data(cfg.data.name)
-        hparams = model.resolve(OmegaConf.to_container(cfg.model), data)
+        data_params = OmegaConf.to_container(cfg.data, enum_to_str=True)
+        hparams = model.resolve(OmegaConf.to_container(cfg.model), data, data_params)
         check_buildable(model, hparams, cfg.finetune)
         rundir.check_free(cfg.workdir, cfg.distributed.process_id or 0)
         resume.precheck(cfg)

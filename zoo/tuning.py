@@ -157,7 +157,7 @@ def _start(start: Any, step: str | int | None) -> tuple[str | None, int | None, 
 def _data_decides(data: Any, user_data: bool) -> set[str]:
     """The model parameters that the fine-tune's data decides instead of the start run."""
     if isinstance(data, str):
-        return set(registry.get_data(data).info)
+        return registry.get_data(data).decides
     if user_data:
         return set(_user_data_facts(data))
     return set()

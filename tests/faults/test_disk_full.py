@@ -36,7 +36,9 @@ def disk(tmp_path):
     mounted = (
         os.geteuid() == 0
         and subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount)], capture_output=True, check=False
+            ["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount)],
+            capture_output=True,
+            check=False,
         ).returncode
         == 0
     )

@@ -1,0 +1,76 @@
+"""kill -9 of a run whose batches are made by two Grain workers: its workers die with it, and
+the same command run again ends with the bits of a run made without workers."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from fault_tools import assert_same_arrays, final_arrays, logged_step, run, start, wait_for
+from image_files import write_folder
+
+STEPS = 24
+ARGS = (
+    "model=mlp",
+    "model.hidden_sizes=[16]",
+    "data=images",
+    "data.image_size=16",
+    "trainer.batch_size=16",
+    f"trainer.steps={STEPS}",
+    "trainer.log_every=4",
+    "trainer.checkpoint_every=4",
+    "trainer.eval_every=0",
+    "logging.norms_every=0",
+    "optimizer.warmup_steps=0",
+)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("images")
+    write_folder(root, per_class=10)
+    return root
+
+
+@pytest.fixture(scope="module", autouse=True)
+def data_cache(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("ZOO_DATA_DIR", str(tmp_path_factory.mktemp("cache")))
+        yield
+
+
+def children(pid: int) -> set[int]:
+    found = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found |= {int(c) for c in (task / "children").read_text().split()}
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_killed_with_two_workers_resumes_with_the_bits_of_a_run_without_workers(folder, tmp_path):
+    status, stderr, _ = run(*ARGS, f"data.path={folder}", f"workdir={tmp_path / 'inline'}")
+    assert status == 0, stderr
+    workdir = tmp_path / "killed"
+    args = (*ARGS, f"data.path={folder}", "data.workers=2", f"workdir={workdir}")
+    process = start(*args)
+    wait_for(logged_step(workdir, 12, STEPS), process)
+    workers = children(process.pid)
+    assert len(workers) >= 2  # the two workers (and multiprocessing's resource tracker)
+    process.send_signal(signal.SIGKILL)
+    process.communicate()
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(pid) for pid in workers)  # no worker outlives the training process
+    status, stderr, _ = run(*args)
+    assert status == 0, stderr
+    assert "Resuming at step" in (workdir / "train.log").read_text()
+    assert_same_arrays(final_arrays(workdir, STEPS), final_arrays(tmp_path / "inline", STEPS))
