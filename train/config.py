@@ -69,6 +69,10 @@ class TrainerConfig:
     # `[first, last]`: write a JAX profiler trace of these steps into the run's TensorBoard
     # directory; empty: no trace.
     profile_steps: list[int] = dataclasses.field(default_factory=list)
+    # Split each batch into N equal microbatches, run one after another inside the step (the
+    # activations of one microbatch alive at a time), then make one update: the full batch's,
+    # up to float rounding. batch_size must be a multiple of N x (data*fsdp).
+    grad_accum_steps: int = 1
 
 
 @dataclasses.dataclass

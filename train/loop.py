@@ -87,7 +87,7 @@ class Trainer:
         self.workdir = os.path.abspath(cfg.workdir)
         distributed.initialize(cfg)
         self.mesh, self.rules = sharding.mesh_and_rules(cfg.mesh, devices)
-        _check_batch_split(trainer.batch_size, self.mesh, self.rules)
+        _check_batch_split(trainer.batch_size, trainer.grad_accum_steps, self.mesh, self.rules)
         entry = registry.get_model(cfg.model.name)
         splits, hparams = _splits_and_hparams(cfg, entry, data)
         pipeline.check_host_memory(splits, trainer.batch_size, trainer.steps_per_dispatch)
@@ -108,7 +108,9 @@ class Trainer:
         )
         self.plan = built.plan
         self.param_count = sum(x.size for x in jax.tree.leaves(nnx.state(built.model, nnx.Param)))
-        self.trainable = Trainable(trainable, frozen_norms(built.model, trainable))
+        self.trainable = Trainable(
+            trainable, frozen_norms(built.model, trainable), int(trainer.grad_accum_steps)
+        )
         # Split once; from here on `self.state` is the single owner of the arrays.
         self.graphdef, self.state = nnx.split((built.model, built.optimizer))
         self.skip_nonfinite = (
@@ -349,8 +351,17 @@ class Trainer:
         return metrics
 
 
-def _check_batch_split(batch_size: int, mesh: jax.sharding.Mesh, rules: sharding.AxisRules):
+def _check_batch_split(
+    batch_size: int, microbatches: int, mesh: jax.sharding.Mesh, rules: sharding.AxisRules
+):
     shards = sharding.batch_divisor(mesh, rules)
+    if microbatches > 1 and batch_size % (shards * microbatches):
+        raise ZooError(
+            f"trainer.batch_size={batch_size} cannot be split into trainer.grad_accum_steps="
+            f"{microbatches} microbatches that each split over the mesh's batch axes (data*fsdp "
+            f"= {shards}); use a batch_size that is a multiple of {shards * microbatches}, or "
+            "another grad_accum_steps."
+        )
     if batch_size % shards:
         raise ZooError(
             f"trainer.batch_size={batch_size} cannot be split over the mesh's batch axes "

@@ -78,6 +78,11 @@ def check_trainer(trainer: Any) -> None:
     for key in ("steps", "batch_size", "log_every"):
         if trainer[key] < 1:
             raise ZooError(f"trainer.{key}={trainer[key]} must be at least 1.")
+    if trainer.grad_accum_steps < 1:
+        raise ZooError(
+            f"trainer.grad_accum_steps={trainer.grad_accum_steps} must be at least 1 (1: the "
+            "whole batch at once)."
+        )
     for key in ("eval_every", "checkpoint_every"):
         if trainer[key] < 0:
             raise ZooError(f"trainer.{key}={trainer[key]} must be 0 (off) or positive.")
