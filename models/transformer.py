@@ -61,7 +61,8 @@ class Attention(nnx.Module):
         if self.causal:
             visible = jnp.arange(k.shape[1])[None, :] <= (start + jnp.arange(q.shape[1]))[:, None]
             logits = jnp.where(visible, logits, _NO_ATTENTION)
-        weights = self.dropout(jax.nn.softmax(logits, axis=-1), rngs=key)
+        weights = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(v.dtype)
+        weights = self.dropout(weights, rngs=key)
         mixed = jnp.einsum("bhqk,bkhd->bqhd", weights, v)
         return self.out(mixed, out_sharding=tokens_spec()), cache
 

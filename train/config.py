@@ -35,6 +35,11 @@ class NanPolicy(str, enum.Enum):
     skip = "skip"
 
 
+class Precision(str, enum.Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
 class ScheduleName(str, enum.Enum):
     constant = "constant"
     cosine = "cosine"
@@ -73,6 +78,10 @@ class TrainerConfig:
     # activations of one microbatch alive at a time), then make one update: the full batch's,
     # up to float rounding. batch_size must be a multiple of N x (data*fsdp).
     grad_accum_steps: int = 1
+    # `bf16`: forward and backward passes in bfloat16 (params cast at the start of each step;
+    # softmax, norm statistics, losses and metrics in float32); params, optimizer state and
+    # checkpoints stay float32. `fp32`: everything in float32.
+    precision: Precision = Precision.fp32
 
 
 @dataclasses.dataclass

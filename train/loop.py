@@ -37,6 +37,7 @@ from train.histograms import make_histogram_step
 from train.norms import make_norms_step
 from train.observe import Deferred, Instruments, ProfileWindow, WindowClock
 from train.optim import make_optimizer
+from train.precision import compute_loss
 from train.report import EvalReport, Reporter, format_metrics
 from train.steps import COUNT, Metrics, Trainable, make_steps, means, zero_metrics
 from train.summaries import hparams_summaries, model_summary
@@ -116,7 +117,8 @@ class Trainer:
         self.skip_nonfinite = (
             OmegaConf.to_container(trainer, enum_to_str=True)["nan_policy"] == "skip"
         )
-        self.jitted = make_steps(self.graphdef, entry.loss, self.trainable, self.skip_nonfinite)
+        loss = compute_loss(entry.loss, trainer.precision)
+        self.jitted = make_steps(self.graphdef, loss, self.trainable, self.skip_nonfinite)
         self.train_step, self.eval_step = self.jitted.train, self.jitted.eval
         self.dispatcher = Dispatcher(
             self.train_step, trainer.steps_per_dispatch, self.mesh, self.rules
