@@ -105,6 +105,9 @@ class OptimizerConfig:
     final_lr_fraction: float = 0.0
     momentum: float = 0.0  # sgd only; 0 is plain SGD
     weight_decay: float = 1e-4  # adamw only
+    # adamw: decay every param, instead of only the Linear, Conv and LoRA weights (the default
+    # leaves biases, norm scales and embeddings alone).
+    decay_all: bool = False
     grad_clip_norm: float | None = None
 
 
