@@ -25,7 +25,7 @@ import jax
 from flax import nnx
 from omegaconf import DictConfig, OmegaConf
 
-from train import distributed, pipeline, registry, restore, rundir, sharding
+from train import distributed, ema, pipeline, registry, restore, rundir, sharding
 from train import rngs as zoo_rngs
 from train.build import build_on_mesh
 from train.cadence import Cadence, Every, LogWindows
@@ -126,15 +126,22 @@ class Trainer:
         self.norms_step = make_norms_step(self.graphdef, self.jitted)
         self.histogram_step = make_histogram_step(self.graphdef, self.jitted)
         self.on_eval = entry.on_eval
+        self.ema_decay = cfg.optimizer.ema_decay
+        self.averaged = jax.jit(
+            lambda state: ema.averaged(self.graphdef, state, trainable, self.ema_decay)
+        )
         self.step_key, self.eval_key = zoo_rngs.step_key(cfg.seed), zoo_rngs.eval_key(cfg.seed)
 
     def shard(self, batch: dict[str, Any]) -> dict[str, jax.Array]:
         return sharding.shard_batch(batch, self.mesh, self.rules)
 
-    def evaluate(self) -> dict[str, float]:
-        """Mean metrics over every eval example, each counted once."""
+    def evaluate(self, ema: bool = False) -> dict[str, float]:
+        """Mean metrics over every eval example, each counted once; `ema`: of the averaged
+        params (`optimizer.ema_decay`) in place of the trained ones."""
+        with sharding.activate(self.mesh, self.rules):
+            state = self.averaged(self.state) if ema else self.state
         return evaluate_batches(
-            self.eval_step, self.state, self.eval_data, self.mesh, self.rules, self.eval_key
+            self.eval_step, state, self.eval_data, self.mesh, self.rules, self.eval_key
         )
 
     def eval_metric_names(self) -> list[str]:
@@ -341,6 +348,10 @@ class Trainer:
         (samples, images), if it registered one."""
         metrics = self.evaluate()
         reporter.eval(step, metrics)
+        if self.ema_decay is not None:
+            averaged = self.evaluate(ema=True)
+            reporter.scalars("eval_ema", step, averaged)
+            log.info("Eval (EMA weights) @ step %d: %s", step, format_metrics(averaged))
         if self.on_eval is not None:
             model, _ = nnx.merge(self.graphdef, self.state)  # shares the arrays; read only
             model.eval()

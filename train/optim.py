@@ -8,6 +8,7 @@ import jax
 import optax
 
 from train.config import OptimizerName, ScheduleName
+from train.ema import params_ema
 
 
 def learning_rate_schedule(opt: Any, total_steps: int) -> optax.Schedule:
@@ -41,6 +42,8 @@ def make_optimizer(
         tx = optax.adamw(schedule, weight_decay=float(opt.weight_decay), mask=mask)
     if opt.grad_clip_norm is not None:
         tx = optax.chain(optax.clip_by_global_norm(float(opt.grad_clip_norm)), tx)
+    if opt.ema_decay is not None:
+        tx = optax.chain(tx, params_ema(float(opt.ema_decay)))
     return tx, schedule
 
 

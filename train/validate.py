@@ -109,6 +109,11 @@ def check_optimizer(optimizer: Any, steps: int) -> None:
     for key in ("learning_rate", "grad_clip_norm"):
         if optimizer[key] == 0:
             raise ZooError(f"optimizer.{key}=0 must be positive.")
+    if optimizer.ema_decay is not None and not 0 < optimizer.ema_decay < 1:
+        raise ZooError(
+            f"optimizer.ema_decay={optimizer.ema_decay} must lie strictly between 0 and 1 "
+            "(e.g. 0.999), or be null (no average)."
+        )
     if optimizer.momentum == 1:
         raise ZooError("optimizer.momentum=1 must be below 1: the update would never decay.")
     if not 0 <= optimizer.warmup_steps <= steps:

@@ -21,11 +21,12 @@ from train import pipeline, registry, rundir, sharding
 from train import rngs as zoo_rngs
 from train.build import build_on_mesh
 from train.config import Config, MeshConfig, checked_dict, checked_params
+from train.errors import ZooError
 from train.loop import RunResult, Trainer, evaluate_batches
 from train.lora import merge_adapters
 from train.saved import read_json
 from train.steps import make_eval_step
-from train.warm_start import read_first, restore_model
+from train.warm_start import read_first, restore_averaged, restore_model
 from zoo.overrides import compose
 
 
@@ -66,24 +67,30 @@ def load(
     *,
     mesh: Mapping[str, Any] | None = None,
     devices: Any = None,
+    weights: str = "raw",
 ) -> TrainedModel:
     """The model of the run in `workdir` (the CLI's or the Python API's) with its weights from
     the checkpoint `step` names (`latest`, `best` or a step number) and its resolved config.
+    `weights="ema"`: the average of the params that `optimizer.ema_decay` kept, in place of the
+    params themselves.
 
     It is placed on a new mesh: `mesh` takes the keys of the `mesh` config section (default:
     data parallel over every device, whatever mesh it was trained on), `devices` restricts it to
     some devices."""
     step_number, _, (model, config, device_mesh, rules, metrics) = read_first(
-        workdir, step, lambda _, path: _read_model(path, mesh, devices)
+        workdir, step, lambda _, path: _read_model(path, mesh, devices, weights)
     )
     return TrainedModel(
         model, config, step_number, os.path.abspath(workdir), device_mesh, rules, metrics
     )
 
 
-def _read_model(path: str, mesh: Mapping[str, Any] | None, devices: Any) -> tuple:
+def _read_model(
+    path: str, mesh: Mapping[str, Any] | None, devices: Any, weights: str = "raw"
+) -> tuple:
     """The model saved at `path` on the mesh asked for, its config and its last eval."""
     config = saved_config(path)
+    decay = _averaged_weights(weights, config, path)
     entry = registry.get_model(config.model.name)
     mesh_cfg = checked_dict(MeshConfig, {"rules": dict(config.mesh.rules), **(mesh or {})}, "mesh")
     device_mesh, rules = sharding.mesh_and_rules(mesh_cfg, devices)
@@ -91,9 +98,28 @@ def _read_model(path: str, mesh: Mapping[str, Any] | None, devices: Any) -> tupl
         entry, resolved_hparams(config), config.seed, device_mesh, rules, finetune=config.finetune
     ).model
     restore_model(model, path)
+    if decay is not None:
+        restore_averaged(model, path, decay)
     model.eval()
     evaluated = read_json(path, "meta").get("eval", {})
     return model, config, device_mesh, rules, dict(evaluated.get("metrics", {}))
+
+
+def _averaged_weights(weights: str, config: Any, path: str) -> float | None:
+    """The EMA decay to read the params' average with, or None for the params themselves."""
+    if weights not in ("raw", "ema"):
+        raise ZooError(
+            f"weights={weights!r} must be 'raw' (the trained params) or 'ema' (their average)."
+        )
+    if weights == "raw":
+        return None
+    decay = config.optimizer.get("ema_decay")
+    if decay is None:
+        raise ZooError(
+            f"weights='ema' needs a run trained with optimizer.ema_decay; the run at {path} kept "
+            "no average. Use weights='raw'."
+        )
+    return float(decay)
 
 
 def merge_lora(trained: Trained) -> nnx.Module:
