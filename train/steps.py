@@ -115,7 +115,7 @@ def _accumulated(model: nnx.Module, loss_fn: Callable, trainable: Trainable, bat
     step = step[...]
 
     def objective(params, rest, micro, slice_key):
-        slice_model = nnx.merge(graph, params, rest)
+        slice_model = nnx.merge(graph, params, rest, copy=True)  # Variables of this trace
         loss, metrics = loss_fn(slice_model, micro, zoo_rngs.call_rngs(slice_key, step))
         metrics = dict(metrics)
         weight = metrics.pop(WEIGHT, jnp.ones_like(loss))
