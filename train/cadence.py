@@ -19,6 +19,7 @@ import grain
 import jax
 
 from train.checkpoint import Checkpointer
+from train.early_stop import EarlyStop
 from train.errors import NonFiniteLoss
 from train.observe import WindowClock
 from train.report import Reporter
@@ -156,11 +157,18 @@ class Cadence:
         saved_config: Mapping[str, Any],
         meta: Mapping[str, Any],
         zeros: Metrics,
+        early_stop: EarlyStop | None = None,
     ):
         self.every, self.progress, self.windows = every, progress, windows
         self._evaluate, self._checkpointer, self._iterator = evaluate, checkpointer, iterator
         self._config, self._meta, self._zeros = saved_config, meta, zeros
         self.stop = StopRequests()
+        self.early_stop = early_stop
+
+    @property
+    def finished(self) -> bool:
+        """Whether the run has ended before trainer.steps (`trainer.early_stop`)."""
+        return self.early_stop is not None and self.early_stop.stopped
 
     def after_dispatch(self, step: int, state: Any, sums: Metrics) -> Metrics:
         """Log, evaluate and checkpoint as due at `step`; the sums of the open window."""
@@ -172,8 +180,10 @@ class Cadence:
             self.windows.report_pending()
             metrics = self._evaluate(step)
             self.progress.eval_metrics, self.progress.eval_step = metrics, step
+            if self.early_stop is not None and (why := self.early_stop.update(step, metrics)):
+                log.info("%s", why)
         stop = self.stop.due(step // self.every.k)
-        if self.every.saves(step) or stop is not None:
+        if self.every.saves(step) or stop is not None or self.finished:
             self.save(step, state, sums)
         if stop is not None:
             raise Interrupted(stop, step, self._checkpointer.step_path(step))
@@ -190,6 +200,8 @@ class Cadence:
             "window_start": self.windows.window_start,
             "eval": {"step": progress.eval_step, "metrics": progress.eval_metrics},
         }
+        if self.early_stop is not None:
+            meta["early_stop"] = self.early_stop.saved()
         started = time.perf_counter()
         self._checkpointer.save(
             step,

@@ -47,6 +47,16 @@ class ScheduleName(str, enum.Enum):
 
 
 @dataclasses.dataclass
+class EarlyStopConfig:
+    # Stop once this eval metric (e.g. `loss`, `accuracy`) has not improved by more than
+    # `min_delta` for `patience` evals in a row; null: train to trainer.steps.
+    metric: str | None = None
+    mode: BestMode = BestMode.min  # `min` for a loss, `max` for an accuracy
+    patience: int = 3
+    min_delta: float = 0.0
+
+
+@dataclasses.dataclass
 class TrainerConfig:
     steps: int = 1000
     batch_size: int = 128
@@ -82,6 +92,7 @@ class TrainerConfig:
     # softmax, norm statistics, losses and metrics in float32); params, optimizer state and
     # checkpoints stay float32. `fp32`: everything in float32.
     precision: Precision = Precision.fp32
+    early_stop: EarlyStopConfig = dataclasses.field(default_factory=EarlyStopConfig)
 
 
 @dataclasses.dataclass

@@ -31,6 +31,7 @@ from train.build import build_on_mesh
 from train.cadence import Cadence, Every, LogWindows
 from train.checkpoint import Checkpointer
 from train.dispatch import Dispatcher
+from train.early_stop import EarlyStop
 from train.errors import ZooError
 from train.freeze import Filter, frozen_filter, frozen_norms, trainable_filter
 from train.histograms import make_histogram_step
@@ -166,7 +167,7 @@ class Trainer:
             model,
             self.state,
             done.eval_metrics,
-            int(self.cfg.trainer.steps),
+            done.step,
             self.workdir,
             self.cfg,
             self.mesh,
@@ -184,7 +185,10 @@ class Trainer:
         The workdir is locked for the run's life; the run writes its config, its log and its
         events there only once it has restored (or started) its state."""
         saved_config = OmegaConf.to_container(self.cfg, resolve=True, enum_to_str=True)
-        self._check_best_metric(saved_config["trainer"]["best_metric"])
+        self._check_eval_metric("best_metric", saved_config["trainer"]["best_metric"])
+        self._check_eval_metric(
+            "early_stop.metric", saved_config["trainer"]["early_stop"]["metric"]
+        )
         primary = jax.process_index() == 0
         with contextlib.ExitStack() as stack:
             stack.enter_context(rundir.hold(self.workdir, jax.process_index()))
@@ -215,6 +219,8 @@ class Trainer:
     def _loop(self, cadence: Cadence, instruments: Instruments, iterator) -> Iterator[int]:
         """Steps `progress.step + K .. trainer.steps`, K at a time."""
         k, start, sums = self.dispatcher.k, cadence.progress.step, cadence.progress.window
+        if cadence.finished:
+            return
         with (
             cadence.stop.installed(),
             instruments.installed(),
@@ -229,6 +235,8 @@ class Trainer:
                 instruments.after(step, sums)
                 sums = cadence.after_dispatch(step, self.state, sums)
                 yield step
+                if cadence.finished:
+                    return
 
     def _start(self, checkpointer: Checkpointer, iterator, saved_config) -> Metrics:
         """Restore (or start) the run; the zero window sums of its train step."""
@@ -258,10 +266,10 @@ class Trainer:
                 f"already is; use trainer.steps >= {step}."
             )
 
-    def _check_best_metric(self, best_metric: str | None) -> None:
-        if best_metric and best_metric not in self.eval_metric_names():
+    def _check_eval_metric(self, key: str, metric: str | None) -> None:
+        if metric and metric not in self.eval_metric_names():
             raise ZooError(
-                f"trainer.best_metric={best_metric} is not an eval metric of model "
+                f"trainer.{key}={metric} is not an eval metric of model "
                 f"'{self.cfg.model.name}'; valid: {', '.join(self.eval_metric_names())}."
             )
 
@@ -276,10 +284,13 @@ class Trainer:
         reporter.summaries(hparams_summaries(saved_config, [*metric_tags, "train/loss"]))
         total = int(cfg.trainer.steps)
         how = "Training"
+        stopped = self.progress.early_stop.get("stopped", False)
         if step:
             how = (
-                "Already complete: " if step == total else ""
+                "Already complete: " if step == total or stopped else ""
             ) + f"Resuming at step {step}: training"
+        if stopped:
+            how = f"Already complete (stopped early at step {step}): training"
         log.info(
             "%s %s on %s for %d steps (batch %d) on mesh %s; %s parameters; workdir %s",
             how,
@@ -321,6 +332,7 @@ class Trainer:
             saved_config,
             meta,
             zeros,
+            EarlyStop.of(saved_config["trainer"]["early_stop"], progress.early_stop),
         )
         return cadence, instruments
 

@@ -87,6 +87,7 @@ def check_trainer(trainer: Any) -> None:
         if trainer[key] < 0:
             raise ZooError(f"trainer.{key}={trainer[key]} must be 0 (off) or positive.")
     check_cadences(trainer)
+    _check_early_stop(trainer)
     if trainer.keep < 1:
         raise ZooError(
             f"trainer.keep={trainer.keep} must be at least 1: the latest checkpoint is always kept."
@@ -161,6 +162,18 @@ def check_finetune(finetune: Any) -> None:
             re.compile(pattern)
         except re.error as e:
             raise ZooError(f"The path pattern '{pattern}' is not a valid regex: {e}.") from None
+
+
+def _check_early_stop(trainer: Any) -> None:
+    early = trainer.early_stop
+    if early.patience < 1:
+        raise ZooError(f"trainer.early_stop.patience={early.patience} must be at least 1 (evals).")
+    _in_range("trainer.early_stop.min_delta", early.min_delta, "0 or positive", 0)
+    if early.metric and not trainer.eval_every:
+        raise ZooError(
+            f"trainer.early_stop.metric={early.metric} needs evals to watch: set "
+            "trainer.eval_every to a number of steps (it is 0: only after the last step)."
+        )
 
 
 def _check_profile_steps(steps: list[int], total: int) -> None:
