@@ -29,6 +29,7 @@ from train import distributed, ema, pipeline, registry, restore, rundir, shardin
 from train import rngs as zoo_rngs
 from train.build import build_on_mesh
 from train.cadence import Cadence, Every, LogWindows
+from train.callbacks import Callbacks
 from train.checkpoint import Checkpointer
 from train.dispatch import Dispatcher
 from train.early_stop import EarlyStop
@@ -76,7 +77,7 @@ class Trainer:
     `data` replaces the registered data set that `cfg.data` names with the caller's own splits
     (columns of arrays or random-access sources; `cfg.model` must then give every parameter the
     data would have decided). `freeze` is an NNX filter of params to freeze, in place of the
-    pattern `cfg.finetune.freeze`."""
+    pattern `cfg.finetune.freeze`. `callbacks`: see `train.callbacks`."""
 
     def __init__(
         self,
@@ -84,8 +85,10 @@ class Trainer:
         devices: Sequence[Any] | None = None,
         data: registry.Splits | None = None,
         freeze: Filter | None = None,
+        callbacks: Sequence[Any] = (),
     ):
         self.cfg, trainer = cfg, cfg.trainer
+        self.callbacks = Callbacks(callbacks)
         self.workdir = os.path.abspath(cfg.workdir)
         distributed.initialize(cfg)
         self.mesh, self.rules = sharding.mesh_and_rules(cfg.mesh, devices)
@@ -163,7 +166,7 @@ class Trainer:
         log.info("Final eval @ step %d: %s", done.eval_step, format_metrics(done.eval_metrics))
         model, _ = nnx.merge(self.graphdef, self.state, copy=True)
         model.eval()
-        return RunResult(
+        result = RunResult(
             model,
             self.state,
             done.eval_metrics,
@@ -174,6 +177,10 @@ class Trainer:
             self.rules,
             start_step=self.resumed_from,
         )
+        self.callbacks("on_end", result)
+        if self.callbacks.failure is not None:
+            raise self.callbacks.halt(result.step, None)
+        return result
 
     def steps(
         self, overrides: Sequence[str] | None = None, run_log: rundir.RunLog | None = None
@@ -221,6 +228,14 @@ class Trainer:
         k, start, sums = self.dispatcher.k, cadence.progress.step, cadence.progress.window
         if cadence.finished:
             return
+        yield from self._dispatches(cadence, instruments, iterator, k, start, sums)
+        cadence.finish()
+        if cadence.callbacks.failure is not None:  # in a hook after the last step
+            step = cadence.progress.step
+            raise cadence.callbacks.halt(step, cadence.checkpoint_path(step))
+
+    def _dispatches(self, cadence, instruments, iterator, k, start, sums) -> Iterator[int]:
+        """The dispatches themselves, until trainer.steps or an early stop."""
         with (
             cadence.stop.installed(),
             instruments.installed(),
@@ -320,6 +335,7 @@ class Trainer:
             lambda step: instruments.report(step, reporter),
             progress.window_start,
             self.skip_nonfinite,
+            self.callbacks,
         )
         meta = {"seed": self.cfg.seed, "base_key": jax.random.key_data(self.step_key).tolist()}
         cadence = Cadence(
@@ -333,6 +349,7 @@ class Trainer:
             meta,
             zeros,
             EarlyStop.of(saved_config["trainer"]["early_stop"], progress.early_stop),
+            self.callbacks,
         )
         return cadence, instruments
 

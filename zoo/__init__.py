@@ -15,6 +15,7 @@ the plugins `models` and `data`, which use the engine `train`; nothing below imp
 import data  # noqa: F401  (registers the built-in data sets)
 import models  # noqa: F401  (registers the built-in models)
 from models.generate import generate
+from train.callbacks import STOP, CallbackFailed, CallbackStop
 from train.errors import NonFiniteLoss, ZooError
 from train.loop import RunResult, run
 from train.registry import (
@@ -41,6 +42,9 @@ from zoo.overrides import compose
 from zoo.tuning import finetune
 
 __all__ = [
+    "STOP",
+    "CallbackFailed",
+    "CallbackStop",
     "Interrupted",
     "ModelEntry",
     "NonFiniteLoss",

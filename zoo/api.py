@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -30,13 +30,14 @@ from train.warm_start import read_first, restore_averaged, restore_model
 from zoo.overrides import compose
 
 
-def fit(model: str, *overrides: str) -> RunResult:
+def fit(model: str, *overrides: str, callbacks: Sequence[Any] = ()) -> RunResult:
     """Run the CLI's job from Python: `fit("cnn", "data=digits", "trainer.steps=200")` is
     `python -m zoo.train model=cnn data=digits trainer.steps=200`, returning the trained model,
-    its final eval metrics and its workdir."""
+    its final eval metrics and its workdir. `callbacks`: see "Callbacks" in the README."""
     args = [f"model={model}", *overrides]
     with rundir.RunLog() as run_log:
-        return Trainer(compose(args)).fit(overrides=args, run_log=run_log)
+        trainer = Trainer(compose(args), callbacks=callbacks)
+        return trainer.fit(overrides=args, run_log=run_log)
 
 
 @dataclasses.dataclass
