@@ -83,13 +83,23 @@ class Attention(nnx.Module):
             k = jax.lax.dynamic_update_slice_in_dim(cache[0], k, start, axis=1)
             v = jax.lax.dynamic_update_slice_in_dim(cache[1], v, start, axis=1)
             cache = (k, v)
-        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
+        visible = None
         if self.causal:
             visible = jnp.arange(k.shape[1])[None, :] <= (start + jnp.arange(q.shape[1]))[:, None]
-            logits = jnp.where(visible, logits, _NO_ATTENTION)
-        weights = self.dropout(jax.nn.softmax(logits, axis=-1), rngs=key)
-        mixed = jnp.einsum("bhqk,bkhd->bqhd", weights, v)
+        if self.dropout.rate and not self.dropout.deterministic:
+            mixed = self._with_dropout(q, k, v, visible, key)
+        else:  # fused: cuDNN flash attention on GPUs, XLA elsewhere
+            mask = None if visible is None else visible[None, None]
+            mixed = jax.nn.dot_product_attention(q, k, v, mask=mask)
         return self.out(mixed, out_sharding=tokens_spec()), cache
+
+    def _with_dropout(self, q, k, v, visible, key) -> jax.Array:
+        """Attention written out, for Dropout on its weights (which the fused call lacks)."""
+        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
+        if visible is not None:
+            logits = jnp.where(visible, logits, _NO_ATTENTION)
+        weights = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(v.dtype)
+        return jnp.einsum("bhqk,bkhd->bqhd", self.dropout(weights, rngs=key), v)
 
 
 class Block(nnx.Module):

@@ -54,7 +54,7 @@ class MLPStack(nnx.Module):
 def _elbo_loss(model: VAE, batch: Mapping[str, jax.Array], rngs: nnx.Rngs):
     """Per image: negative ELBO = reconstruction + KL, in nats."""
     images = batch["image"]
-    logits, mean, log_var = model(images)
+    logits, mean, log_var = (x.astype(jnp.float32) for x in model(images))
     targets = images.reshape(logits.shape)
     reconstruction = jnp.sum(optax.sigmoid_binary_cross_entropy(logits, targets), axis=-1)
     kl = 0.5 * jnp.sum(jnp.exp(log_var) + mean**2 - 1.0 - log_var, axis=-1)

@@ -12,7 +12,7 @@ from train.sharding import logical_spec
 
 
 def binary_classification_loss(model: nnx.Module, batch, rngs: nnx.Rngs):
-    logits = model(batch["inputs"])[:, 0]
+    logits = model(batch["inputs"])[:, 0].astype(jnp.float32)
     labels = batch["label"]
     loss = optax.sigmoid_binary_cross_entropy(logits, labels.astype(logits.dtype))
     accuracy = ((logits > 0) == (labels == 1)).astype(jnp.float32)

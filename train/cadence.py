@@ -18,7 +18,9 @@ from typing import Any
 import grain
 import jax
 
+from train.callbacks import Callbacks
 from train.checkpoint import Checkpointer
+from train.early_stop import EarlyStop
 from train.errors import NonFiniteLoss
 from train.observe import WindowClock
 from train.report import Reporter
@@ -45,6 +47,7 @@ class LogWindows:
         report_extras: Callable[[int], None],
         window_start: int,
         skip_nonfinite: bool,
+        callbacks: Callbacks | None = None,
     ):
         self._reporter = reporter
         self._checkpointer = checkpointer
@@ -54,6 +57,7 @@ class LogWindows:
         self._pending: tuple[int, int, Metrics, dict[str, Any]] | None = None
         self._skip = skip_nonfinite
         self.window_start = window_start  # the open window holds steps window_start+1 ...
+        self._callbacks = callbacks or Callbacks()
 
     def close(self, step: int, sums: Metrics) -> None:
         # The learning rate is dispatched now and read with the window, a window later.
@@ -73,6 +77,7 @@ class LogWindows:
         metrics["learning_rate"] = float(speed.pop("learning_rate"))
         self._reporter.train_window(step, metrics, speed)
         self._report_extras(step)
+        self._callbacks("on_train_window", step, metrics)
 
     def check(self, sums: Metrics) -> None:
         """Before a checkpoint: stop if the open window met a NaN/Inf loss (nan_policy=stop)."""
@@ -156,11 +161,21 @@ class Cadence:
         saved_config: Mapping[str, Any],
         meta: Mapping[str, Any],
         zeros: Metrics,
+        early_stop: EarlyStop | None = None,
+        callbacks: Callbacks | None = None,
     ):
         self.every, self.progress, self.windows = every, progress, windows
         self._evaluate, self._checkpointer, self._iterator = evaluate, checkpointer, iterator
         self._config, self._meta, self._zeros = saved_config, meta, zeros
         self.stop = StopRequests()
+        self.early_stop = early_stop
+        self.callbacks = callbacks or Callbacks()
+        self._unannounced: list[int] = []  # saved steps whose save may still be writing
+
+    @property
+    def finished(self) -> bool:
+        """Whether the run has ended before trainer.steps (`trainer.early_stop`)."""
+        return self.early_stop is not None and self.early_stop.stopped
 
     def after_dispatch(self, step: int, state: Any, sums: Metrics) -> Metrics:
         """Log, evaluate and checkpoint as due at `step`; the sums of the open window."""
@@ -172,11 +187,17 @@ class Cadence:
             self.windows.report_pending()
             metrics = self._evaluate(step)
             self.progress.eval_metrics, self.progress.eval_step = metrics, step
+            if self.early_stop is not None and (why := self.early_stop.update(step, metrics)):
+                log.info("%s", why)
+            self.callbacks("on_eval", step, metrics)
         stop = self.stop.due(step // self.every.k)
-        if self.every.saves(step) or stop is not None:
+        halting = self.callbacks.halting
+        if self.every.saves(step) or stop is not None or self.finished or halting:
             self.save(step, state, sums)
-        if stop is not None:
-            raise Interrupted(stop, step, self._checkpointer.step_path(step))
+        if stop is not None or halting:
+            self.finish()
+            path = self._checkpointer.step_path(step)
+            raise Interrupted(stop, step, path) if stop else self.callbacks.halt(step, path)
         self.progress.step = step
         return sums
 
@@ -190,6 +211,8 @@ class Cadence:
             "window_start": self.windows.window_start,
             "eval": {"step": progress.eval_step, "metrics": progress.eval_metrics},
         }
+        if self.early_stop is not None:
+            meta["early_stop"] = self.early_stop.saved()
         started = time.perf_counter()
         self._checkpointer.save(
             step,
@@ -201,3 +224,19 @@ class Cadence:
             metrics=progress.eval_metrics if progress.eval_step == step else None,
         )
         _timing_log.info("Checkpoint %d: %.3f s blocking", step, time.perf_counter() - started)
+        # A save starts once the previous one is complete: announce those.
+        self._announce(self._unannounced)
+        self._unannounced = [step]
+
+    def checkpoint_path(self, step: int) -> str:
+        return self._checkpointer.step_path(step)
+
+    def finish(self) -> None:
+        """At the end of the run: wait for the last save and announce it to the callbacks."""
+        self._checkpointer.wait()
+        self._announce(self._unannounced)
+        self._unannounced = []
+
+    def _announce(self, steps: list[int]) -> None:
+        for step in steps:
+            self.callbacks("on_checkpoint", step, self._checkpointer.step_path(step))

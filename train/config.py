@@ -35,10 +35,25 @@ class NanPolicy(str, enum.Enum):
     skip = "skip"
 
 
+class Precision(str, enum.Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
 class ScheduleName(str, enum.Enum):
     constant = "constant"
     cosine = "cosine"
     linear = "linear"
+
+
+@dataclasses.dataclass
+class EarlyStopConfig:
+    # Stop once this eval metric (e.g. `loss`, `accuracy`) has not improved by more than
+    # `min_delta` for `patience` evals in a row; null: train to trainer.steps.
+    metric: str | None = None
+    mode: BestMode = BestMode.min  # `min` for a loss, `max` for an accuracy
+    patience: int = 3
+    min_delta: float = 0.0
 
 
 @dataclasses.dataclass
@@ -69,6 +84,15 @@ class TrainerConfig:
     # `[first, last]`: write a JAX profiler trace of these steps into the run's TensorBoard
     # directory; empty: no trace.
     profile_steps: list[int] = dataclasses.field(default_factory=list)
+    # Split each batch into N equal microbatches, run one after another inside the step (the
+    # activations of one microbatch alive at a time), then make one update: the full batch's,
+    # up to float rounding. batch_size must be a multiple of N x (data*fsdp).
+    grad_accum_steps: int = 1
+    # `bf16`: forward and backward passes in bfloat16 (params cast at the start of each step;
+    # softmax, norm statistics, losses and metrics in float32); params, optimizer state and
+    # checkpoints stay float32. `fp32`: everything in float32.
+    precision: Precision = Precision.fp32
+    early_stop: EarlyStopConfig = dataclasses.field(default_factory=EarlyStopConfig)
 
 
 @dataclasses.dataclass
@@ -92,7 +116,14 @@ class OptimizerConfig:
     final_lr_fraction: float = 0.0
     momentum: float = 0.0  # sgd only; 0 is plain SGD
     weight_decay: float = 1e-4  # adamw only
+    # adamw: decay every param, instead of only the Linear, Conv and LoRA weights (the default
+    # leaves biases, norm scales and embeddings alone).
+    decay_all: bool = False
     grad_clip_norm: float | None = None
+    # Keep an exponential moving average of the trained params with this decay (e.g. 0.999),
+    # evaluated beside them (eval_ema/*) and loadable with zoo.load(..., weights="ema"); costs
+    # one more copy of the trained params in memory and checkpoints. null: none.
+    ema_decay: float | None = None
 
 
 @dataclasses.dataclass

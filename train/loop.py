@@ -25,18 +25,21 @@ import jax
 from flax import nnx
 from omegaconf import DictConfig, OmegaConf
 
-from train import distributed, pipeline, registry, restore, rundir, sharding
+from train import distributed, ema, pipeline, registry, restore, rundir, sharding
 from train import rngs as zoo_rngs
 from train.build import build_on_mesh
 from train.cadence import Cadence, Every, LogWindows
+from train.callbacks import Callbacks
 from train.checkpoint import Checkpointer
 from train.dispatch import Dispatcher
+from train.early_stop import EarlyStop
 from train.errors import ZooError
 from train.freeze import Filter, frozen_filter, frozen_norms, trainable_filter
 from train.histograms import make_histogram_step
 from train.norms import make_norms_step
 from train.observe import Deferred, Instruments, ProfileWindow, WindowClock
 from train.optim import make_optimizer
+from train.precision import compute_loss
 from train.report import EvalReport, Reporter, format_metrics
 from train.steps import COUNT, Metrics, Trainable, make_steps, means, zero_metrics
 from train.summaries import hparams_summaries, model_summary
@@ -74,7 +77,7 @@ class Trainer:
     `data` replaces the registered data set that `cfg.data` names with the caller's own splits
     (columns of arrays or random-access sources; `cfg.model` must then give every parameter the
     data would have decided). `freeze` is an NNX filter of params to freeze, in place of the
-    pattern `cfg.finetune.freeze`."""
+    pattern `cfg.finetune.freeze`. `callbacks`: see `train.callbacks`."""
 
     def __init__(
         self,
@@ -82,12 +85,14 @@ class Trainer:
         devices: Sequence[Any] | None = None,
         data: registry.Splits | None = None,
         freeze: Filter | None = None,
+        callbacks: Sequence[Any] = (),
     ):
         self.cfg, trainer = cfg, cfg.trainer
+        self.callbacks = Callbacks(callbacks)
         self.workdir = os.path.abspath(cfg.workdir)
         distributed.initialize(cfg)
         self.mesh, self.rules = sharding.mesh_and_rules(cfg.mesh, devices)
-        _check_batch_split(trainer.batch_size, self.mesh, self.rules)
+        _check_batch_split(trainer.batch_size, trainer.grad_accum_steps, self.mesh, self.rules)
         entry = registry.get_model(cfg.model.name)
         splits, hparams = _splits_and_hparams(cfg, entry, data)
         pipeline.check_host_memory(splits, trainer.batch_size, trainer.steps_per_dispatch)
@@ -109,13 +114,16 @@ class Trainer:
         )
         self.plan = built.plan
         self.param_count = sum(x.size for x in jax.tree.leaves(nnx.state(built.model, nnx.Param)))
-        self.trainable = Trainable(trainable, frozen_norms(built.model, trainable))
+        self.trainable = Trainable(
+            trainable, frozen_norms(built.model, trainable), int(trainer.grad_accum_steps)
+        )
         # Split once; from here on `self.state` is the single owner of the arrays.
         self.graphdef, self.state = nnx.split((built.model, built.optimizer))
         self.skip_nonfinite = (
             OmegaConf.to_container(trainer, enum_to_str=True)["nan_policy"] == "skip"
         )
-        self.jitted = make_steps(self.graphdef, entry.loss, self.trainable, self.skip_nonfinite)
+        loss = compute_loss(entry.loss, trainer.precision)
+        self.jitted = make_steps(self.graphdef, loss, self.trainable, self.skip_nonfinite)
         self.train_step, self.eval_step = self.jitted.train, self.jitted.eval
         self.dispatcher = Dispatcher(
             self.train_step, trainer.steps_per_dispatch, self.mesh, self.rules
@@ -123,15 +131,22 @@ class Trainer:
         self.norms_step = make_norms_step(self.graphdef, self.jitted)
         self.histogram_step = make_histogram_step(self.graphdef, self.jitted)
         self.on_eval = entry.on_eval
+        self.ema_decay = cfg.optimizer.ema_decay
+        self.averaged = jax.jit(
+            lambda state: ema.averaged(self.graphdef, state, trainable, self.ema_decay)
+        )
         self.step_key, self.eval_key = zoo_rngs.step_key(cfg.seed), zoo_rngs.eval_key(cfg.seed)
 
     def shard(self, batch: dict[str, Any]) -> dict[str, jax.Array]:
         return sharding.shard_batch(batch, self.mesh, self.rules)
 
-    def evaluate(self) -> dict[str, float]:
-        """Mean metrics over every eval example, each counted once."""
+    def evaluate(self, ema: bool = False) -> dict[str, float]:
+        """Mean metrics over every eval example, each counted once; `ema`: of the averaged
+        params (`optimizer.ema_decay`) in place of the trained ones."""
+        with sharding.activate(self.mesh, self.rules):
+            state = self.averaged(self.state) if ema else self.state
         return evaluate_batches(
-            self.eval_step, self.state, self.eval_data, self.mesh, self.rules, self.eval_key
+            self.eval_step, state, self.eval_data, self.mesh, self.rules, self.eval_key
         )
 
     def eval_metric_names(self) -> list[str]:
@@ -152,17 +167,21 @@ class Trainer:
         log.info("Final eval @ step %d: %s", done.eval_step, format_metrics(done.eval_metrics))
         model, _ = nnx.merge(self.graphdef, self.state, copy=True)
         model.eval()
-        return RunResult(
+        result = RunResult(
             model,
             self.state,
             done.eval_metrics,
-            int(self.cfg.trainer.steps),
+            done.step,
             self.workdir,
             self.cfg,
             self.mesh,
             self.rules,
             start_step=self.resumed_from,
         )
+        self.callbacks("on_end", result)
+        if self.callbacks.failure is not None:
+            raise self.callbacks.halt(result.step, None)
+        return result
 
     def steps(
         self, overrides: Sequence[str] | None = None, run_log: rundir.RunLog | None = None
@@ -174,7 +193,10 @@ class Trainer:
         The workdir is locked for the run's life; the run writes its config, its log and its
         events there only once it has restored (or started) its state."""
         saved_config = OmegaConf.to_container(self.cfg, resolve=True, enum_to_str=True)
-        self._check_best_metric(saved_config["trainer"]["best_metric"])
+        self._check_eval_metric("best_metric", saved_config["trainer"]["best_metric"])
+        self._check_eval_metric(
+            "early_stop.metric", saved_config["trainer"]["early_stop"]["metric"]
+        )
         primary = jax.process_index() == 0
         with contextlib.ExitStack() as stack:
             stack.enter_context(rundir.hold(self.workdir, jax.process_index()))
@@ -205,6 +227,16 @@ class Trainer:
     def _loop(self, cadence: Cadence, instruments: Instruments, iterator) -> Iterator[int]:
         """Steps `progress.step + K .. trainer.steps`, K at a time."""
         k, start, sums = self.dispatcher.k, cadence.progress.step, cadence.progress.window
+        if cadence.finished:
+            return
+        yield from self._dispatches(cadence, instruments, iterator, k, start, sums)
+        cadence.finish()
+        if cadence.callbacks.failure is not None:  # in a hook after the last step
+            step = cadence.progress.step
+            raise cadence.callbacks.halt(step, cadence.checkpoint_path(step))
+
+    def _dispatches(self, cadence, instruments, iterator, k, start, sums) -> Iterator[int]:
+        """The dispatches themselves, until trainer.steps or an early stop."""
         with (
             cadence.stop.installed(),
             instruments.installed(),
@@ -219,6 +251,8 @@ class Trainer:
                 instruments.after(step, sums)
                 sums = cadence.after_dispatch(step, self.state, sums)
                 yield step
+                if cadence.finished:
+                    return
 
     def _start(self, checkpointer: Checkpointer, iterator, saved_config) -> Metrics:
         """Restore (or start) the run; the zero window sums of its train step."""
@@ -248,10 +282,10 @@ class Trainer:
                 f"already is; use trainer.steps >= {step}."
             )
 
-    def _check_best_metric(self, best_metric: str | None) -> None:
-        if best_metric and best_metric not in self.eval_metric_names():
+    def _check_eval_metric(self, key: str, metric: str | None) -> None:
+        if metric and metric not in self.eval_metric_names():
             raise ZooError(
-                f"trainer.best_metric={best_metric} is not an eval metric of model "
+                f"trainer.{key}={metric} is not an eval metric of model "
                 f"'{self.cfg.model.name}'; valid: {', '.join(self.eval_metric_names())}."
             )
 
@@ -266,10 +300,13 @@ class Trainer:
         reporter.summaries(hparams_summaries(saved_config, [*metric_tags, "train/loss"]))
         total = int(cfg.trainer.steps)
         how = "Training"
+        stopped = self.progress.early_stop.get("stopped", False)
         if step:
             how = (
-                "Already complete: " if step == total else ""
+                "Already complete: " if step == total or stopped else ""
             ) + f"Resuming at step {step}: training"
+        if stopped:
+            how = f"Already complete (stopped early at step {step}): training"
         log.info(
             "%s %s on %s for %d steps (batch %d) on mesh %s; %s parameters; workdir %s",
             how,
@@ -299,6 +336,7 @@ class Trainer:
             lambda step: instruments.report(step, reporter),
             progress.window_start,
             self.skip_nonfinite,
+            self.callbacks,
         )
         meta = {"seed": self.cfg.seed, "base_key": jax.random.key_data(self.step_key).tolist()}
         cadence = Cadence(
@@ -311,6 +349,8 @@ class Trainer:
             saved_config,
             meta,
             zeros,
+            EarlyStop.of(saved_config["trainer"]["early_stop"], progress.early_stop),
+            self.callbacks,
         )
         return cadence, instruments
 
@@ -338,6 +378,10 @@ class Trainer:
         (samples, images), if it registered one."""
         metrics = self.evaluate()
         reporter.eval(step, metrics)
+        if self.ema_decay is not None:
+            averaged = self.evaluate(ema=True)
+            reporter.scalars("eval_ema", step, averaged)
+            log.info("Eval (EMA weights) @ step %d: %s", step, format_metrics(averaged))
         if self.on_eval is not None:
             model, _ = nnx.merge(self.graphdef, self.state)  # shares the arrays; read only
             model.eval()
@@ -351,8 +395,17 @@ class Trainer:
         return metrics
 
 
-def _check_batch_split(batch_size: int, mesh: jax.sharding.Mesh, rules: sharding.AxisRules):
+def _check_batch_split(
+    batch_size: int, microbatches: int, mesh: jax.sharding.Mesh, rules: sharding.AxisRules
+):
     shards = sharding.batch_divisor(mesh, rules)
+    if microbatches > 1 and batch_size % (shards * microbatches):
+        raise ZooError(
+            f"trainer.batch_size={batch_size} cannot be split into trainer.grad_accum_steps="
+            f"{microbatches} microbatches that each split over the mesh's batch axes (data*fsdp "
+            f"= {shards}); use a batch_size that is a multiple of {shards * microbatches}, or "
+            "another grad_accum_steps."
+        )
     if batch_size % shards:
         raise ZooError(
             f"trainer.batch_size={batch_size} cannot be split over the mesh's batch axes "

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import optax
 
 from train.config import OptimizerName, ScheduleName
+from train.ema import params_ema
 
 
 def learning_rate_schedule(opt: Any, total_steps: int) -> optax.Schedule:
@@ -36,7 +38,26 @@ def make_optimizer(
     elif name is OptimizerName.adam:
         tx = optax.adam(schedule)
     else:
-        tx = optax.adamw(schedule, weight_decay=float(opt.weight_decay))
+        mask = None if opt.decay_all else decay_mask
+        tx = optax.adamw(schedule, weight_decay=float(opt.weight_decay), mask=mask)
     if opt.grad_clip_norm is not None:
         tx = optax.chain(optax.clip_by_global_norm(float(opt.grad_clip_norm)), tx)
+    if opt.ema_decay is not None:
+        tx = optax.chain(tx, params_ema(float(opt.ema_decay)))
     return tx, schedule
+
+
+DECAYED = ("kernel", "lora_a", "lora_b")
+"""The params AdamW decays by default: the weights of Linear and Conv layers and of LoRA
+adapters. Biases, norm scales and offsets, embedding tables and position embeddings are left
+alone: pulling them toward zero only fights what they encode."""
+
+
+def decay_mask(params: Any) -> Any:
+    """True for each param named in `DECAYED` (the last name on its path)."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: _name(path) in DECAYED, params)
+
+
+def _name(path: tuple[Any, ...]) -> str:
+    """The last dict key of a pytree path (a State's leaves may add a `.value` after it)."""
+    return next((str(k.key) for k in reversed(path) if hasattr(k, "key")), "")

@@ -50,6 +50,7 @@ class Progress:
     window_start: int
     eval_step: int
     eval_metrics: dict[str, float]
+    early_stop: dict[str, Any] = dataclasses.field(default_factory=dict)  # its saved counters
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +99,7 @@ def _resume(run: RunStart, checkpointer: Checkpointer) -> tuple[Any, Progress] |
             window_start=int(meta["window_start"]),
             eval_step=int(meta["eval"]["step"]),
             eval_metrics=dict(meta["eval"]["metrics"]),
+            early_stop=dict(meta.get("early_stop", {})),
         )
     if unreadable:
         raise _unreadable(checkpointer, unreadable, explicit)

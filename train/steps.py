@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from train import rngs as zoo_rngs
 from train.freeze import train_mode
@@ -41,6 +42,7 @@ class Trainable:
 
     params: nnx.filterlib.Filter = nnx.Param
     frozen_norms: tuple[tuple[Any, ...], ...] = ()
+    microbatches: int = 1  # trainer.grad_accum_steps: see `_accumulated`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +78,9 @@ def _loss_and_grads(
     crosses from the host."""
     model, optimizer = nnx.merge(graphdef, state)
     train_mode(model, trainable.frozen_norms)
+    if trainable.microbatches > 1:
+        loss, metrics, grads = _accumulated(model, loss_fn, trainable, batch, key, optimizer.step)
+        return model, optimizer, loss, metrics, grads
     rngs = zoo_rngs.call_rngs(key, optimizer.step[...])
 
     def objective(model, batch, rngs):
@@ -93,6 +98,62 @@ def _loss_and_grads(
         objective, argnums=nnx.DiffState(0, trainable.params), has_aux=True
     )(model, batch, rngs)
     return model, optimizer, loss, metrics, grads
+
+
+def _accumulated(model: nnx.Module, loss_fn: Callable, trainable: Trainable, batch, key, step):
+    """The batch's (weighted) mean loss, metrics and gradients, computed over
+    `trainable.microbatches` equal slices of it in a `lax.scan`: only one slice's activations
+    are alive at a time. Sums of loss x weight and of the gradients of that sum are carried
+    through the scan and divided by the batch's total weight at the end, so the result is the
+    full batch's up to float rounding. Stateful layers see the slices one after another: a
+    BatchNorm normalises each slice by its own statistics and updates its running averages once
+    per slice. Dropout draws a different key for each slice."""
+    n = trainable.microbatches
+    graph, params, rest = nnx.split(model, trainable.params, ...)
+    slices = jax.tree.map(lambda x: _microbatches(x, n), batch)
+
+    step = step[...]
+
+    def objective(params, rest, micro, slice_key):
+        slice_model = nnx.merge(graph, params, rest, copy=True)  # Variables of this trace
+        loss, metrics = loss_fn(slice_model, micro, zoo_rngs.call_rngs(slice_key, step))
+        metrics = dict(metrics)
+        weight = metrics.pop(WEIGHT, jnp.ones_like(loss))
+        sums = {name: jnp.sum(value * weight) for name, value in {"loss": loss, **metrics}.items()}
+        sums[WEIGHT] = jnp.sum(weight)
+        return sums["loss"], (sums, nnx.split(slice_model, trainable.params, ...)[2])
+
+    def body(carry, inputs):
+        rest, grad_sums, sums = carry
+        micro, index = inputs
+        (_, (micro_sums, rest)), grads = jax.value_and_grad(objective, has_aux=True)(
+            params, rest, micro, jax.random.fold_in(key, index)
+        )
+        return (rest, jax.tree.map(jnp.add, grad_sums, grads), _add(sums, micro_sums)), None
+
+    first = jax.eval_shape(lambda: objective(params, rest, _first(slices), key)[1][0])
+    zeros = {name: jnp.zeros(s.shape, jnp.float32) for name, s in first.items()}
+    grad_zeros = jax.tree.map(jnp.zeros_like, params)
+    (rest, grad_sums, sums), _ = jax.lax.scan(
+        body, (rest, grad_zeros, zeros), (slices, jnp.arange(n))
+    )
+    nnx.update(model, rest)
+    total = sums.pop(WEIGHT)
+    grads = jax.tree.map(lambda g: (g / total).astype(g.dtype), grad_sums)
+    mean = {name: value / total for name, value in sums.items()}
+    return mean.pop("loss"), mean, grads
+
+
+def _first(slices):
+    return jax.tree.map(lambda x: x[0], slices)
+
+
+def _microbatches(x: jax.Array, n: int) -> jax.Array:
+    """`x` (batch x ...) as n slices (n x batch/n x ...), slice i holding rows i, i+n, ...:
+    each device's rows stay on it, spread evenly over the slices, so no slice moves data."""
+    spec = jax.typeof(x).sharding.spec
+    rows = jnp.reshape(x, (x.shape[0] // n, n, *x.shape[1:]), out_sharding=P(spec[0], None))
+    return jnp.moveaxis(rows, 1, 0)
 
 
 def make_train_step(

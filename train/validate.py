@@ -78,10 +78,16 @@ def check_trainer(trainer: Any) -> None:
     for key in ("steps", "batch_size", "log_every"):
         if trainer[key] < 1:
             raise ZooError(f"trainer.{key}={trainer[key]} must be at least 1.")
+    if trainer.grad_accum_steps < 1:
+        raise ZooError(
+            f"trainer.grad_accum_steps={trainer.grad_accum_steps} must be at least 1 (1: the "
+            "whole batch at once)."
+        )
     for key in ("eval_every", "checkpoint_every"):
         if trainer[key] < 0:
             raise ZooError(f"trainer.{key}={trainer[key]} must be 0 (off) or positive.")
     check_cadences(trainer)
+    _check_early_stop(trainer)
     if trainer.keep < 1:
         raise ZooError(
             f"trainer.keep={trainer.keep} must be at least 1: the latest checkpoint is always kept."
@@ -104,6 +110,11 @@ def check_optimizer(optimizer: Any, steps: int) -> None:
     for key in ("learning_rate", "grad_clip_norm"):
         if optimizer[key] == 0:
             raise ZooError(f"optimizer.{key}=0 must be positive.")
+    if optimizer.ema_decay is not None and not 0 < optimizer.ema_decay < 1:
+        raise ZooError(
+            f"optimizer.ema_decay={optimizer.ema_decay} must lie strictly between 0 and 1 "
+            "(e.g. 0.999), or be null (no average)."
+        )
     if optimizer.momentum == 1:
         raise ZooError("optimizer.momentum=1 must be below 1: the update would never decay.")
     if not 0 <= optimizer.warmup_steps <= steps:
@@ -151,6 +162,18 @@ def check_finetune(finetune: Any) -> None:
             re.compile(pattern)
         except re.error as e:
             raise ZooError(f"The path pattern '{pattern}' is not a valid regex: {e}.") from None
+
+
+def _check_early_stop(trainer: Any) -> None:
+    early = trainer.early_stop
+    if early.patience < 1:
+        raise ZooError(f"trainer.early_stop.patience={early.patience} must be at least 1 (evals).")
+    _in_range("trainer.early_stop.min_delta", early.min_delta, "0 or positive", 0)
+    if early.metric and not trainer.eval_every:
+        raise ZooError(
+            f"trainer.early_stop.metric={early.metric} needs evals to watch: set "
+            "trainer.eval_every to a number of steps (it is 0: only after the last step)."
+        )
 
 
 def _check_profile_steps(steps: list[int], total: int) -> None:

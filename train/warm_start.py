@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from train.config import resume_step
@@ -28,6 +29,8 @@ from train.paths import dotted, matches
 from train.saved import SavedPath, read_json, restore_arrays, saved_shapes, saved_steps
 
 MODEL = "0"
+OPTIMIZER = "1"
+_AVERAGE = (OPTIMIZER, "opt_state", "1", "average")  # `train.ema`: the last link of the chain
 """The model's part of a checkpoint's `state` item (the optimizer's is "1")."""
 
 log = logging.getLogger("zoo")
@@ -132,6 +135,30 @@ def restore_model(model: nnx.Module, step_path: str) -> None:
     the model must have the structure of the one saved there."""
     variables = list(nnx.to_flat_state(nnx.state(model)))
     _restore_into(step_path, [(tuple(map(str, path)), v) for path, v in variables])
+
+
+def restore_averaged(model: nnx.Module, step_path: str, decay: float) -> None:
+    """Replace `model`'s params by their average (`optimizer.ema_decay`) saved in the optimizer
+    state at `step_path`, in place; params the run did not train keep their values."""
+    saved = saved_shapes(step_path)
+    count_path = (OPTIMIZER, "opt_state", "1", "count")
+    averaged = []
+    for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        key = (*_AVERAGE, *map(str, path))
+        if key in saved:
+            averaged.append((key, variable))
+    targets = {
+        key: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v[...].sharding) for key, v in averaged
+    }
+    mesh = averaged[0][1][...].sharding.mesh
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    targets[count_path] = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
+    arrays = restore_arrays(step_path, targets)
+    count = int(arrays[count_path])
+    if count == 0:
+        return  # nothing averaged yet: the params are their own average
+    for key, variable in averaged:
+        variable[...] = arrays[key] / (1 - decay**count)
 
 
 def warm_start(

@@ -18,6 +18,7 @@ the plugins `models` and `data`, which use the engine `train`; nothing below imp
 
 import data  # noqa: F401  (registers the built-in data sets)
 import models  # noqa: F401  (registers the built-in models)
+from train.callbacks import STOP, CallbackFailed, CallbackStop
 from train.errors import NonFiniteLoss, ZooError
 from train.loop import RunResult, run
 from train.registry import (
@@ -46,6 +47,9 @@ from zoo.pretrained import list_models
 from zoo.tuning import finetune
 
 __all__ = [
+    "STOP",
+    "CallbackFailed",
+    "CallbackStop",
     "Interrupted",
     "ModelEntry",
     "NonFiniteLoss",

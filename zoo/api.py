@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -21,21 +21,23 @@ from train import pipeline, registry, rundir, sharding, weights
 from train import rngs as zoo_rngs
 from train.build import build_model, build_on_mesh
 from train.config import Config, MeshConfig, checked_dict, checked_params
+from train.errors import ZooError
 from train.loop import RunResult, Trainer, evaluate_batches
 from train.lora import merge_adapters
 from train.saved import read_json
 from train.steps import make_eval_step
-from train.warm_start import read_first, restore_model
+from train.warm_start import read_first, restore_averaged, restore_model
 from zoo.overrides import compose
 
 
-def fit(model: str, *overrides: str) -> RunResult:
+def fit(model: str, *overrides: str, callbacks: Sequence[Any] = ()) -> RunResult:
     """Run the CLI's job from Python: `fit("cnn", "data=digits", "trainer.steps=200")` is
     `python -m zoo.train model=cnn data=digits trainer.steps=200`, returning the trained model,
-    its final eval metrics and its workdir."""
+    its final eval metrics and its workdir. `callbacks`: see "Callbacks" in the README."""
     args = [f"model={model}", *overrides]
     with rundir.RunLog() as run_log:
-        return Trainer(compose(args)).fit(overrides=args, run_log=run_log)
+        trainer = Trainer(compose(args), callbacks=callbacks)
+        return trainer.fit(overrides=args, run_log=run_log)
 
 
 @dataclasses.dataclass
@@ -66,9 +68,12 @@ def load(
     *,
     mesh: Mapping[str, Any] | None = None,
     devices: Any = None,
+    weights: str = "raw",
 ) -> TrainedModel:
     """The model of the run in `workdir` (the CLI's or the Python API's) with its weights from
     the checkpoint `step` names (`latest`, `best` or a step number) and its resolved config.
+    `weights="ema"`: the average of the params that `optimizer.ema_decay` kept, in place of the
+    params themselves.
 
     It is placed on a new mesh: `mesh` takes the keys of the `mesh` config section (default:
     data parallel over every device, whatever mesh it was trained on), `devices` restricts it to
@@ -80,7 +85,7 @@ def load(
     if is_pretrained_dir(workdir):
         return _load_pretrained(os.path.abspath(workdir), mesh, devices)
     step_number, _, (model, config, device_mesh, rules, metrics) = read_first(
-        workdir, step, lambda _, path: _read_model(path, mesh, devices)
+        workdir, step, lambda _, path: _read_model(path, mesh, devices, weights)
     )
     return TrainedModel(
         model, config, step_number, os.path.abspath(workdir), device_mesh, rules, metrics
@@ -134,9 +139,12 @@ def _load_pretrained(directory: str, mesh: Mapping[str, Any] | None, devices: An
     return TrainedModel(model, planned.config, 0, directory, planned.mesh, planned.rules, {})
 
 
-def _read_model(path: str, mesh: Mapping[str, Any] | None, devices: Any) -> tuple:
+def _read_model(
+    path: str, mesh: Mapping[str, Any] | None, devices: Any, weights: str = "raw"
+) -> tuple:
     """The model saved at `path` on the mesh asked for, its config and its last eval."""
     config = saved_config(path)
+    decay = _averaged_weights(weights, config, path)
     entry = registry.get_model(config.model.name)
     mesh_cfg = checked_dict(MeshConfig, {"rules": dict(config.mesh.rules), **(mesh or {})}, "mesh")
     device_mesh, rules = sharding.mesh_and_rules(mesh_cfg, devices)
@@ -144,9 +152,28 @@ def _read_model(path: str, mesh: Mapping[str, Any] | None, devices: Any) -> tupl
         entry, resolved_hparams(config), config.seed, device_mesh, rules, finetune=config.finetune
     ).model
     restore_model(model, path)
+    if decay is not None:
+        restore_averaged(model, path, decay)
     model.eval()
     evaluated = read_json(path, "meta").get("eval", {})
     return model, config, device_mesh, rules, dict(evaluated.get("metrics", {}))
+
+
+def _averaged_weights(weights: str, config: Any, path: str) -> float | None:
+    """The EMA decay to read the params' average with, or None for the params themselves."""
+    if weights not in ("raw", "ema"):
+        raise ZooError(
+            f"weights={weights!r} must be 'raw' (the trained params) or 'ema' (their average)."
+        )
+    if weights == "raw":
+        return None
+    decay = config.optimizer.get("ema_decay")
+    if decay is None:
+        raise ZooError(
+            f"weights='ema' needs a run trained with optimizer.ema_decay; the run at {path} kept "
+            "no average. Use weights='raw'."
+        )
+    return float(decay)
 
 
 def merge_lora(trained: Trained) -> nnx.Module:

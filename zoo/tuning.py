@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -40,6 +40,7 @@ def finetune(
     freeze: str | Filter | None = None,
     lora_rank: int = 0,
     lora_layers: str = ".*",
+    callbacks: Sequence[Any] = (),
 ) -> RunResult:
     """Fine-tune a trained model (or train a fresh one) with the trainer, as one more run.
 
@@ -62,6 +63,7 @@ def finetune(
       (every param outside the head), or an NNX filter.
     - `lora_rank` > 0: add LoRA adapters to the Linear layers `lora_layers` matches and train
       only them and the fresh params; `zoo.merge_lora` folds them in afterwards.
+    - `callbacks`: objects with hooks the run calls (see `zoo.fit`).
 
     Running the same call again with the same workdir resumes it (a finished run returns at
     once), as the CLI does."""
@@ -96,7 +98,8 @@ def finetune(
     if user_data:
         cfg = _on_user_data(cfg, data)
     frozen = None if freeze is None or isinstance(freeze, str) else freeze
-    return Trainer(cfg, data=data if user_data else None, freeze=frozen).fit()
+    trainer = Trainer(cfg, data=data if user_data else None, freeze=frozen, callbacks=callbacks)
+    return trainer.fit()
 
 
 def _model_args(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -58,3 +59,24 @@ def test_warmup_longer_than_training_is_rejected():
         zoo.compose(
             ["trainer.steps=10", "trainer.steps_per_dispatch=1", "optimizer.warmup_steps=50"]
         )
+
+
+@pytest.mark.parametrize("decay_all", [False, True])
+def test_adamw_decays_kernels_only_unless_told_to_decay_all(decay_all):
+    """With a zero gradient, AdamW's update is the decay alone: -lr * weight_decay * param."""
+    opt = optimizer_config(
+        "name=adamw", "learning_rate=0.5", "weight_decay=0.1", f"decay_all={decay_all}"
+    )
+    tx, _ = make_optimizer(opt, total_steps=10)
+    params = {
+        "dense": {"kernel": jnp.ones((2, 2)), "bias": jnp.ones(2)},
+        "norm": {"scale": jnp.ones(2)},
+        "embedding": jnp.ones((3, 2)),
+        "adapter": {"lora_a": jnp.ones((2, 1)), "lora_b": jnp.ones((1, 2))},
+    }
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    updates, _ = tx.update(zeros, tx.init(params), params)
+    decayed = {"kernel", "lora_a", "lora_b"}
+    for path, update in jax.tree_util.tree_flatten_with_path(updates)[0]:
+        expected = -0.05 if decay_all or path[-1].key in decayed else 0.0
+        np.testing.assert_allclose(update, expected, err_msg=jax.tree_util.keystr(path))

@@ -1,0 +1,69 @@
+"""The shared block's fused attention (`jax.nn.dot_product_attention`) computes what attention
+written out in einsums does: causal, bidirectional and against a KV cache, on one device and
+with heads split over `tensor`."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from model_checks import MESH, ONE_DEVICE, Models, outputs
+
+from train.sharding import logical_spec
+
+CONTEXT, DIM, HEADS, BATCH = 16, 32, 4, 4
+
+
+@pytest.fixture(scope="module")
+def models():
+    return Models("gpt", "text", context_length=CONTEXT, dim=DIM, depth=1, num_heads=HEADS)
+
+
+def written_out(attention, x, cache, start, causal):
+    """Attention as three projections, two einsums and a masked softmax."""
+    heads = logical_spec("batch", None, "heads", None)
+    q, k, v = (p(x, out_sharding=heads) for p in (attention.query, attention.key, attention.value))
+    if cache is not None:
+        k = jax.lax.dynamic_update_slice_in_dim(cache[0], k, start, axis=1)
+        v = jax.lax.dynamic_update_slice_in_dim(cache[1], v, start, axis=1)
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
+    if causal:
+        visible = jnp.arange(k.shape[1])[None, :] <= (start + jnp.arange(q.shape[1]))[:, None]
+        logits = jnp.where(visible, logits, -jnp.inf)
+    mixed = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), v)
+    return attention.out(mixed, out_sharding=logical_spec("batch", None, None))
+
+
+def both(model, x, cache, start, causal):
+    attention = model.blocks[0].attention
+    if cache is not None:  # where the model's own cache lives
+        spec = logical_spec("batch", None, "heads", None)
+        cache = tuple(jax.sharding.reshard(c, spec) for c in cache)
+    attention.causal = causal
+    fused, _ = attention(x, jax.random.key(0), cache, start)
+    return fused, written_out(attention, x, cache, start, causal)
+
+
+@pytest.mark.parametrize("mesh", [ONE_DEVICE, MESH], ids=["one-device", "2x2x2"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+def test_fused_attention_matches_einsum_attention(models, mesh, causal):
+    x = jax.random.normal(jax.random.key(1), (BATCH, CONTEXT, DIM))
+    model = models.one if mesh is ONE_DEVICE else models.split
+    model.eval()
+    fused, reference = outputs(model, mesh, lambda m, x: both(m, x, None, 0, causal), x)
+    np.testing.assert_allclose(fused, reference, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mesh", [ONE_DEVICE, MESH], ids=["one-device", "2x2x2"])
+def test_fused_attention_matches_einsum_attention_against_a_kv_cache(models, mesh):
+    head_dim = DIM // HEADS
+    keys = jax.random.split(jax.random.key(2), 3)
+    x = jax.random.normal(keys[0], (BATCH, 3, DIM))
+    cache = tuple(jax.random.normal(k, (BATCH, CONTEXT, HEADS, head_dim)) for k in keys[1:])
+    model = models.one if mesh is ONE_DEVICE else models.split
+    model.eval()
+    fused, reference = outputs(model, mesh, lambda m, x, c: both(m, x, c, 5, True), x, cache)
+    np.testing.assert_allclose(fused, reference, rtol=1e-5, atol=1e-6)

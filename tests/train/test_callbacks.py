@@ -1,0 +1,139 @@
+"""Callbacks of `zoo.fit`: every window, eval and checkpoint once, with the values the logs
+hold; a stop request saves and resumes; a failing callback stops with its traceback; across a
+kill -9 and a resume every window reaches the callback, none lost (those after the last
+checkpoint again, with the same values)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+
+import pytest
+from helpers import ROOT, read_events, scalar_steps
+
+import zoo
+from train.saved import saved_steps
+
+ARGS = (
+    "data=digits",
+    "model.hidden_sizes=[16]",
+    "trainer.batch_size=16",
+    "trainer.steps=40",
+    "trainer.log_every=5",
+    "trainer.eval_every=10",
+    "trainer.checkpoint_every=20",
+    "optimizer.warmup_steps=0",
+    "logging.norms_every=0",
+)
+
+
+class Recorder:
+    def __init__(self, stop_at_eval: int | None = None, fail_at_window: int | None = None):
+        self.calls: list[tuple] = []
+        self.stop_at_eval, self.fail_at_window = stop_at_eval, fail_at_window
+
+    def on_train_window(self, step, metrics):
+        self.calls.append(("window", step, metrics["loss"]))
+        if step == self.fail_at_window:
+            raise ValueError("callback bug")
+
+    def on_eval(self, step, metrics):
+        self.calls.append(("eval", step, metrics["loss"]))
+        return zoo.STOP if step == self.stop_at_eval else None
+
+    def on_checkpoint(self, step, path):
+        self.calls.append(("checkpoint", step, path))
+
+    def on_end(self, result):
+        self.calls.append(("end", result.step, None))
+
+
+def steps(recorder: Recorder, kind: str) -> list[int]:
+    return [step for what, step, _ in recorder.calls if what == kind]
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("callbacks")
+    recorder = Recorder()
+    zoo.fit("mlp", *ARGS, f"workdir={workdir}", callbacks=[recorder])
+    return recorder, workdir
+
+
+def test_every_window_eval_and_checkpoint_once_with_the_logged_values(finished):
+    recorder, workdir = finished
+    events = read_events(workdir)
+    assert steps(recorder, "window") == list(range(5, 41, 5))
+    assert steps(recorder, "eval") == [10, 20, 30, 40]
+    assert steps(recorder, "checkpoint") == [20, 40]
+    assert recorder.calls[-1][:2] == ("end", 40)
+    losses = scalar_steps(events, "train/loss")
+    for what, step, loss in recorder.calls:
+        if what == "window":
+            assert loss == pytest.approx(losses[step], rel=1e-6)
+    saved = [path for what, _, path in recorder.calls if what == "checkpoint"]
+    assert saved == [str(workdir / "checkpoints" / s) for s in ("20", "40")]
+
+
+def test_a_stop_request_saves_and_the_run_resumes(tmp_path):
+    with pytest.raises(zoo.CallbackStop, match="Recorder.on_eval after step 30"):
+        zoo.fit("mlp", *ARGS, f"workdir={tmp_path}", callbacks=[Recorder(stop_at_eval=30)])
+    assert saved_steps(str(tmp_path / "checkpoints"))[-1] == 30
+    again = Recorder()
+    result = zoo.fit("mlp", *ARGS, f"workdir={tmp_path}", callbacks=[again])
+    assert result.start_step == 30 and steps(again, "window") == [35, 40]
+
+
+def test_a_failing_callback_stops_with_a_checkpoint_and_its_traceback(tmp_path):
+    with pytest.raises(zoo.CallbackFailed, match="Recorder.on_train_window raised ValueError") as e:
+        zoo.fit("mlp", *ARGS, f"workdir={tmp_path}", callbacks=[Recorder(fail_at_window=15)])
+    assert isinstance(e.value.__cause__, ValueError)
+    assert e.value.__cause__.__traceback__.tb_frame is not None
+    assert saved_steps(str(tmp_path / "checkpoints"))[-1] == e.value.step
+
+
+SCRIPT = """
+import json, sys
+import zoo
+
+class Append:
+    def on_train_window(self, step, metrics):
+        with open(sys.argv[1], "a") as f:
+            f.write(json.dumps([step, metrics["loss"]]) + "\\n")
+
+zoo.fit("mlp", *sys.argv[2:], callbacks=[Append()])
+"""
+
+
+def fit_in_process(seen, workdir, *extra):
+    return subprocess.Popen(
+        [sys.executable, "-c", SCRIPT, str(seen), *ARGS, f"workdir={workdir}", *extra],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_across_a_kill_and_a_resume_every_window_reaches_the_callback(finished, tmp_path):
+    recorder, _ = finished
+    seen = tmp_path / "seen.jsonl"
+    killed = fit_in_process(seen, tmp_path / "run", "trainer.steps=40")
+    while killed.poll() is None:
+        if seen.exists() and len(seen.read_text().splitlines()) >= 5:  # past the save at 20
+            killed.send_signal(signal.SIGKILL)
+            break
+    killed.communicate()
+    assert killed.returncode == -signal.SIGKILL
+    resumed = fit_in_process(seen, tmp_path / "run")
+    _, stderr = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, stderr
+    windows = [tuple(json.loads(line)) for line in seen.read_text().splitlines()]
+    expected = {step: loss for what, step, loss in recorder.calls if what == "window"}
+    assert {step for step, _ in windows} == set(expected)
+    for step, loss in windows:  # a window after the checkpoint comes again, with the same value
+        assert loss == pytest.approx(expected[step], rel=1e-6)
+    repeated = [step for step, _ in windows[len(windows) - len(expected) :]]
+    assert repeated == sorted(expected)  # the resumed run: from its checkpoint on, in order
