@@ -14,6 +14,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from train.pipeline import MASK
+from train.registry import reads_columns
 from train.report import EvalReport, image_grid
 
 MISCLASSIFIED = 32
@@ -27,11 +28,13 @@ def _loss(logits: jax.Array, labels: jax.Array):
     return loss, {"accuracy": (logits.argmax(-1) == labels).astype(jnp.float32)}
 
 
+@reads_columns("image", "label")
 def classification_loss(model: nnx.Module, batch: Mapping[str, jax.Array], rngs: nnx.Rngs):
     """For models that hold their randomness (module-bound Dropout streams): `model(image)`."""
     return _loss(model(batch["image"]), batch["label"])
 
 
+@reads_columns("image", "label")
 def classification_loss_with_rngs(
     model: nnx.Module, batch: Mapping[str, jax.Array], rngs: nnx.Rngs
 ):

@@ -32,7 +32,7 @@ from train.cadence import Cadence, Every, LogWindows
 from train.checkpoint import Checkpointer
 from train.dispatch import Dispatcher
 from train.errors import ZooError
-from train.freeze import Filter, frozen_filter, frozen_norms, trainable_filter
+from train.freeze import Filter, check_frozen, frozen_filter, frozen_norms, trainable_filter
 from train.histograms import make_histogram_step
 from train.norms import make_norms_step
 from train.observe import Deferred, Instruments, ProfileWindow, WindowClock
@@ -40,6 +40,7 @@ from train.optim import make_optimizer
 from train.report import EvalReport, Reporter, format_metrics
 from train.steps import COUNT, Metrics, Trainable, make_steps, means, zero_metrics
 from train.summaries import hparams_summaries, model_summary
+from train.validate import check_data
 
 log = logging.getLogger("zoo")
 
@@ -94,7 +95,8 @@ class Trainer:
         self.train_data, self.eval_data = pipeline.process_pipelines(
             splits, trainer.batch_size, cfg.seed
         )
-        trainable = trainable_filter(cfg.finetune, frozen_filter(cfg.finetune, freeze))
+        frozen = frozen_filter(cfg.finetune, freeze)
+        trainable = trainable_filter(cfg.finetune, frozen)
         tx, self.schedule = make_optimizer(cfg.optimizer, trainer.steps)
         built = build_on_mesh(
             entry,
@@ -106,6 +108,8 @@ class Trainer:
             tx=tx,
             wrt=trainable,
         )
+        what = f"finetune.freeze={cfg.finetune.freeze}" if freeze is None else f"{freeze!r}"
+        check_frozen(built.model, frozen, trainable, what)
         self.plan = built.plan
         self.param_count = sum(x.size for x in jax.tree.leaves(nnx.state(built.model, nnx.Param)))
         self.trainable = Trainable(trainable, frozen_norms(built.model, trainable))
@@ -314,23 +318,27 @@ class Trainer:
         return cadence, instruments
 
     def _instruments(self, reporter: Reporter, clock: WindowClock, start: int) -> Instruments:
-        norms_every = int(self.cfg.logging.norms_every)
-        histogram_every = int(self.cfg.logging.histogram_every)
+        k = self.dispatcher.k
+        first = start + k
+
+        def every(n: int) -> Callable[[int], bool]:
+            """Every n steps, and at the run's first step: a run shorter than n samples too."""
+            return lambda s: bool(n) and (s % n == 0 or s == first)
+
         probes = [
             Deferred(
                 self.norms_step,
-                lambda s: norms_every and s % norms_every == 0,
+                every(int(self.cfg.logging.norms_every)),
                 lambda s, norms: reporter.scalars("train", s, norms),
             ),
             Deferred(
                 self.histogram_step,
-                lambda s: histogram_every and s % histogram_every == 0,
+                every(int(self.cfg.logging.histogram_every)),
                 reporter.histograms,
             ),
         ]
         profile = ProfileWindow(self.workdir, list(self.cfg.trainer.profile_steps))
-        k = self.dispatcher.k
-        return Instruments(clock, profile, probes, k, first_step=start + k)
+        return Instruments(clock, profile, probes, k, first_step=first)
 
     def _evaluate_and_report(self, step: int, reporter: Reporter) -> dict[str, float]:
         """The eval at `step`, to TensorBoard and the console, then the model's own report
@@ -365,6 +373,7 @@ def _splits_and_hparams(
     filled in; the caller's own data decides nothing)."""
     hparams = OmegaConf.to_container(cfg.model)
     if data is not None:
+        check_data(entry, data, hparams)
         return data, hparams
     data_entry = registry.get_data(cfg.data.name)
     splits = data_entry.splits(OmegaConf.to_container(cfg.data))

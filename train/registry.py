@@ -54,6 +54,17 @@ DATA_FACTS = ("input_shape", "num_classes")
 Batch = dict[str, np.ndarray]
 
 
+def reads_columns(*names: str) -> Callable[[LossFn], LossFn]:
+    """Mark a loss function with the batch columns it reads (e.g. `image`, `label`), so that
+    data without them is refused by name before any model is built."""
+
+    def mark(loss: LossFn) -> LossFn:
+        loss.columns = names
+        return loss
+
+    return mark
+
+
 @dataclasses.dataclass(frozen=True)
 class Splits:
     """A data set held in memory: column name -> array, the same leading length per split.
@@ -83,6 +94,11 @@ class ModelEntry:
     optimizer: Mapping[str, Any]
     data: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     on_eval: OnEval | None = None
+
+    @property
+    def columns(self) -> tuple[str, ...] | None:
+        """The batch columns its loss reads (None: not declared, see `reads_columns`)."""
+        return getattr(self.loss, "columns", None)
 
     def resolve(self, hparams: Mapping[str, Any], data: DataEntry) -> dict[str, Any]:
         """`hparams` with each parameter left at None that the data set knows filled in."""

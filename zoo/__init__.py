@@ -16,7 +16,7 @@ import data  # noqa: F401  (registers the built-in data sets)
 import models  # noqa: F401  (registers the built-in models)
 from models.generate import generate
 from train.errors import NonFiniteLoss, ZooError
-from train.loop import RunResult, run
+from train.loop import RunResult
 from train.registry import (
     ModelEntry,
     Splits,
@@ -36,6 +36,7 @@ from zoo.api import (
     load_data,
     merge_lora,
     predict,
+    run,
 )
 from zoo.overrides import compose
 from zoo.tuning import finetune

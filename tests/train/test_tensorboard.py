@@ -143,7 +143,8 @@ def test_tensorboard_server_shows_every_tab(observed):
         assert list(scalars("eval/accuracy")) == evals
         for name in ("grad_norm", "param_norm", "update_ratio"):
             norms = scalars(f"train/{name}")
-            assert list(norms) == windows and all(v > 0 for v in norms.values()), name
+            # every window, and the run's first step (a run shorter than norms_every samples too)
+            assert list(norms) == [1, *windows] and all(v > 0 for v in norms.values()), name
         speed, examples = scalars("train/steps_per_sec"), scalars("train/examples_per_sec")
         for step in windows:
             assert examples[step] == pytest.approx(speed[step] * BATCH, rel=1e-5)
@@ -152,8 +153,8 @@ def test_tensorboard_server_shows_every_tab(observed):
         assert compiles[0] >= 1 and compiles == sorted(compiles)
         assert all(s > 0 for s in scalars("compile/seconds").values())
 
-        # Histograms: every HISTOGRAM_EVERY steps, each over every value of its array.
-        histogram_steps = list(range(HISTOGRAM_EVERY, STEPS + 1, HISTOGRAM_EVERY))
+        # Histograms: at the first step and every HISTOGRAM_EVERY steps, each over every value of its array.
+        histogram_steps = [1, *range(HISTOGRAM_EVERY, STEPS + 1, HISTOGRAM_EVERY)]
         for tag, size in (("params/hidden/0/kernel", 64 * HIDDEN), ("grads/head/bias", 10)):
             rows = fetch_json(f"{base}/data/plugin/histograms/histograms?run={RUN}&tag={tag}")
             assert [step for _, step, _ in rows] == histogram_steps

@@ -171,10 +171,11 @@ def test_lora_on_another_mesh_trains_only_adapters_and_merges(cli_runs, tmp_path
     images = digits.transform({"image": digits.eval["image"][:50]})["image"]
     adapted = zoo.predict(result, images)
     assert not np.allclose(adapted, zoo.predict(base, images), atol=1e-3)
-    merged = zoo.merge_lora(result)
-    assert not any(isinstance(m, ShardedLoRA) for _, m in nnx.iter_modules(merged))
-    assert set(flat(nnx.state(merged, nnx.Param))) == set(before)
-    np.testing.assert_allclose(zoo.predict(result, images), adapted, rtol=1e-4, atol=1e-5)
+    merged = zoo.merge_lora(result)  # a copy: `result` keeps its adapters
+    assert not any(isinstance(m, ShardedLoRA) for _, m in nnx.iter_modules(merged.model))
+    assert any(isinstance(m, ShardedLoRA) for _, m in nnx.iter_modules(result.model))
+    assert set(flat(nnx.state(merged.model, nnx.Param))) == set(before)
+    np.testing.assert_allclose(zoo.predict(merged, images), adapted, rtol=1e-4, atol=1e-5)
 
 
 def test_freezing_by_nnx_filter(cli_runs, tmp_path):

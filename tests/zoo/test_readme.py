@@ -42,7 +42,8 @@ def test_python_examples_run(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     printed = result.stdout.splitlines()
-    assert "xor" in printed[0] and printed[1] == "(2, 16)"
+    listed = re.search(r"print\(zoo\.list_models\(\)\)  # (.+)", README).group(1)
+    assert printed[0] == listed and printed[1] == "(2, 16)"
     assert printed[3].startswith("'")  # the gpt sample, printed as a Python string
     assert float(printed[4]) >= 0.9  # the user model's eval accuracy
     assert (tmp_path / "runs" / "readme-mlp" / "checkpoints" / "300").is_dir()
