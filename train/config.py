@@ -69,6 +69,9 @@ class TrainerConfig:
     # `[first, last]`: write a JAX profiler trace of these steps into the run's TensorBoard
     # directory; empty: no trace.
     profile_steps: list[int] = dataclasses.field(default_factory=list)
+    # Debug a model: run every step un-jitted (`jax.disable_jit`) with NaN checks on
+    # (`jax_debug_nans`), so print(), breakpoint() and jax.debug.print work inside it. Slow.
+    debug: bool = False
 
 
 @dataclasses.dataclass

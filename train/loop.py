@@ -180,6 +180,8 @@ class Trainer:
         self._check_best_metric(saved_config["trainer"]["best_metric"])
         primary = jax.process_index() == 0
         with contextlib.ExitStack() as stack:
+            if self.cfg.trainer.debug:
+                stack.enter_context(debugging())
             stack.enter_context(rundir.hold(self.workdir, jax.process_index()))
             run_log = run_log or stack.enter_context(rundir.RunLog())
             checkpointer = Checkpointer(
@@ -355,6 +357,17 @@ class Trainer:
 
             self.on_eval(model, EvalReport(step, key, self.eval_data[0], reporter, batches))
         return metrics
+
+
+@contextlib.contextmanager
+def debugging() -> Iterator[None]:
+    """`trainer.debug`: every step as plain Python, op by op, stopping at the first NaN."""
+    log.info(
+        "trainer.debug: steps run un-jitted with NaN checks (jax_debug_nans), slowly; print(), "
+        "breakpoint() and jax.debug.print work inside the model."
+    )
+    with jax.disable_jit(), jax.debug_nans(True):
+        yield
 
 
 def _check_batch_split(batch_size: int, mesh: jax.sharding.Mesh, rules: sharding.AxisRules):

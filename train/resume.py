@@ -29,6 +29,7 @@ RESUMABLE = (
     "trainer.resume",
     "trainer.nan_policy",
     "trainer.profile_steps",
+    "trainer.debug",  # how the steps run, not what they compute
     "trainer.steps_per_dispatch",  # same bits for every K; the checkpoint's position counts batches
     "logging.",  # what is written to TensorBoard, not what is trained
     "mesh.",  # the state is resharded onto the new mesh as it is restored

@@ -47,11 +47,12 @@ def test_python_examples_run(tmp_path):
     assert printed[3].startswith("'")  # the gpt sample, printed as a Python string
     assert float(printed[4]) >= 0.9  # the user model's eval accuracy
     assert (tmp_path / "runs" / "readme-mlp" / "checkpoints" / "300").is_dir()
-    assert printed[5] == "200 200 300"  # the second run resumed from the first's checkpoint
-    assert printed[6] == "fashion_mnist 150"  # the loaded model and its config
-    assert float(printed[8]) >= 0.5  # the fine-tuned model on the user's digits (chance: 0.1)
+    assert printed[5] == "True"  # trainer.debug ran the steps on concrete arrays
+    assert printed[6] == "200 200 300"  # the second run resumed from the first's checkpoint
+    assert printed[7] == "fashion_mnist 150"  # the loaded model and its config
+    assert float(printed[9]) >= 0.5  # the fine-tuned model on the user's digits (chance: 0.1)
     assert (tmp_path / "runs" / "readme-digits" / "checkpoints" / "150").is_dir()
-    assert len(printed) == 9
+    assert len(printed) == 10
 
 
 def test_error_examples_match_real_output():
