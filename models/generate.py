@@ -125,5 +125,15 @@ def sample_on_eval(model: Any, report) -> None:
     prompt = tokens[: min(length, model.context_length // 2)].astype(np.uint8).tobytes()
     new = generate(model, prompt, model.context_length // 2, temperature=0.8, seed=report.key)
     shown = prompt.decode("utf-8", errors="replace")
-    report.text("sample", f"    {shown!r} -> {new!r}")
+    report.text("sample", _as_markdown(shown, new))
     report.log(f"sample @ step {report.step}: {shown!r} -> {new!r}")
+
+
+def _as_markdown(prompt: str, continuation: str) -> str:
+    """The prompt and the model's continuation as TensorBoard shows text: two code blocks
+    (indented, so any text is shown as it is, newlines and all)."""
+
+    def block(text: str) -> str:
+        return "\n".join("    " + line for line in text.splitlines() or [""])
+
+    return f"**prompt**\n\n{block(prompt)}\n\n**continuation**\n\n{block(continuation)}"

@@ -7,11 +7,11 @@ import optax
 from flax import nnx
 
 from models import hparams
-from train.registry import reads_columns, register_model
+from train.registry import loss_contract, register_model
 from train.sharding import logical_spec
 
 
-@reads_columns("inputs", "label")
+@loss_contract(columns=("inputs", "label"), metrics=("accuracy",))
 def binary_classification_loss(model: nnx.Module, batch, rngs: nnx.Rngs):
     logits = model(batch["inputs"])[:, 0]
     labels = batch["label"]

@@ -126,6 +126,11 @@ class Trainer:
         self.norms_step = make_norms_step(self.graphdef, self.jitted)
         self.histogram_step = make_histogram_step(self.graphdef, self.jitted)
         self.on_eval = entry.on_eval
+        self.class_names = (
+            registry.get_data(cfg.data.name).class_names
+            if cfg.data.name in registry.list_datasets()
+            else None
+        )
         self.step_key, self.eval_key = zoo_rngs.step_key(cfg.seed), zoo_rngs.eval_key(cfg.seed)
 
     def shard(self, batch: dict[str, Any]) -> dict[str, jax.Array]:
@@ -220,7 +225,8 @@ class Trainer:
                     batches = next(iterator)  # exactly K batches per K steps: the iterator's
                     # state always matches the step
                 instruments.before(step, self.state, batches, self.step_key)
-                self.state, sums = self.dispatcher.run(self.state, sums, batches, self.step_key)
+                with instruments.profile.marker(step):
+                    self.state, sums = self.dispatcher.run(self.state, sums, batches, self.step_key)
                 instruments.after(step, sums)
                 sums = cadence.after_dispatch(step, self.state, sums)
                 yield step
@@ -305,7 +311,12 @@ class Trainer:
             progress.window_start,
             self.skip_nonfinite,
         )
-        meta = {"seed": self.cfg.seed, "base_key": jax.random.key_data(self.step_key).tolist()}
+        base_key = jax.random.key_data(self.step_key).tolist()
+
+        def meta() -> dict[str, Any]:
+            compiles = instruments.compiles.totals()
+            return {"seed": self.cfg.seed, "base_key": base_key, "compiles": compiles}
+
         cadence = Cadence(
             Every.of(self.cfg.trainer),
             progress,
@@ -340,7 +351,8 @@ class Trainer:
             ),
         ]
         profile = ProfileWindow(self.workdir, list(self.cfg.trainer.profile_steps))
-        return Instruments(clock, profile, probes, k, first_step=first)
+        compiled = self.progress.compiles
+        return Instruments(clock, profile, probes, k, first_step=first, compiled_before=compiled)
 
     def _evaluate_and_report(self, step: int, reporter: Reporter) -> dict[str, float]:
         """The eval at `step`, to TensorBoard and the console, then the model's own report
@@ -355,7 +367,8 @@ class Trainer:
             def batches():
                 return (self.shard(batch) for batch in self.eval_data)
 
-            self.on_eval(model, EvalReport(step, key, self.eval_data[0], reporter, batches))
+            report = EvalReport(step, key, self.eval_data[0], reporter, batches, self.class_names)
+            self.on_eval(model, report)
         return metrics
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -54,12 +54,15 @@ DATA_FACTS = ("input_shape", "num_classes")
 Batch = dict[str, np.ndarray]
 
 
-def reads_columns(*names: str) -> Callable[[LossFn], LossFn]:
+def loss_contract(
+    columns: Sequence[str], metrics: Sequence[str] = ()
+) -> Callable[[LossFn], LossFn]:
     """Mark a loss function with the batch columns it reads (e.g. `image`, `label`), so that
-    data without them is refused by name before any model is built."""
+    data without them is refused by name before any model is built, and the metrics it returns
+    besides the loss, so that TensorBoard's HParams tab lists every model's metrics."""
 
     def mark(loss: LossFn) -> LossFn:
-        loss.columns = names
+        loss.columns, loss.metrics = tuple(columns), tuple(metrics)
         return loss
 
     return mark
@@ -97,8 +100,13 @@ class ModelEntry:
 
     @property
     def columns(self) -> tuple[str, ...] | None:
-        """The batch columns its loss reads (None: not declared, see `reads_columns`)."""
+        """The batch columns its loss reads (None: not declared, see `loss_contract`)."""
         return getattr(self.loss, "columns", None)
+
+    @property
+    def metrics(self) -> tuple[str, ...]:
+        """The metrics its loss returns besides the loss (as `loss_contract` declares)."""
+        return getattr(self.loss, "metrics", ())
 
     def resolve(self, hparams: Mapping[str, Any], data: DataEntry) -> dict[str, Any]:
         """`hparams` with each parameter left at None that the data set knows filled in."""
@@ -125,6 +133,7 @@ class DataEntry:
     load: Callable[..., Splits]
     config: type
     info: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    class_names: tuple[str, ...] | None = None  # label i is class_names[i]; None: the numbers
 
     def splits(self, params: Mapping[str, Any]) -> Splits:
         return self.load(**{k: v for k, v in params.items() if k != "name"})
@@ -178,11 +187,13 @@ def register_data(
     *,
     input_shape: tuple[int, ...] | None = None,
     num_classes: int | None = None,
+    class_names: Sequence[str] | None = None,
 ) -> Any:
     """Register a data-set loader under `name`; usable as a function decorator.
 
     `input_shape` (one example's, e.g. `(28, 28, 1)`) and `num_classes` are what models built
-    for this data set need to know; see `ModelEntry.resolve`."""
+    for this data set need to know; see `ModelEntry.resolve`. `class_names` name the labels
+    where TensorBoard shows them (the confusion matrix, misclassified examples)."""
 
     def register(fn: Callable[..., Splits]) -> Callable[..., Splits]:
         if name in _DATASETS:
@@ -190,7 +201,11 @@ def register_data(
         schema = _signature_dataclass(fn, name, f"{_camel(name)}DataConfig")
         info = {"input_shape": input_shape, "num_classes": num_classes}
         _DATASETS[name] = DataEntry(
-            name, fn, schema, {k: v for k, v in info.items() if v is not None}
+            name,
+            fn,
+            schema,
+            {k: v for k, v in info.items() if v is not None},
+            tuple(class_names) if class_names else None,
         )
         return fn
 

@@ -49,6 +49,8 @@ class Progress:
     window_start: int
     eval_step: int
     eval_metrics: dict[str, float]
+    # XLA compilations of the run so far, in every process it ran in: `count` and `seconds`
+    compiles: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +99,7 @@ def _resume(run: RunStart, checkpointer: Checkpointer) -> tuple[Any, Progress] |
             window_start=int(meta["window_start"]),
             eval_step=int(meta["eval"]["step"]),
             eval_metrics=dict(meta["eval"]["metrics"]),
+            compiles=dict(meta.get("compiles", {})),
         )
     if unreadable:
         raise _unreadable(checkpointer, unreadable, explicit)

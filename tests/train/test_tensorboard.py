@@ -17,6 +17,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,6 +28,7 @@ import zoo
 from train.checkpoint import Checkpointer
 from train.loop import Trainer
 from train.saved import abstract_like
+from train.summaries import DEFAULT_COLUMNS
 
 STEPS, LOG_EVERY, EVAL_EVERY, HISTOGRAM_EVERY, BATCH = 40, 10, 20, 20, 64
 HIDDEN = 32
@@ -151,6 +153,8 @@ def test_tensorboard_server_shows_every_tab(observed):
             assert 0 < scalars("train/data_wait_share")[step] < 1
         compiles = list(scalars("compile/count").values())
         assert compiles[0] >= 1 and compiles == sorted(compiles)
+        # stamped as of each window's last step: the eval at step 20 compiles after it
+        assert scalars("compile/count")[30] > scalars("compile/count")[20]
         assert all(s > 0 for s in scalars("compile/seconds").values())
 
         # Histograms: at the first step and every HISTOGRAM_EVERY steps, each over every value of its array.
@@ -167,7 +171,8 @@ def test_tensorboard_server_shows_every_tab(observed):
         assert [entry["step"] for entry in entries] == evals
         png = fetch(f"{base}/data/plugin/images/individualImage?{entries[-1]['query']}")
         matrix = np.asarray(Image.open(io.BytesIO(png)))
-        assert matrix.shape == (120, 120, 3)  # 10 x 10 classes of 12 x 12 pixels
+        assert matrix.shape[0] > 10 * 36 and matrix.shape[2] == 3  # 10 rows of 36-pixel cells
+        assert (matrix < 128).any(axis=2).sum() > 1000  # the counts and labels written in it
         url = f"{base}/data/plugin/images/images?run={RUN}&tag=classifier/misclassified"
         assert [entry["step"] for entry in fetch_json(url)] == evals
 
@@ -187,6 +192,12 @@ def test_tensorboard_server_shows_every_tab(observed):
         experiment = fetch_json(f"{base}/data/plugin/hparams/experiment", {"experimentName": ""})
         names = {info["name"] for info in experiment["hparamInfos"]}
         assert {"trainer.steps", "model.hidden_sizes", "optimizer.learning_rate"} <= names
+        # every model's keys and metrics, whichever run TensorBoard takes the description from
+        assert {"model.context_length", "model.latent_dim", "data.window"} <= names
+        metrics = {info["name"]["tag"] for info in experiment["metricInfos"]}
+        assert {"eval/accuracy", "eval/bits_per_byte", "eval/kl", "train/loss"} <= metrics
+        first = [info["name"] for info in experiment["hparamInfos"][:5]]  # the default columns
+        assert first == sorted(DEFAULT_COLUMNS)
         request = {
             "experimentName": "",
             "allowedStatuses": ["STATUS_UNKNOWN", "STATUS_SUCCESS", "STATUS_RUNNING"],
@@ -202,7 +213,9 @@ def test_tensorboard_server_shows_every_tab(observed):
 
 def test_profile_steps_write_a_trace_and_console_lines_reach_train_log(observed):
     _, workdir, result = observed
-    assert glob.glob(str(workdir / "plugins" / "profile" / "*" / "*.xplane.pb"))
+    (trace,) = glob.glob(str(workdir / "plugins" / "profile" / "*" / "*.xplane.pb"))
+    # step markers (the Profile tab's overview needs them): step_num of each traced step
+    assert b"step_num" in Path(trace).read_bytes()
     assert "Profiler trace of steps 3-5" in result.stderr
     log = (workdir / "train.log").read_text()
     for line in (f"eval @ step {STEPS}:", f"step {STEPS}/{STEPS} accuracy", "Profiler trace"):
@@ -259,3 +272,24 @@ def test_events_are_readable_while_training_and_complete_after_sigterm(tmp_path)
     assert max(live) < stopped
     losses = scalar_steps(read_events(workdir), "train/loss")
     assert list(losses) == list(range(LOG_EVERY, stopped + 1, LOG_EVERY))
+
+
+def test_compile_counts_continue_across_a_resume(tmp_path):
+    args = ("model=xor", "trainer.steps_per_dispatch=10", "trainer.log_every=10")
+    for steps in (20, 40):  # the second command resumes the first's run
+        result = run_cli(*args, f"trainer.steps={steps}", f"workdir={tmp_path}")
+        assert result.returncode == 0, result.stderr
+    events = read_events(tmp_path)
+    count, seconds = (scalar_steps(events, f"compile/{t}") for t in ("count", "seconds"))
+    assert list(count) == [10, 20, 30, 40]
+    assert count[30] > count[20] and seconds[30] > seconds[20]  # the second process's added
+
+
+def test_gpt_text_sample_is_markdown_not_a_repr(tmp_path):
+    tiny = ("model.dim=32", "model.depth=1", "model.context_length=64", "data.window=64")
+    quick = ("data.eval_bytes=4096", "trainer.steps=2", "trainer.log_every=2")
+    zoo.fit("gpt", *tiny, *quick, f"workdir={tmp_path}")
+    (sample,) = read_events(tmp_path).Tensors("sample/text_summary")
+    text = sample.tensor_proto.string_val[0].decode()
+    assert text.startswith("**prompt**\n\n    ") and "\n\n**continuation**\n\n    " in text
+    assert "\\n" not in text and "' -> '" not in text  # no Python repr

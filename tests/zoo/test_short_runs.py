@@ -8,8 +8,10 @@ import logging
 import numpy as np
 import pytest
 from helpers import read_events, run_cli
+from omegaconf import OmegaConf
 
 import zoo
+from train import resume
 
 
 @pytest.mark.parametrize("model", zoo.list_models())
@@ -64,3 +66,16 @@ def test_a_gpt_fine_tune_reads_the_data_as_its_run_did(gpt_trial, tmp_path):
 def test_an_explicit_dispatch_that_does_not_divide_stays_an_error():
     with pytest.raises(zoo.ZooError, match="steps_per_dispatch=50 must divide trainer.steps=40"):
         zoo.compose(["model=xor", "trainer.steps=40", "trainer.steps_per_dispatch=50"])
+
+
+def test_a_fitted_warmup_may_change_at_a_resume_past_it():
+    """A trial run of 40 steps resumed to 80 fits the default warm-up anew (3 -> 7 steps for
+    cnn): allowed once the run is past both, refused while either is still warming up."""
+    short = zoo.compose(["model=cnn", "data=digits", "trainer.steps=40"])
+    longer = zoo.compose(["model=cnn", "data=digits", "trainer.steps=80"])
+    saved, current = (OmegaConf.to_container(c, resolve=True) for c in (short, longer))
+    assert (saved["optimizer"]["warmup_steps"], current["optimizer"]["warmup_steps"]) == (3, 7)
+    allowed = resume.check_config(40, "ckpt", saved, current)
+    assert "optimizer.warmup_steps: 3 -> 7" in allowed
+    with pytest.raises(zoo.ZooError, match=r"optimizer.warmup_steps: 3 -> 7\. A resumed run"):
+        resume.check_config(5, "ckpt", saved, current)
