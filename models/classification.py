@@ -64,9 +64,9 @@ def _outcomes(model: nnx.Module, batch: Mapping[str, jax.Array]):
 def report_classifier(model: nnx.Module, report: EvalReport) -> None:
     """The classifiers' `on_eval` hook: one pass of the model over every eval batch.
 
-    Writes `classifier/confusion_matrix` (an image: rows are true classes, by name where the
+    Writes `visuals/confusion_matrix` (an image: rows are true classes, by name where the
     data set names them, columns predicted ones, the counts in the cells; and the counts as a
-    text table) and `classifier/misclassified` (the first misclassified eval images, with a
+    text table) and `visuals/misclassified` (the first misclassified eval images, with a
     text line of true -> predicted class per row of the grid)."""
     confusion = None
     images, captions = [], []
@@ -82,14 +82,14 @@ def report_classifier(model: nnx.Module, report: EvalReport) -> None:
                 names = class_labels(report.class_names, int(counts.shape[0]), numbered=False)
                 captions.extend(f"{names[t]}->{names[g]}" for t, g in zip(true, guess, strict=True))
     counts = np.asarray(confusion)
-    report.image("classifier/confusion_matrix", confusion_image(counts, report.class_names))
-    report.text("classifier/confusion_matrix", confusion_table(counts, report.class_names))
+    report.image("visuals/confusion_matrix", confusion_image(counts, report.class_names))
+    report.text("visuals/confusion_matrix", confusion_table(counts, report.class_names))
     if images:
         stack = np.stack(images).astype(np.float32)
         scaled = (stack - stack.min()) / max(float(stack.max() - stack.min()), 1e-12)
-        report.image("classifier/misclassified", image_grid(scaled, columns=8))
+        report.image("visuals/misclassified", image_grid(scaled, columns=8))
         lines = [", ".join(captions[i : i + 8]) for i in range(0, len(captions), 8)]
-        report.text("classifier/misclassified", "\n".join(f"    {line}" for line in lines))
+        report.text("visuals/misclassified", "\n".join(f"    {line}" for line in lines))
 
 
 def class_labels(names: Sequence[str] | None, classes: int, numbered: bool = True) -> list[str]:

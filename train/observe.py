@@ -217,6 +217,6 @@ class Instruments:
         ago)."""
         totals = self._compiled_at.get(step, self.compiles.totals())
         self._compiled_at = {s: t for s, t in self._compiled_at.items() if s > step}
-        reporter.scalars("compile", step, totals)
+        reporter.scalars("xla", step, {f"compile_{name}": value for name, value in totals.items()})
         for probe in self.probes:
             probe.write(up_to=step)

@@ -127,14 +127,14 @@ def test_tensorboard_server_shows_every_tab(observed):
             *(f"train/{name}" for name in ("grad_norm", "param_norm", "update_ratio")),
             *(f"train/{name}" for name in ("steps_per_sec", "examples_per_sec")),
             "train/data_wait_share",
-            "compile/count",
-            "compile/seconds",
+            "xla/compile_count",
+            "xla/compile_seconds",
             "eval/loss",
             "eval/accuracy",
         }
         wait_for_tags(base, "scalars", scalar_tags)
         wait_for_tags(base, "histograms", {"params/head/kernel", "grads/hidden/0/kernel"})
-        wait_for_tags(base, "images", {"classifier/confusion_matrix", "classifier/misclassified"})
+        wait_for_tags(base, "images", {"visuals/confusion_matrix", "visuals/misclassified"})
         wait_for_tags(base, "text", {f"{t}/text_summary" for t in ("config", "model_summary")})
 
         def scalars(tag: str) -> dict[int, float]:
@@ -151,11 +151,11 @@ def test_tensorboard_server_shows_every_tab(observed):
         for step in windows:
             assert examples[step] == pytest.approx(speed[step] * BATCH, rel=1e-5)
             assert 0 < scalars("train/data_wait_share")[step] < 1
-        compiles = list(scalars("compile/count").values())
+        compiles = list(scalars("xla/compile_count").values())
         assert compiles[0] >= 1 and compiles == sorted(compiles)
         # stamped as of each window's last step: the eval at step 20 compiles after it
-        assert scalars("compile/count")[30] > scalars("compile/count")[20]
-        assert all(s > 0 for s in scalars("compile/seconds").values())
+        assert scalars("xla/compile_count")[30] > scalars("xla/compile_count")[20]
+        assert all(s > 0 for s in scalars("xla/compile_seconds").values())
 
         # Histograms: at the first step and every HISTOGRAM_EVERY steps, each over every value of its array.
         histogram_steps = [1, *range(HISTOGRAM_EVERY, STEPS + 1, HISTOGRAM_EVERY)]
@@ -166,14 +166,14 @@ def test_tensorboard_server_shows_every_tab(observed):
                 assert sum(count for _, _, count in buckets) == size
 
         # Images: a confusion matrix and misclassified digits after each eval.
-        url = f"{base}/data/plugin/images/images?run={RUN}&tag=classifier/confusion_matrix"
+        url = f"{base}/data/plugin/images/images?run={RUN}&tag=visuals/confusion_matrix"
         entries = fetch_json(url)
         assert [entry["step"] for entry in entries] == evals
         png = fetch(f"{base}/data/plugin/images/individualImage?{entries[-1]['query']}")
         matrix = np.asarray(Image.open(io.BytesIO(png)))
         assert matrix.shape[0] > 10 * 36 and matrix.shape[2] == 3  # 10 rows of 36-pixel cells
         assert (matrix < 128).any(axis=2).sum() > 1000  # the counts and labels written in it
-        url = f"{base}/data/plugin/images/images?run={RUN}&tag=classifier/misclassified"
+        url = f"{base}/data/plugin/images/images?run={RUN}&tag=visuals/misclassified"
         assert [entry["step"] for entry in fetch_json(url)] == evals
 
         def text(tag: str) -> str:
@@ -185,7 +185,7 @@ def test_tensorboard_server_shows_every_tab(observed):
         assert "hidden/0" in summary and f"{params:,}" in summary
         assert f"steps: {STEPS}" in text("config")
         assert "Sharding plan on mesh" in text("sharding_plan")
-        cells = re.findall(r"<td>(\d+)</td>", text("classifier/confusion_matrix"))
+        cells = re.findall(r"<td>(\d+)</td>", text("visuals/confusion_matrix"))
         assert sum(map(int, cells)) == 360  # every eval digit once (row labels are bold)
 
         # HParams: the flattened config, and the run's final metrics as its session's values.
@@ -209,6 +209,15 @@ def test_tensorboard_server_shows_every_tab(observed):
         assert group["hparams"]["trainer.steps"] == STEPS
         final = {m["name"]["tag"]: m["value"] for m in group["metricValues"]}
         assert final["eval/accuracy"] == pytest.approx(scalars("eval/accuracy")[STEPS])
+
+
+def test_the_first_groups_are_eval_and_train(observed):
+    """TensorBoard orders tag groups alphabetically and opens the first ones: the eval and train
+    curves come before the images and the compilation counts."""
+    _, workdir, _ = observed
+    tags = read_events(workdir).Tags()
+    groups = sorted({tag.split("/")[0] for kind in ("scalars", "images") for tag in tags[kind]})
+    assert groups == ["eval", "train", "visuals", "xla"]
 
 
 def test_profile_steps_write_a_trace_and_console_lines_reach_train_log(observed):
@@ -280,7 +289,7 @@ def test_compile_counts_continue_across_a_resume(tmp_path):
         result = run_cli(*args, f"trainer.steps={steps}", f"workdir={tmp_path}")
         assert result.returncode == 0, result.stderr
     events = read_events(tmp_path)
-    count, seconds = (scalar_steps(events, f"compile/{t}") for t in ("count", "seconds"))
+    count, seconds = (scalar_steps(events, f"xla/compile_{t}") for t in ("count", "seconds"))
     assert list(count) == [10, 20, 30, 40]
     assert count[30] > count[20] and seconds[30] > seconds[20]  # the second process's added
 
