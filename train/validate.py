@@ -168,18 +168,23 @@ def check_data(entry: registry.ModelEntry, splits: registry.Splits, hparams: Map
     """The caller's own data against the model: the columns its loss reads, and labels within
     its classes (checked on arrays; a random-access source is read as the run goes)."""
     for split, data in (("train", splits.train), ("eval", splits.eval)):
-        columns = _columns(data)
-        missing = [c for c in entry.columns or () if c not in columns]
-        if missing:
-            raise ZooError(
-                f"The {split} data has no column {', '.join(map(repr, missing))}: it has "
-                f"{', '.join(map(repr, columns)) or 'none'}, and model '{entry.name}' reads "
-                f"{', '.join(map(repr, entry.columns))}. Name the columns as the model reads "
-                f"them. The columns each model reads: {columns_by_model()}."
-            )
-        classes = hparams.get("num_classes")
-        if isinstance(data, Mapping) and "label" in data and isinstance(classes, int):
-            _check_labels(split, np.asarray(data["label"]), classes, entry.name)
+        check_split(entry, split, data, hparams)
+
+
+def check_split(entry: registry.ModelEntry, split: str, data: Any, hparams: Mapping) -> None:
+    """One split of the caller's data (columns or a random-access source) against the model."""
+    columns = _columns(data)
+    missing = [c for c in entry.columns or () if c not in columns]
+    if missing:
+        raise ZooError(
+            f"The {split} data has no column {', '.join(map(repr, missing))}: it has "
+            f"{', '.join(map(repr, columns)) or 'none'}, and model '{entry.name}' reads "
+            f"{', '.join(map(repr, entry.columns))}. Name the columns as the model reads "
+            f"them. The columns each model reads: {columns_by_model()}."
+        )
+    classes = hparams.get("num_classes")
+    if isinstance(data, Mapping) and "label" in data and isinstance(classes, int):
+        _check_labels(split, np.asarray(data["label"]), classes, entry.name)
 
 
 def columns_by_model() -> str:

@@ -29,6 +29,7 @@ from train.loop import RunResult, Trainer, evaluate_batches
 from train.lora import merge_adapters
 from train.saved import read_json
 from train.steps import make_eval_step
+from train.validate import check_split
 from train.warm_start import read_first, restore_model
 from zoo.overrides import compose
 
@@ -222,6 +223,8 @@ def evaluate(
         data = registry.get_data(data).splits({})
     if isinstance(data, registry.Splits):
         data, transform = data.eval, data.transform
+    entry = registry.get_model(config.model.name)
+    check_split(entry, "eval", data, resolved_hparams(config))
     shards = sharding.batch_divisor(trained.mesh, trained.rules)
     size = batch_size or -(-int(config.trainer.batch_size) // shards) * shards
     batches = pipeline.eval_batches(data, size, transform=transform)

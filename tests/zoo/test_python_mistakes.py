@@ -85,6 +85,14 @@ def test_wrong_column_names_name_what_each_model_reads(base, digits, tmp_path, c
     assert "cnn, mlp, resnet, vit: image, label; gpt: tokens, length; vae: image" in message
 
 
+def test_evaluate_checks_columns_and_labels_too(base, digits):
+    with pytest.raises(zoo.ZooError, match="The eval data has no column 'label': it has 'image'"):
+        zoo.evaluate(base, {"image": normalised(digits, 8)})
+    labels = np.full(8, 10, np.int32)
+    with pytest.raises(zoo.ZooError, match="'label' column holds 10, outside"):
+        zoo.evaluate(base, {"image": normalised(digits, 8), "label": labels})
+
+
 def test_images_without_a_channel_axis_are_refused_naming_input_shape(base, digits, tmp_path):
     flat = {
         split: {"image": columns["image"][..., 0], "label": columns["label"]}
