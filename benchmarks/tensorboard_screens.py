@@ -7,7 +7,8 @@ Trains through the command line, into `<out>/runs`: `xor`, an `mlp` and a `cnn` 
 a `cnn` on Fashion-MNIST (stopped at step 40, then resumed to 80 by the same command with more
 steps), a `vae` on Fashion-MNIST and a small `gpt`. Then starts `tensorboard --logdir
 <out>/runs` on a free localhost port and writes `<out>/<view>.png` for the landing page (Time
-Series), Scalars, HParams, Images and Text. Prints a table of the screenshots and a JSON line.
+Series), Scalars, HParams, Images and Text (all of it, and filtered to gpt's `sample`). Prints a
+table of the screenshots and a JSON line.
 Needs the `tensorboard` extra and Debian's `chromium` (`apt-get install chromium`).
 """
 
@@ -47,6 +48,7 @@ VIEWS = {
     "hparams": "/#hparams",
     "images": "/#images",
     "text": "/#text",
+    "text-sample": "/?tagFilter=sample#text",
 }
 CHROMIUM_FLAGS = (
     "--headless=new",

@@ -108,7 +108,7 @@ def confusion_image(counts: np.ndarray, names: Sequence[str] | None = None) -> n
     classes = counts.shape[0]
     rows = class_labels(names, classes)
     font = ImageFont.load_default(size=FONT_SIZE)
-    left = max(int(font.getlength(row)) for row in rows) + 2 * CELL // 4
+    left = int(max(font.getlength(text) for text in [*rows, "true"])) + CELL // 2
     top = 2 * FONT_SIZE + CELL // 2
     image = Image.new("RGB", (left + classes * CELL + 1, top + classes * CELL + 1), "white")
     draw = ImageDraw.Draw(image)

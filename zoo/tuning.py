@@ -32,13 +32,15 @@ USER_DATA = "user"
 
 PYTHON_NAMES = (
     ("finetune.reinit=[head]", "replace_head=True"),
-    ("finetune.reinit", "reinit"),
-    ("finetune.freeze", "freeze"),
-    ("finetune.lora_layers", "lora_layers"),
-    ("finetune.lora_rank", "lora_rank"),
-    ("finetune.init_step", "step"),
+    ("in finetune.reinit,", "in reinit,"),
+    ("finetune.reinit=", "reinit="),
+    ("finetune.freeze=", "freeze="),
+    ("finetune.lora_layers=", "lora_layers="),
+    ("finetune.lora_rank=", "lora_rank="),
+    ("finetune.init_step=", "step="),
 )
-"""The command line's names for `finetune`'s keyword arguments, as messages give them."""
+"""How messages written for the command line name `finetune`'s keyword arguments: the
+settings they suggest (`finetune.reinit=[head]`), not the config keys they list."""
 
 
 def python_names_in_errors(function: Callable[..., RunResult]) -> Callable[..., RunResult]:

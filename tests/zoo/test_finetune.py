@@ -82,7 +82,7 @@ def test_a_new_head_needs_the_explicit_option_naming_the_params(cli_runs, tmp_pa
     message = str(error.value)
     assert "head.kernel (checkpoint (64, 10), model (64, 5))" in message, message
     assert "head.bias (checkpoint (10,), model (5,))" in message, message
-    assert "finetune.reinit=[head]" in message and "\n" not in message
+    assert "e.g. replace_head=True" in message and "\n" not in message  # Python's name
 
 
 @pytest.fixture(scope="module")
