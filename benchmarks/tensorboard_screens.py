@@ -48,7 +48,7 @@ VIEWS = {
     "hparams": "/#hparams",
     "images": "/#images",
     "text": "/#text",
-    "text-sample": "/?tagFilter=sample#text",
+    "text-sample": "/#text&tagFilter=sample",
 }
 CHROMIUM_FLAGS = (
     "--headless=new",
