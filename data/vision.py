@@ -359,7 +359,35 @@ def mnist(
     )
 
 
-@register_data("fashion_mnist", input_shape=(28, 28, 1), num_classes=10)
+FASHION_MNIST_CLASSES = (
+    "T-shirt/top",
+    "Trouser",
+    "Pullover",
+    "Dress",
+    "Coat",
+    "Sandal",
+    "Shirt",
+    "Sneaker",
+    "Bag",
+    "Ankle boot",
+)
+CIFAR10_CLASSES = (
+    "airplane",
+    "automobile",
+    "bird",
+    "cat",
+    "deer",
+    "dog",
+    "frog",
+    "horse",
+    "ship",
+    "truck",
+)
+
+
+@register_data(
+    "fashion_mnist", input_shape=(28, 28, 1), num_classes=10, class_names=FASHION_MNIST_CLASSES
+)
 def fashion_mnist(
     dir: str | None = None,
     download: bool = True,
@@ -381,7 +409,7 @@ def fashion_mnist(
     )
 
 
-@register_data("cifar10", input_shape=(32, 32, 3), num_classes=10)
+@register_data("cifar10", input_shape=(32, 32, 3), num_classes=10, class_names=CIFAR10_CLASSES)
 def cifar10(
     dir: str | None = None,
     download: bool = True,

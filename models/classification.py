@@ -4,7 +4,7 @@ examples, in TensorBoard after each eval."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -12,14 +12,19 @@ import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+from PIL import Image, ImageDraw, ImageFont
 
 from train.pipeline import MASK
+from train.registry import loss_contract
 from train.report import EvalReport, image_grid
 
 MISCLASSIFIED = 32
 """How many misclassified eval examples the report shows."""
-CELL = 12
+CELL = 36
 """Pixels per cell of the confusion matrix image."""
+FONT_SIZE = 12
+DIAGONAL = (8, 48, 107)  # dark blue: every example of the class predicted right
+ERROR = (165, 15, 21)  # dark red: the most frequent confusion
 
 
 def _loss(logits: jax.Array, labels: jax.Array):
@@ -27,11 +32,13 @@ def _loss(logits: jax.Array, labels: jax.Array):
     return loss, {"accuracy": (logits.argmax(-1) == labels).astype(jnp.float32)}
 
 
+@loss_contract(columns=("image", "label"), metrics=("accuracy",))
 def classification_loss(model: nnx.Module, batch: Mapping[str, jax.Array], rngs: nnx.Rngs):
     """For models that hold their randomness (module-bound Dropout streams): `model(image)`."""
     return _loss(model(batch["image"]), batch["label"])
 
 
+@loss_contract(columns=("image", "label"), metrics=("accuracy",))
 def classification_loss_with_rngs(
     model: nnx.Module, batch: Mapping[str, jax.Array], rngs: nnx.Rngs
 ):
@@ -57,10 +64,10 @@ def _outcomes(model: nnx.Module, batch: Mapping[str, jax.Array]):
 def report_classifier(model: nnx.Module, report: EvalReport) -> None:
     """The classifiers' `on_eval` hook: one pass of the model over every eval batch.
 
-    Writes `classifier/confusion_matrix` (an image: rows are true classes, columns predicted
-    ones, each row shaded by the share of its examples; and the counts as a text table) and
-    `classifier/misclassified` (the first misclassified eval images, with a text line of true ->
-    predicted class per row of the grid)."""
+    Writes `visuals/confusion_matrix` (an image: rows are true classes, by name where the
+    data set names them, columns predicted ones, the counts in the cells; and the counts as a
+    text table) and `visuals/misclassified` (the first misclassified eval images, with a
+    text line of true -> predicted class per row of the grid)."""
     confusion = None
     images, captions = [], []
     for batch in report.batches():
@@ -72,34 +79,72 @@ def report_classifier(model: nnx.Module, report: EvalReport) -> None:
                 pixels = np.asarray(jax.sharding.reshard(batch["image"], P()))[rows]
                 images.extend(pixels)
                 true, guess = np.asarray(labels)[rows], np.asarray(predicted)[rows]
-                captions.extend(f"{t}->{g}" for t, g in zip(true, guess, strict=True))
+                names = class_labels(report.class_names, int(counts.shape[0]), numbered=False)
+                captions.extend(f"{names[t]}->{names[g]}" for t, g in zip(true, guess, strict=True))
     counts = np.asarray(confusion)
-    report.image("classifier/confusion_matrix", confusion_image(counts))
-    report.text("classifier/confusion_matrix", confusion_table(counts))
+    report.image("visuals/confusion_matrix", confusion_image(counts, report.class_names))
+    report.text("visuals/confusion_matrix", confusion_table(counts, report.class_names))
     if images:
         stack = np.stack(images).astype(np.float32)
         scaled = (stack - stack.min()) / max(float(stack.max() - stack.min()), 1e-12)
-        report.image("classifier/misclassified", image_grid(scaled, columns=8))
-        lines = [" ".join(captions[i : i + 8]) for i in range(0, len(captions), 8)]
-        report.text("classifier/misclassified", "\n".join(f"    {line}" for line in lines))
+        report.image("visuals/misclassified", image_grid(scaled, columns=8))
+        lines = [", ".join(captions[i : i + 8]) for i in range(0, len(captions), 8)]
+        report.text("visuals/misclassified", "\n".join(f"    {line}" for line in lines))
 
 
-def confusion_image(counts: np.ndarray) -> np.ndarray:
-    """An RGB image of the matrix, `CELL` pixels per cell: white for none of a true class's
-    examples, dark blue for all of them."""
-    share = counts / np.maximum(counts.sum(axis=1, keepdims=True), 1)
-    dark = np.array([0.03, 0.19, 0.42], np.float32)
-    rgb = 1.0 - share[..., None] * (1.0 - dark)
-    return np.repeat(np.repeat(rgb, CELL, axis=0), CELL, axis=1)
+def class_labels(names: Sequence[str] | None, classes: int, numbered: bool = True) -> list[str]:
+    """`0 T-shirt/top`, ... (or `T-shirt/top` unnumbered) where the data set names its
+    classes, one name per class; else the numbers."""
+    if not names or len(names) != classes:
+        return [str(i) for i in range(classes)]
+    return [f"{i} {name}" if numbered else name for i, name in enumerate(names)]
 
 
-def confusion_table(counts: np.ndarray) -> str:
-    """The counts as a markdown table, true classes down, predicted classes across."""
+def confusion_image(counts: np.ndarray, names: Sequence[str] | None = None) -> np.ndarray:
+    """The matrix as a labelled RGB image: true classes down (with their names), predicted
+    classes across, each cell's count written in it. The diagonal is shaded blue by the share
+    of its class's examples; the errors red, the most frequent confusion darkest (by square root, so that a
+    few errors stay visible at high accuracy)."""
+    classes = counts.shape[0]
+    rows = class_labels(names, classes)
+    font = ImageFont.load_default(size=FONT_SIZE)
+    left = int(max(font.getlength(text) for text in [*rows, "true"])) + CELL // 2
+    top = 2 * FONT_SIZE + CELL // 2
+    image = Image.new("RGB", (left + classes * CELL + 1, top + classes * CELL + 1), "white")
+    draw = ImageDraw.Draw(image)
+    draw.text((left, 2), "predicted", fill="black", font=font)
+    draw.text((2, 2), "true", fill="black", font=font)
+    shares = counts / np.maximum(counts.sum(axis=1, keepdims=True), 1)
+    errors = counts * (1 - np.eye(classes))
+    worst = max(float(errors.max()), 1.0)
+    for j in range(classes):
+        x = left + j * CELL + CELL // 2
+        draw.text((x, top - 2), str(j), fill="black", font=font, anchor="md")
+    for i, row in enumerate(rows):
+        y = top + i * CELL
+        draw.text((left - 6, y + CELL // 2), row, fill="black", font=font, anchor="rm")
+        for j in range(classes):
+            x = left + j * CELL
+            strength = shares[i, j] if i == j else np.sqrt(errors[i, j] / worst)
+            color = DIAGONAL if i == j else ERROR
+            fill = tuple(int(255 - strength * (255 - c)) for c in color)
+            draw.rectangle((x, y, x + CELL, y + CELL), fill=fill, outline=(200, 200, 200))
+            if counts[i, j]:
+                ink = "white" if strength > 0.5 else "black"
+                middle = (x + CELL // 2, y + CELL // 2)
+                draw.text(middle, str(int(counts[i, j])), fill=ink, font=font, anchor="mm")
+    return np.asarray(image, np.float32) / 255.0
+
+
+def confusion_table(counts: np.ndarray, names: Sequence[str] | None = None) -> str:
+    """The counts as a markdown table, true classes down (with their names), predicted
+    classes across."""
+    rows = class_labels(names, counts.shape[0])
     classes = range(counts.shape[0])
     lines = [
         "| true \\ predicted | " + " | ".join(map(str, classes)) + " |",
         "|---" * (counts.shape[0] + 1) + "|",
     ]
     for i in classes:
-        lines.append(f"| **{i}** | " + " | ".join(str(int(c)) for c in counts[i]) + " |")
+        lines.append(f"| **{rows[i]}** | " + " | ".join(str(int(c)) for c in counts[i]) + " |")
     return "\n".join(lines)

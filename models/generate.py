@@ -152,5 +152,15 @@ def sample_on_eval(model: Any, report) -> None:
     else:
         ids = generate_tokens(model, prompt, new_tokens, temperature=0.8, seed=report.key)
         shown, new = tokenizer.decode(prompt.tolist()), tokenizer.decode(ids.tolist())
-    report.text("sample", f"    {shown!r} -> {new!r}")
+    report.text("sample", _as_markdown(shown, new))
     report.log(f"sample @ step {report.step}: {shown!r} -> {new!r}")
+
+
+def _as_markdown(prompt: str, continuation: str) -> str:
+    """The prompt and the model's continuation as TensorBoard shows text: two code blocks
+    (indented, so any text is shown as it is, newlines and all)."""
+
+    def block(text: str) -> str:
+        return "\n".join("    " + line for line in text.splitlines() or [""])
+
+    return f"**prompt**\n\n{block(prompt)}\n\n**continuation**\n\n{block(continuation)}"

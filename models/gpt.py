@@ -38,7 +38,7 @@ from models.generate import sample_on_eval
 from models.layers import dense, layer_norm
 from models.transformer import Block, BlockOptions, KVCache, dropout_key, tokens_spec
 from train.errors import ZooError
-from train.registry import WEIGHT, register_model
+from train.registry import WEIGHT, loss_contract, register_model
 from train.sharding import logical_spec
 
 VOCAB = 256
@@ -77,6 +77,7 @@ def _apply_block(block: Block, x, key, cache, start):
 _remat_block = nnx.remat(_apply_block)
 
 
+@loss_contract(columns=("tokens", "length"), metrics=("bits_per_byte",))
 def language_model_loss(model: GPT, batch: Mapping[str, jax.Array], rngs: nnx.Rngs):
     """Per sequence: the mean cross-entropy (nats) of its real next-token predictions, and the
     same in bits per byte (per token, with a tokenizer); weighted by its number of real targets,

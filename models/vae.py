@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 from models import hparams
 from models.layers import dense, dense_stack, run_stack, stack_output_axis
 from train import sharding
-from train.registry import register_model
+from train.registry import loss_contract, register_model
 from train.report import image_grid
 from train.sharding import logical_spec
 
@@ -51,6 +51,7 @@ class MLPStack(nnx.Module):
         return run_stack(self.layers, x, nnx.relu)
 
 
+@loss_contract(columns=("image",), metrics=("kl", "reconstruction"))
 def _elbo_loss(model: VAE, batch: Mapping[str, jax.Array], rngs: nnx.Rngs):
     """Per image: negative ELBO = reconstruction + KL, in nats."""
     images = batch["image"]

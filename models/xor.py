@@ -7,10 +7,11 @@ import optax
 from flax import nnx
 
 from models import hparams
-from train.registry import register_model
+from train.registry import loss_contract, register_model
 from train.sharding import logical_spec
 
 
+@loss_contract(columns=("inputs", "label"), metrics=("accuracy",))
 def binary_classification_loss(model: nnx.Module, batch, rngs: nnx.Rngs):
     logits = model(batch["inputs"])[:, 0].astype(jnp.float32)
     labels = batch["label"]

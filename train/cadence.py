@@ -159,7 +159,7 @@ class Cadence:
         checkpointer: Checkpointer,
         iterator: grain.DatasetIterator,
         saved_config: Mapping[str, Any],
-        meta: Mapping[str, Any],
+        meta: Callable[[], Mapping[str, Any]],
         zeros: Metrics,
         early_stop: EarlyStop | None = None,
         callbacks: Callbacks | None = None,
@@ -207,7 +207,7 @@ class Cadence:
         self.windows.check(sums)
         progress = self.progress
         meta = {
-            **self._meta,
+            **self._meta(),
             "window_start": self.windows.window_start,
             "eval": {"step": progress.eval_step, "metrics": progress.eval_metrics},
         }

@@ -6,8 +6,8 @@ A checkpoint `<workdir>/checkpoints/<step>/` holds five items:
 - `window`: the training metrics summed so far in the current, not yet logged, log window, so a
   resumed run logs exactly the numbers an uninterrupted one would;
 - `data`: the Grain iterator's position;
-- `meta` (JSON): the step, the base PRNG key, where the log window started, the last eval, and
-  a checksum of every array of `state` and `window` (`train.checksums`), verified at restore;
+- `meta` (JSON): the step, the base PRNG key, where the log window started, the last eval, the
+  run's XLA compilations so far (so `xla/compile_*` continue after a resume), and a checksum of every array of `state` and `window` (`train.checksums`), verified at restore;
 - `config` (JSON): the resolved config. Nothing is ever pickled or eval'ed.
 
 Saves are asynchronous: the blocking part copies device arrays to host, the write to disk

@@ -93,6 +93,9 @@ class TrainerConfig:
     # checkpoints stay float32. `fp32`: everything in float32.
     precision: Precision = Precision.fp32
     early_stop: EarlyStopConfig = dataclasses.field(default_factory=EarlyStopConfig)
+    # Debug a model: run every step un-jitted (`jax.disable_jit`) with NaN checks on
+    # (`jax_debug_nans`), so print(), breakpoint() and jax.debug.print work inside it. Slow.
+    debug: bool = False
 
 
 @dataclasses.dataclass

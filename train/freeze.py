@@ -12,7 +12,8 @@ from typing import Any
 
 from flax import nnx
 
-from train.paths import BACKBONE, matching, outside
+from train.errors import ZooError
+from train.paths import BACKBONE, dotted, matching, outside
 
 Filter = nnx.filterlib.Filter
 
@@ -37,6 +38,28 @@ def trainable_filter(finetune: Any, frozen: Filter | None) -> Filter:
         trainable = nnx.Any(nnx.LoRAParam, *(matching(p) for p in finetune.reinit))
         trainable = nnx.All(nnx.Param, trainable)
     return trainable if frozen is None else nnx.All(trainable, nnx.Not(frozen))
+
+
+def check_frozen(model: nnx.Module, frozen: Filter | None, trainable: Filter, what: str) -> None:
+    """Refuse a freeze that names no param (a typo would silently train the whole model) or
+    leaves nothing to train; `what` is how the caller named it (e.g. `finetune.freeze='x'`)."""
+    if frozen is None:
+        return
+    params = [dotted(path) for path, _ in nnx.to_flat_state(nnx.state(model, nnx.Param))]
+    modules = sorted({path.split(".")[0] for path in params})
+    if not nnx.to_flat_state(nnx.state(model, nnx.All(nnx.Param, frozen))):
+        raise ZooError(
+            f"{what} matches none of the model's params, so nothing would be frozen. Name a "
+            f"module or param by its dotted path (or a leading part of it); the model's "
+            f"top-level modules: {', '.join(modules)}; or 'backbone' for every param outside "
+            "the head."
+        )
+    if not nnx.to_flat_state(nnx.state(model, trainable)):
+        raise ZooError(
+            f"{what} freezes every param the run would train ({len(params)} params, in "
+            f"{', '.join(modules)}), so nothing would learn. Freeze a part of the model, e.g. "
+            "'backbone' (every param outside the head)."
+        )
 
 
 def frozen_norms(model: nnx.Module, trainable: Filter) -> tuple[tuple[Any, ...], ...]:

@@ -34,7 +34,7 @@ from train.checkpoint import Checkpointer
 from train.dispatch import Dispatcher
 from train.early_stop import EarlyStop
 from train.errors import ZooError
-from train.freeze import Filter, frozen_filter, frozen_norms, trainable_filter
+from train.freeze import Filter, check_frozen, frozen_filter, frozen_norms, trainable_filter
 from train.histograms import make_histogram_step
 from train.norms import make_norms_step
 from train.observe import Deferred, Instruments, ProfileWindow, WindowClock
@@ -43,6 +43,7 @@ from train.precision import compute_loss
 from train.report import EvalReport, Reporter, format_metrics
 from train.steps import COUNT, Metrics, Trainable, make_steps, means, zero_metrics
 from train.summaries import hparams_summaries, model_summary
+from train.validate import check_data
 
 log = logging.getLogger("zoo")
 
@@ -100,7 +101,8 @@ class Trainer:
         self.train_data, self.eval_data = pipeline.process_pipelines(
             splits, trainer.batch_size, cfg.seed
         )
-        trainable = trainable_filter(cfg.finetune, frozen_filter(cfg.finetune, freeze))
+        frozen = frozen_filter(cfg.finetune, freeze)
+        trainable = trainable_filter(cfg.finetune, frozen)
         tx, self.schedule = make_optimizer(cfg.optimizer, trainer.steps)
         built = build_on_mesh(
             entry,
@@ -112,6 +114,8 @@ class Trainer:
             tx=tx,
             wrt=trainable,
         )
+        what = f"finetune.freeze={cfg.finetune.freeze}" if freeze is None else f"{freeze!r}"
+        check_frozen(built.model, frozen, trainable, what)
         self.plan = built.plan
         self.param_count = sum(x.size for x in jax.tree.leaves(nnx.state(built.model, nnx.Param)))
         self.trainable = Trainable(
@@ -134,6 +138,11 @@ class Trainer:
         self.ema_decay = cfg.optimizer.ema_decay
         self.averaged = jax.jit(
             lambda state: ema.averaged(self.graphdef, state, trainable, self.ema_decay)
+        )
+        self.class_names = (
+            registry.get_data(cfg.data.name).class_names
+            if cfg.data.name in registry.list_datasets()
+            else None
         )
         self.step_key, self.eval_key = zoo_rngs.step_key(cfg.seed), zoo_rngs.eval_key(cfg.seed)
 
@@ -199,6 +208,8 @@ class Trainer:
         )
         primary = jax.process_index() == 0
         with contextlib.ExitStack() as stack:
+            if self.cfg.trainer.debug:
+                stack.enter_context(debugging())
             stack.enter_context(rundir.hold(self.workdir, jax.process_index()))
             run_log = run_log or stack.enter_context(rundir.RunLog())
             checkpointer = Checkpointer(
@@ -247,7 +258,8 @@ class Trainer:
                     batches = next(iterator)  # exactly K batches per K steps: the iterator's
                     # state always matches the step
                 instruments.before(step, self.state, batches, self.step_key)
-                self.state, sums = self.dispatcher.run(self.state, sums, batches, self.step_key)
+                with instruments.profile.marker(step):
+                    self.state, sums = self.dispatcher.run(self.state, sums, batches, self.step_key)
                 instruments.after(step, sums)
                 sums = cadence.after_dispatch(step, self.state, sums)
                 yield step
@@ -338,7 +350,12 @@ class Trainer:
             self.skip_nonfinite,
             self.callbacks,
         )
-        meta = {"seed": self.cfg.seed, "base_key": jax.random.key_data(self.step_key).tolist()}
+        base_key = jax.random.key_data(self.step_key).tolist()
+
+        def meta() -> dict[str, Any]:
+            compiles = instruments.compiles.totals()
+            return {"seed": self.cfg.seed, "base_key": base_key, "compiles": compiles}
+
         cadence = Cadence(
             Every.of(self.cfg.trainer),
             progress,
@@ -355,23 +372,28 @@ class Trainer:
         return cadence, instruments
 
     def _instruments(self, reporter: Reporter, clock: WindowClock, start: int) -> Instruments:
-        norms_every = int(self.cfg.logging.norms_every)
-        histogram_every = int(self.cfg.logging.histogram_every)
+        k = self.dispatcher.k
+        first = start + k
+
+        def every(n: int) -> Callable[[int], bool]:
+            """Every n steps, and at the run's first step: a run shorter than n samples too."""
+            return lambda s: bool(n) and (s % n == 0 or s == first)
+
         probes = [
             Deferred(
                 self.norms_step,
-                lambda s: norms_every and s % norms_every == 0,
+                every(int(self.cfg.logging.norms_every)),
                 lambda s, norms: reporter.scalars("train", s, norms),
             ),
             Deferred(
                 self.histogram_step,
-                lambda s: histogram_every and s % histogram_every == 0,
+                every(int(self.cfg.logging.histogram_every)),
                 reporter.histograms,
             ),
         ]
         profile = ProfileWindow(self.workdir, list(self.cfg.trainer.profile_steps))
-        k = self.dispatcher.k
-        return Instruments(clock, profile, probes, k, first_step=start + k)
+        compiled = self.progress.compiles
+        return Instruments(clock, profile, probes, k, first_step=first, compiled_before=compiled)
 
     def _evaluate_and_report(self, step: int, reporter: Reporter) -> dict[str, float]:
         """The eval at `step`, to TensorBoard and the console, then the model's own report
@@ -390,9 +412,22 @@ class Trainer:
             def batches():
                 return (self.shard(batch) for batch in self.eval_data)
 
-            report = EvalReport(step, key, self.eval_data[0], reporter, batches, self.tokenizer)
+            report = EvalReport(
+                step, key, self.eval_data[0], reporter, batches, self.tokenizer, self.class_names
+            )
             self.on_eval(model, report)
         return metrics
+
+
+@contextlib.contextmanager
+def debugging() -> Iterator[None]:
+    """`trainer.debug`: every step as plain Python, op by op, stopping at the first NaN."""
+    log.info(
+        "trainer.debug: steps run un-jitted with NaN checks (jax_debug_nans), slowly; print(), "
+        "breakpoint() and jax.debug.print work inside the model."
+    )
+    with jax.disable_jit(), jax.debug_nans(True):
+        yield
 
 
 def _check_batch_split(
@@ -420,6 +455,7 @@ def _splits_and_hparams(
     filled in; the caller's own data decides nothing)."""
     hparams = OmegaConf.to_container(cfg.model)
     if data is not None:
+        check_data(entry, data, hparams)
         return data, hparams
     data_entry = registry.get_data(cfg.data.name)
     params = OmegaConf.to_container(cfg.data)

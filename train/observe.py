@@ -73,8 +73,10 @@ class CompileWatch:
     """Counts the XLA compilations of this process while installed, and the seconds spent
     tracing, lowering and compiling: a count that keeps growing means a step recompiles."""
 
-    def __init__(self) -> None:
-        self.count, self.seconds = 0, 0.0
+    def __init__(self, before: Mapping[str, float] | None = None) -> None:
+        """`before`: the totals of the processes a resumed run ran in before this one."""
+        self.count = int((before or {}).get("count", 0))
+        self.seconds = float((before or {}).get("seconds", 0.0))
 
     def _record(self, event: str, duration: float, **_: Any) -> None:
         if event in _COMPILE_EVENTS:
@@ -134,6 +136,13 @@ class ProfileWindow:
             jax.profiler.start_trace(self._workdir)
             self._active = True
 
+    def marker(self, step: int) -> contextlib.AbstractContextManager:
+        """Marks a dispatch as step `step` in the trace, so the Profile tab's overview finds
+        the steps (only while tracing)."""
+        if not self._active:
+            return contextlib.nullcontext()
+        return jax.profiler.StepTraceAnnotation("train", step_num=step)
+
     def after_step(self, step: int, outputs: Any) -> None:
         if self._active and step == self._last:
             jax.block_until_ready(outputs)  # the trace ends when the last step has run
@@ -172,11 +181,13 @@ class Instruments:
         probes: Sequence[Deferred],
         steps_per_dispatch: int,
         first_step: int,
+        compiled_before: Mapping[str, float] | None = None,
     ):
         self.clock, self.profile, self.probes = clock, profile, probes
-        self.compiles = CompileWatch()
+        self.compiles = CompileWatch(compiled_before)
         self._k, self._first = steps_per_dispatch, first_step
         self._in_flight = InFlight()
+        self._compiled_at: dict[int, dict[str, float]] = {}  # totals as each step was dispatched
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[Instruments]:
@@ -198,10 +209,14 @@ class Instruments:
         for s in range(step - self._k + 1, step + 1):
             self.profile.after_step(s, sums)
         self._in_flight.add(sums[COUNT])
+        self._compiled_at[step] = self.compiles.totals()
 
     def report(self, step: int, reporter: Reporter) -> None:
-        """With the log window that ends at `step`: compilations so far, and the probes' results
-        up to `step` (finished on the device long ago)."""
-        reporter.scalars("compile", step, self.compiles.totals())
+        """With the log window that ends at `step` (reported a window later): compilations up
+        to `step`'s dispatch, and the probes' results up to `step` (finished on the device long
+        ago)."""
+        totals = self._compiled_at.get(step, self.compiles.totals())
+        self._compiled_at = {s: t for s, t in self._compiled_at.items() if s > step}
+        reporter.scalars("xla", step, {f"compile_{name}": value for name, value in totals.items()})
         for probe in self.probes:
             probe.write(up_to=step)

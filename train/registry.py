@@ -59,6 +59,20 @@ DATA_FACTS = ("input_shape", "num_classes")
 Batch = dict[str, np.ndarray]
 
 
+def loss_contract(
+    columns: Sequence[str], metrics: Sequence[str] = ()
+) -> Callable[[LossFn], LossFn]:
+    """Mark a loss function with the batch columns it reads (e.g. `image`, `label`), so that
+    data without them is refused by name before any model is built, and the metrics it returns
+    besides the loss, so that TensorBoard's HParams tab lists every model's metrics."""
+
+    def mark(loss: LossFn) -> LossFn:
+        loss.columns, loss.metrics = tuple(columns), tuple(metrics)
+        return loss
+
+    return mark
+
+
 @dataclasses.dataclass(frozen=True)
 class Splits:
     """A data set: per split, column name -> array (the same leading length), a random-access
@@ -95,6 +109,16 @@ class ModelEntry:
     optimizer: Mapping[str, Any]
     data: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     on_eval: OnEval | None = None
+
+    @property
+    def columns(self) -> tuple[str, ...] | None:
+        """The batch columns its loss reads (None: not declared, see `loss_contract`)."""
+        return getattr(self.loss, "columns", None)
+
+    @property
+    def metrics(self) -> tuple[str, ...]:
+        """The metrics its loss returns besides the loss (as `loss_contract` declares)."""
+        return getattr(self.loss, "metrics", ())
 
     def resolve(
         self,
@@ -135,6 +159,7 @@ class DataEntry:
     config: type
     info: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     describe: Callable[..., Mapping[str, Any]] | None = None
+    class_names: tuple[str, ...] | None = None  # label i is class_names[i]; None: the numbers
 
     def splits(self, params: Mapping[str, Any]) -> Splits:
         return self.load(**_without_name(params))
@@ -265,12 +290,15 @@ def register_data(
     input_shape: tuple[int, ...] | None = None,
     num_classes: int | None = None,
     describe: Callable[..., Mapping[str, Any]] | None = None,
+    class_names: Sequence[str] | None = None,
 ) -> Any:
     """Register a data-set loader under `name`; usable as a function decorator.
 
     `input_shape` (one example's, e.g. `(28, 28, 1)`) and `num_classes` are what models built
     for this data set need to know; see `ModelEntry.resolve`. A data set whose config decides
-    them gives `describe(**params) -> {"input_shape": ..., "num_classes": ...}` instead."""
+    them gives `describe(**params) -> {"input_shape": ..., "num_classes": ...}` instead.
+    `class_names` name the labels where TensorBoard shows them (the confusion matrix,
+    misclassified examples)."""
 
     def register(fn: Callable[..., Splits]) -> Callable[..., Splits]:
         if name in _DATASETS:
@@ -278,7 +306,12 @@ def register_data(
         schema = _signature_dataclass(fn, name, f"{_camel(name)}DataConfig")
         info = {"input_shape": input_shape, "num_classes": num_classes}
         _DATASETS[name] = DataEntry(
-            name, fn, schema, {k: v for k, v in info.items() if v is not None}, describe
+            name,
+            fn,
+            schema,
+            {k: v for k, v in info.items() if v is not None},
+            describe,
+            tuple(class_names) if class_names else None,
         )
         return fn
 

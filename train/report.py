@@ -159,8 +159,8 @@ class EvalReport:
     the seed and the step, so reruns draw the same samples), the first eval batch as the model
     sees it (host arrays, with the `mask` column), every eval batch on demand (`batches()`:
     device arrays sharded on the run's mesh, as the eval step gets them, for a hook that looks
-    at the whole eval split), the data set's tokenizer (`Splits.tokenizer`; None: bytes), and
-    where to write what it makes."""
+    at the whole eval split), the data set's tokenizer (`Splits.tokenizer`; None: bytes), its
+    class names if it has them, and where to write what it makes."""
 
     step: int
     key: jax.Array
@@ -168,6 +168,7 @@ class EvalReport:
     reporter: Reporter
     batches: Callable[[], Iterator[Mapping[str, jax.Array]]]
     tokenizer: Any = None
+    class_names: Sequence[str] | None = None  # the data set's names of labels 0, 1, ...
 
     def text(self, tag: str, markdown: str) -> None:
         """A TensorBoard text entry at this step."""

@@ -51,6 +51,8 @@ class Progress:
     eval_step: int
     eval_metrics: dict[str, float]
     early_stop: dict[str, Any] = dataclasses.field(default_factory=dict)  # its saved counters
+    # XLA compilations of the run so far, in every process it ran in: `count` and `seconds`
+    compiles: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +102,7 @@ def _resume(run: RunStart, checkpointer: Checkpointer) -> tuple[Any, Progress] |
             eval_step=int(meta["eval"]["step"]),
             eval_metrics=dict(meta["eval"]["metrics"]),
             early_stop=dict(meta.get("early_stop", {})),
+            compiles=dict(meta.get("compiles", {})),
         )
     if unreadable:
         raise _unreadable(checkpointer, unreadable, explicit)

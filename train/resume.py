@@ -29,6 +29,7 @@ RESUMABLE = (
     "trainer.resume",
     "trainer.nan_policy",
     "trainer.profile_steps",
+    "trainer.debug",  # how the steps run, not what they compute
     "trainer.steps_per_dispatch",  # same bits for every K; the checkpoint's position counts batches
     "logging.",  # what is written to TensorBoard, not what is trained
     "mesh.",  # the state is resharded onto the new mesh as it is restored
@@ -119,12 +120,18 @@ def check_config(
 ) -> list[str]:
     """Refuse a resume whose config changes what is trained; the allowed changes."""
     refused, allowed = config_changes(saved, current)
+    warmups = [saved["optimizer"]["warmup_steps"], current["optimizer"]["warmup_steps"]]
+    if step >= max(warmups):  # past the warm-up either way: it only reshapes the decay, as a
+        # longer trainer.steps does (a model's default warm-up fitted to a short run follows it)
+        moved = [c for c in refused if c.startswith("optimizer.warmup_steps:")]
+        refused, allowed = [c for c in refused if c not in moved], [*allowed, *moved]
     if refused:
         raise ZooError(
             f"Cannot resume from the checkpoint at step {step} ({path}): the config changes what "
             f"is trained: {'; '.join(refused)}. A resumed run may change only "
-            f"{', '.join(k.rstrip('.') + ('.*' if k.endswith('.') else '') for k in RESUMABLE)}. "
-            "Run with the original values, or use another workdir to start a new run."
+            f"{', '.join(k.rstrip('.') + ('.*' if k.endswith('.') else '') for k in RESUMABLE)}, "
+            "and optimizer.warmup_steps once past the warm-up. Run with the original values, or "
+            "use another workdir to start a new run."
         )
     return allowed
 

@@ -167,14 +167,19 @@ def activate(mesh: Mesh, rules: AxisRules) -> Iterator[None]:
         _ACTIVE_RULES.reset(token)
 
 
+NO_MESH = (
+    "No sharding rules are active, and the model's explicitly sharded layers need its mesh: "
+    "call a model that zoo.load, zoo.fit or zoo.finetune returned inside `with "
+    "trained.activate(): trained.model(x)` (or use zoo.predict); a model of your own under "
+    "train.sharding.activate(mesh, rules)."
+)
+
+
 def active_rules() -> AxisRules:
     """The rules in force (see `activate`)."""
     rules = _ACTIVE_RULES.get()
     if rules is None:
-        raise ZooError(
-            "No sharding rules are active: call the model under train.sharding.activate(mesh, "
-            "rules) or `with result.activate():`, as the trainer and zoo.create_model do."
-        )
+        raise ZooError(NO_MESH)
     return rules
 
 
@@ -195,10 +200,7 @@ def logical_spec(*names: str | None) -> P:
     e.g. `layer(h, out_sharding=logical_spec("batch", None))`."""
     rules = _ACTIVE_RULES.get()
     if rules is None:
-        raise ZooError(
-            "logical_spec() needs active sharding rules: call the model under "
-            "train.sharding.activate(mesh, rules), as the trainer and zoo.create_model do."
-        )
+        raise ZooError(NO_MESH)
     entries = []
     for name in names:
         axes = () if name is None else rules.mesh_axes(name, "An activation")

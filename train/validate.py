@@ -14,6 +14,7 @@ import typing
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from train import registry
@@ -183,4 +184,60 @@ def _check_profile_steps(steps: list[int], total: int) -> None:
         raise ZooError(
             f"trainer.profile_steps={steps} must be [] (no trace) or [first, last], two steps "
             f"with 1 <= first <= last <= trainer.steps={total}, e.g. trainer.profile_steps=[10,20]."
+        )
+
+
+def check_data(entry: registry.ModelEntry, splits: registry.Splits, hparams: Mapping) -> None:
+    """The caller's own data against the model: the columns its loss reads, and labels within
+    its classes (checked on arrays; a random-access source is read as the run goes)."""
+    for split, data in (("train", splits.train), ("eval", splits.eval)):
+        check_split(entry, split, data, hparams)
+
+
+def check_split(entry: registry.ModelEntry, split: str, data: Any, hparams: Mapping) -> None:
+    """One split of the caller's data (columns or a random-access source) against the model."""
+    columns = _columns(data)
+    missing = [c for c in entry.columns or () if c not in columns]
+    if missing:
+        raise ZooError(
+            f"The {split} data has no column {', '.join(map(repr, missing))}: it has "
+            f"{', '.join(map(repr, columns)) or 'none'}, and model '{entry.name}' reads "
+            f"{', '.join(map(repr, entry.columns))}. Name the columns as the model reads "
+            f"them. The columns each model reads: {columns_by_model()}."
+        )
+    classes = hparams.get("num_classes")
+    if isinstance(data, Mapping) and "label" in data and isinstance(classes, int):
+        _check_labels(split, np.asarray(data["label"]), classes, entry.name)
+
+
+def columns_by_model() -> str:
+    """`mlp, cnn, ...: image, label; gpt: tokens, length; ...`, from the registry."""
+    families: dict[tuple[str, ...], list[str]] = {}
+    for name in registry.list_models():
+        columns = registry.get_model(name).columns
+        if columns:
+            families.setdefault(columns, []).append(name)
+    return "; ".join(f"{', '.join(names)}: {', '.join(c)}" for c, names in families.items())
+
+
+def _columns(data: Any) -> list[str]:
+    first = data if isinstance(data, Mapping) else data[0] if len(data) else {}
+    return list(first)
+
+
+def _check_labels(split: str, labels: np.ndarray, classes: int, model: str) -> None:
+    if not np.issubdtype(labels.dtype, np.integer):
+        raise ZooError(
+            f"The {split} data's 'label' column holds {labels.dtype} values: model '{model}' "
+            f"takes integer class labels 0..{classes - 1}; convert it, e.g. "
+            "labels.astype(np.int32)."
+        )
+    bad = np.unique(labels[(labels < 0) | (labels >= classes)])
+    if bad.size:
+        shown = ", ".join(map(str, bad[:10])) + (", ..." if bad.size > 10 else "")
+        raise ZooError(
+            f"The {split} data's 'label' column holds {shown}, outside the classes of model "
+            f"'{model}': with num_classes={classes} a label must lie in 0..{classes - 1}. "
+            "Relabel the data, or give the model more classes (num_classes=..., with "
+            "replace_head=True when fine-tuning a trained head)."
         )

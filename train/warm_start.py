@@ -127,7 +127,16 @@ def _best(directory: str, steps: list[int]) -> int:
             f"No checkpoint in {directory} was saved with an eval of '{metric}' (steps "
             f"{', '.join(map(str, steps))}), so none is the best; use 'latest' or a step."
         )
-    return min(scored)[1]
+    best = min(scored)[1]
+    if not trainer.get("best_metric"):
+        log.warning(
+            "Checkpoint 'best': the run in %s set no trainer.best_metric, so none was kept for "
+            "being best; using step %d, the lowest eval loss among the checkpoints it kept (%s).",
+            os.path.dirname(directory),
+            best,
+            ", ".join(map(str, steps)),
+        )
+    return best
 
 
 def restore_model(model: nnx.Module, step_path: str) -> None:

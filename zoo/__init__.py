@@ -20,7 +20,7 @@ import data  # noqa: F401  (registers the built-in data sets)
 import models  # noqa: F401  (registers the built-in models)
 from train.callbacks import STOP, CallbackFailed, CallbackStop
 from train.errors import NonFiniteLoss, ZooError
-from train.loop import RunResult, run
+from train.loop import RunResult
 from train.registry import (
     ModelEntry,
     Splits,
@@ -39,6 +39,7 @@ from zoo.api import (
     load_data,
     merge_lora,
     predict,
+    run,
 )
 from zoo.export import export
 from zoo.generate import generate

@@ -7,9 +7,11 @@ on a mesh (`train.build`), so a model loaded here is the one its run trained, on
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -21,11 +23,13 @@ from train import pipeline, registry, rundir, sharding, weights
 from train import rngs as zoo_rngs
 from train.build import build_model, build_on_mesh
 from train.config import Config, MeshConfig, checked_dict, checked_params
+from train.console import ConsoleHandler
 from train.errors import ZooError
 from train.loop import RunResult, Trainer, evaluate_batches
 from train.lora import merge_adapters
 from train.saved import read_json
 from train.steps import make_eval_step
+from train.validate import check_split
 from train.warm_start import read_first, restore_averaged, restore_model
 from zoo.overrides import compose
 
@@ -33,11 +37,56 @@ from zoo.overrides import compose
 def fit(model: str, *overrides: str, callbacks: Sequence[Any] = ()) -> RunResult:
     """Run the CLI's job from Python: `fit("cnn", "data=digits", "trainer.steps=200")` is
     `python -m zoo.train model=cnn data=digits trainer.steps=200`, returning the trained model,
-    its final eval metrics and its workdir. `callbacks`: see "Callbacks" in the README."""
+    its final eval metrics and its workdir. It prints what the CLI prints and writes what the
+    CLI writes (`train.log`, `.hydra/`). `callbacks`: see "Callbacks" in the README."""
     args = [f"model={model}", *overrides]
-    with rundir.RunLog() as run_log:
+    with console_logging(), rundir.RunLog() as run_log:
         trainer = Trainer(compose(args), callbacks=callbacks)
         return trainer.fit(overrides=args, run_log=run_log)
+
+
+def run(cfg: DictConfig) -> RunResult:
+    """Train a composed config (`zoo.compose([...])`) as the CLI does, printing its lines."""
+    with console_logging(), rundir.RunLog() as run_log:
+        return Trainer(cfg).fit(run_log=run_log)
+
+
+@contextlib.contextmanager
+def console_logging() -> Iterator[None]:
+    """The CLI's console lines (progress, evals, warnings) for a run started from Python, and
+    in its `train.log`: zoo's logger at INFO while the run lasts, shown by the CLI's console
+    handler unless the program has set up logging of its own (a root handler other than the
+    bare one `logging.basicConfig()` makes, which absl installs on import)."""
+    zoo_log, root = logging.getLogger("zoo"), logging.getLogger()
+    level = zoo_log.level
+    if zoo_log.getEffectiveLevel() > logging.INFO:
+        zoo_log.setLevel(logging.INFO)
+    bare = list(root.handlers)
+    ours = all(_is_bare(handler) for handler in bare)
+    console = ConsoleHandler()
+    console.setFormatter(logging.Formatter("%(message)s"))
+    if ours:
+        for handler in bare:
+            root.removeHandler(handler)
+        root.addHandler(console)
+    try:
+        yield
+    finally:
+        zoo_log.setLevel(level)
+        if ours:
+            root.removeHandler(console)
+            for handler in bare:
+                root.addHandler(handler)
+
+
+def _is_bare(handler: logging.Handler) -> bool:
+    """A handler as `logging.basicConfig()` makes it: stderr, the default format."""
+    formatter = handler.formatter
+    return (
+        type(handler) is logging.StreamHandler
+        and formatter is not None
+        and formatter._fmt == logging.BASIC_FORMAT
+    )
 
 
 @dataclasses.dataclass
@@ -74,6 +123,8 @@ def load(
     the checkpoint `step` names (`latest`, `best` or a step number) and its resolved config.
     `weights="ema"`: the average of the params that `optimizer.ema_decay` kept, in place of the
     params themselves.
+    `best` is the one the run kept by its `trainer.best_metric`; for a run without one, the
+    kept checkpoint with the lowest eval loss, and a warning says so.
 
     It is placed on a new mesh: `mesh` takes the keys of the `mesh` config section (default:
     data parallel over every device, whatever mesh it was trained on), `devices` restricts it to
@@ -176,11 +227,13 @@ def _averaged_weights(weights: str, config: Any, path: str) -> float | None:
     return float(decay)
 
 
-def merge_lora(trained: Trained) -> nnx.Module:
-    """Fold the LoRA adapters of a fine-tuned model into its layers' kernels (in place): the
-    model then has its original structure and computes the same function."""
+def merge_lora(trained: Trained) -> Trained:
+    """A copy of a fine-tuned `trained` whose model has its LoRA adapters folded into its
+    layers' kernels (`kernel + lora_a @ lora_b`): the model's original structure, computing
+    the same function, ready for `predict`/`evaluate`. `trained` itself keeps its adapters."""
     with trained.activate():
-        return merge_adapters(trained.model)
+        merged = merge_adapters(nnx.clone(trained.model))
+    return dataclasses.replace(trained, model=merged)
 
 
 @nnx.jit
@@ -190,8 +243,10 @@ def _forward(model: nnx.Module, inputs: jax.Array) -> jax.Array:
 
 def predict(trained: Trained, inputs: np.ndarray) -> np.ndarray:
     """The model's outputs (logits) for a batch of inputs as the model takes them (e.g.
-    normalised images: a data set's `transform` makes them), on the model's mesh."""
+    normalised float images, N x H x W x C: a data set's `transform` makes them), on the
+    model's mesh. Raw integer pixels and inputs of another shape are refused by name."""
     inputs = np.asarray(inputs)
+    check_images(inputs, resolved_hparams(trained.config).get("input_shape"), trained.config)
     shards = sharding.batch_divisor(trained.mesh, trained.rules)
     padding = -len(inputs) % shards
     padded = np.concatenate([inputs, np.repeat(inputs[-1:], padding, axis=0)])
@@ -199,6 +254,38 @@ def predict(trained: Trained, inputs: np.ndarray) -> np.ndarray:
         batch = sharding.shard_batch({"inputs": padded}, trained.mesh, trained.rules)
         outputs = _forward(trained.model, batch["inputs"])
     return np.asarray(jax.device_get(outputs))[: len(inputs)]
+
+
+def check_images(inputs: np.ndarray, input_shape: Any, config: DictConfig) -> None:
+    """Images for an image model: a batch (N, *input_shape) of floats, as the model was trained
+    on (after its data set's `transform`)."""
+    if input_shape is None:
+        return
+    shape, wanted = tuple(inputs.shape), tuple(input_shape)
+    if shape == wanted:
+        raise ZooError(
+            f"predict takes a batch of inputs: got one image of shape {shape}; add the batch "
+            f"axis (inputs[None], shape (1, {', '.join(map(str, wanted))})). The model's "
+            f"input_shape is {list(wanted)}."
+        )
+    if shape[1:] != wanted:
+        raise ZooError(
+            f"predict got inputs of shape {shape}; model '{config.model.name}' takes a batch "
+            f"(N, {', '.join(map(str, wanted))}): its input_shape is {list(wanted)} (height, "
+            "width, channels). Add a missing channel axis with images[..., None], and resize "
+            "images of another size."
+        )
+    if not np.issubdtype(inputs.dtype, np.floating):
+        name = config.data.name
+        how = (
+            f'zoo.load_data("{name}").transform({{"image": images}})["image"]'
+            if name in registry.list_datasets()
+            else "the transform its training data had"
+        )
+        raise ZooError(
+            f"predict got {inputs.dtype} images; model '{config.model.name}' takes float "
+            f"images normalised as in training. Normalise them first: {how}."
+        )
 
 
 def evaluate(
@@ -215,6 +302,8 @@ def evaluate(
         data = registry.get_data(data).splits({})
     if isinstance(data, registry.Splits):
         data, transform = data.eval, data.transform
+    entry = registry.get_model(config.model.name)
+    check_split(entry, "eval", data, resolved_hparams(config))
     shards = sharding.batch_divisor(trained.mesh, trained.rules)
     size = batch_size or -(-int(config.trainer.batch_size) // shards) * shards
     batches = pipeline.eval_batches(data, size, transform=transform)

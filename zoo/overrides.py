@@ -8,6 +8,8 @@ one paragraph naming the bad override and what would be valid.
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Sequence
 
 from hydra.errors import HydraException
@@ -16,10 +18,13 @@ from omegaconf.errors import OmegaConfBaseException
 
 from train import registry
 from train.config import reason as config_reason
+from train.dispatch import CADENCES
 from train.errors import ZooError
 from train.validate import validate
 from zoo.hydra_store import store_registry
 from zoo.pretrained import check_tokenizer, pretrained_args
+
+log = logging.getLogger("zoo")
 
 
 def compose(overrides: Sequence[str] = ()) -> DictConfig:
@@ -34,6 +39,8 @@ def compose(overrides: Sequence[str] = ()) -> DictConfig:
     check_choices(overrides)
     try:
         cfg = _compose(overrides)
+        _fit_default_warmup(cfg, overrides)
+        _fit_default_dispatch(cfg, overrides)
         validate(cfg)
         check_tokenizer(cfg)
     except ZooError:
@@ -51,6 +58,52 @@ def compose(overrides: Sequence[str] = ()) -> DictConfig:
         ) from None
     OmegaConf.resolve(cfg)
     return cfg
+
+
+def _fit_default_warmup(cfg: DictConfig, overrides: list[str]) -> None:
+    """A trial run (`trainer.steps=40`) of a model whose default warm-up is longer: the warm-up
+    keeps its share of the model's default run, said in one line. A warm-up the overrides set
+    stays as it is (and `validate` refuses it when it is too long)."""
+    warmup, steps = int(cfg.optimizer.warmup_steps), int(cfg.trainer.steps)
+    if warmup <= steps or "optimizer.warmup_steps" in _keys(overrides) or steps < 1:
+        return
+    default_steps = int(registry.get_model(cfg.model.name).trainer.get("steps", steps))
+    scaled = min(steps, round(warmup * steps / max(default_steps, steps)))
+    cfg.optimizer.warmup_steps = scaled
+    log.info(
+        "optimizer.warmup_steps: model '%s' warms up for %d steps in its default run of %d, "
+        "longer than this run's trainer.steps=%d; warming up for %d steps instead, the same "
+        "share (set optimizer.warmup_steps to choose).",
+        cfg.model.name,
+        warmup,
+        default_steps,
+        steps,
+        scaled,
+    )
+
+
+def _fit_default_dispatch(cfg: DictConfig, overrides: list[str]) -> None:
+    """A model's default `steps_per_dispatch` that does not divide a trial run's steps (or
+    another cadence): the largest that divides them all, said in one line."""
+    trainer = cfg.trainer
+    k = int(trainer.steps_per_dispatch)
+    if "trainer.steps_per_dispatch" in _keys(overrides) or k < 1:
+        return
+    fitted = math.gcd(k, *(max(int(trainer[key]), 0) for key in CADENCES))
+    if fitted != k:
+        trainer.steps_per_dispatch = fitted
+        log.info(
+            "trainer.steps_per_dispatch: model '%s' runs %d steps per dispatch by default, "
+            "which does not divide this run's cadences; running %d instead (set "
+            "trainer.steps_per_dispatch to choose).",
+            cfg.model.name,
+            k,
+            fitted,
+        )
+
+
+def _keys(overrides: Sequence[str]) -> set[str]:
+    return {o.split("=")[0].lstrip("+~") for o in overrides}
 
 
 def _compose(overrides: list[str]) -> DictConfig:

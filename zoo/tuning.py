@@ -8,27 +8,70 @@ exactly, as the CLI's resume does.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from train import registry, weights
+from train import registry, rundir, weights
 from train.errors import ZooError
 from train.freeze import Filter
 from train.loop import RunResult, Trainer
 from train.validate import check_finetune
 from train.warm_start import locate
-from zoo.api import Trained, TrainedModel, is_pretrained_dir, resolved_hparams, saved_config
+from zoo.api import (
+    Trained,
+    TrainedModel,
+    console_logging,
+    is_pretrained_dir,
+    resolved_hparams,
+    saved_config,
+)
 from zoo.overrides import compose
 
 USER_DATA = "user"
 """`data.name` in the config of a run on the caller's own data (`finetune(..., data=Splits)`)."""
 
 
+PYTHON_NAMES = (
+    ("finetune.reinit=[head]", "replace_head=True"),
+    ("in finetune.reinit,", "in reinit,"),
+    ("finetune.reinit=", "reinit="),
+    ("finetune.freeze=", "freeze="),
+    ("finetune.lora_layers=", "lora_layers="),
+    ("finetune.lora_rank=", "lora_rank="),
+    ("finetune.init_step=", "step="),
+)
+"""How messages written for the command line name `finetune`'s keyword arguments: the
+settings they suggest (`finetune.reinit=[head]`), not the config keys they list."""
+
+
+def python_names_in_errors(function: Callable[..., RunResult]) -> Callable[..., RunResult]:
+    """`function`, its errors speaking of `finetune`'s keyword arguments (`replace_head=True`)
+    where they would name the command line's keys (`finetune.reinit=[head]`)."""
+
+    @functools.wraps(function)
+    def wrapped(*args: Any, **kwargs: Any) -> RunResult:
+        try:
+            return function(*args, **kwargs)
+        except ZooError as e:
+            raise ZooError(python_names(str(e))) from None
+
+    return wrapped
+
+
+def python_names(message: str) -> str:
+    """A message for the command line, with `finetune`'s keyword arguments for its keys."""
+    for cli, python in PYTHON_NAMES:
+        message = message.replace(cli, python)
+    return message
+
+
+@python_names_in_errors
 def finetune(
     start: str | os.PathLike | Trained,
     *overrides: str,
@@ -66,40 +109,64 @@ def finetune(
     - `callbacks`: objects with hooks the run calls (see `zoo.fit`).
 
     Running the same call again with the same workdir resumes it (a finished run returns at
-    once), as the CLI does."""
-    named = [o for o in overrides if o.startswith("data=")]
-    if named and data is None:  # `data=NAME` among the overrides, as on the command line
-        data, overrides = named[-1].partition("=")[2], tuple(o for o in overrides if o not in named)
-    pretrained = _pretrained(start, step)
-    if pretrained is not None:
-        overrides = (f"finetune.init_from={pretrained.directory}", *overrides)
-        workdir, step_number, base = None, None, None
-    else:
-        workdir, step_number, base = _start(start, step)
-    if base is not None and data is None and base.data.name not in registry.list_datasets():
+    once), as the CLI does. It prints and writes what the CLI does (`train.log`, `.hydra/`)."""
+    with console_logging(), rundir.RunLog() as run_log:
+        named = [o for o in overrides if o.startswith("data=")]
+        if named and data is None:  # `data=NAME` among the overrides, as on the command line
+            data, overrides = (
+                named[-1].partition("=")[2],
+                tuple(o for o in overrides if o not in named),
+            )
+        pretrained = _pretrained(start, step)
+        if pretrained is not None:
+            overrides = (f"finetune.init_from={pretrained.directory}", *overrides)
+            workdir, step_number, base = None, None, None
+            name = pretrained.family.model
+        else:
+            workdir, step_number, base = _start(start, step)
+            name = base.model.name if base is not None else str(start)
+        if base is not None and data is None and base.data.name not in registry.list_datasets():
+            raise ZooError(
+                f"The run in {workdir} trained on data of its own ('{base.data.name}'): pass the "
+                "data to fine-tune on as data=zoo.Splits(...) or a registered data set's name."
+            )
+        if isinstance(data, registry.Splits):
+            _check_image_axes(data, name, base)
+        cfg = compose([*_model_args(name, base, data, num_classes, overrides), *overrides])
+        settings = cfg.finetune
+        if workdir is not None:
+            settings.init_from, settings.init_step = workdir, str(step_number)
+        settings.reinit = [*reinit, *([settings.head] if replace_head else [])]
+        settings.freeze = freeze if isinstance(freeze, str) else None
+        settings.lora_rank, settings.lora_layers = lora_rank, lora_layers
+        check_finetune(settings)
+        if freeze is not None and not isinstance(freeze, str):
+            settings.freeze = repr(freeze)  # a filter is code: the config records what it is
+        user_data = isinstance(data, registry.Splits)
+        if user_data:
+            cfg = _on_user_data(cfg, data)
+        frozen = None if freeze is None or isinstance(freeze, str) else freeze
+        trainer = Trainer(cfg, data=data if user_data else None, freeze=frozen, callbacks=callbacks)
+        return trainer.fit(overrides=list(overrides), run_log=run_log)
+
+
+def _check_image_axes(data: registry.Splits, name: str, base: DictConfig | None) -> None:
+    """Images with as many axes as the model takes (height, width, channels): a missing
+    channel axis would otherwise fail deep inside the first step."""
+    shape = _user_data_facts(data).get("input_shape")
+    entry = registry.get_model(name)
+    model_shape = (
+        resolved_hparams(base).get("input_shape")
+        if base is not None
+        else registry.get_data(entry.default_data).info.get("input_shape")
+    )
+    if shape is not None and model_shape is not None and len(shape) != len(model_shape):
         raise ZooError(
-            f"The run in {workdir} trained on data of its own ('{base.data.name}'): pass the "
-            "data to fine-tune on as data=zoo.Splits(...) or a registered data set's name."
+            f"The 'image' column holds images of shape {tuple(shape)}; model '{name}' takes "
+            f"images with {len(model_shape)} axes, like its input_shape {list(model_shape)} "
+            "(height, width, channels), each column batched as (N, height, width, channels). "
+            "Add the missing channel axis, e.g. images[..., None]."
         )
-    name = str(start) if base is None else base.model.name
-    if pretrained is not None:
-        name = pretrained.family.model
-    cfg = compose([*_model_args(name, base, data, num_classes, overrides), *overrides])
-    settings = cfg.finetune
-    if workdir is not None:
-        settings.init_from, settings.init_step = workdir, str(step_number)
-    settings.reinit = [*reinit, *([settings.head] if replace_head else [])]
-    settings.freeze = freeze if isinstance(freeze, str) else None
-    settings.lora_rank, settings.lora_layers = lora_rank, lora_layers
-    check_finetune(settings)
-    if freeze is not None and not isinstance(freeze, str):
-        settings.freeze = repr(freeze)  # a filter is code: the config records what it is
-    user_data = isinstance(data, registry.Splits)
-    if user_data:
-        cfg = _on_user_data(cfg, data)
-    frozen = None if freeze is None or isinstance(freeze, str) else freeze
-    trainer = Trainer(cfg, data=data if user_data else None, freeze=frozen, callbacks=callbacks)
-    return trainer.fit()
 
 
 def _model_args(
@@ -117,6 +184,11 @@ def _model_args(
         args.append(f"data={data_name}")
     user_data = isinstance(data, registry.Splits)
     given = {o.split("=")[0].lstrip("+~") for o in overrides}
+    if base is not None and data_name == base.data.name and not user_data:
+        # the same data set, read as the start run read it (its window, its normalisation)
+        for key, value in OmegaConf.to_container(base.data).items():
+            if key != "name" and f"data.{key}" not in given:
+                args.append(f"data.{key}={json.dumps(value)}")
     if num_classes is not None:
         given.add("model.num_classes")
     if base is not None:

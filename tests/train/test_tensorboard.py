@@ -17,6 +17,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,6 +28,7 @@ import zoo
 from train.checkpoint import Checkpointer
 from train.loop import Trainer
 from train.saved import abstract_like
+from train.summaries import DEFAULT_COLUMNS
 
 STEPS, LOG_EVERY, EVAL_EVERY, HISTOGRAM_EVERY, BATCH = 40, 10, 20, 20, 64
 HIDDEN = 32
@@ -125,14 +127,14 @@ def test_tensorboard_server_shows_every_tab(observed):
             *(f"train/{name}" for name in ("grad_norm", "param_norm", "update_ratio")),
             *(f"train/{name}" for name in ("steps_per_sec", "examples_per_sec")),
             "train/data_wait_share",
-            "compile/count",
-            "compile/seconds",
+            "xla/compile_count",
+            "xla/compile_seconds",
             "eval/loss",
             "eval/accuracy",
         }
         wait_for_tags(base, "scalars", scalar_tags)
         wait_for_tags(base, "histograms", {"params/head/kernel", "grads/hidden/0/kernel"})
-        wait_for_tags(base, "images", {"classifier/confusion_matrix", "classifier/misclassified"})
+        wait_for_tags(base, "images", {"visuals/confusion_matrix", "visuals/misclassified"})
         wait_for_tags(base, "text", {f"{t}/text_summary" for t in ("config", "model_summary")})
 
         def scalars(tag: str) -> dict[int, float]:
@@ -143,17 +145,20 @@ def test_tensorboard_server_shows_every_tab(observed):
         assert list(scalars("eval/accuracy")) == evals
         for name in ("grad_norm", "param_norm", "update_ratio"):
             norms = scalars(f"train/{name}")
-            assert list(norms) == windows and all(v > 0 for v in norms.values()), name
+            # every window, and the run's first step (a run shorter than norms_every samples too)
+            assert list(norms) == [1, *windows] and all(v > 0 for v in norms.values()), name
         speed, examples = scalars("train/steps_per_sec"), scalars("train/examples_per_sec")
         for step in windows:
             assert examples[step] == pytest.approx(speed[step] * BATCH, rel=1e-5)
             assert 0 < scalars("train/data_wait_share")[step] < 1
-        compiles = list(scalars("compile/count").values())
+        compiles = list(scalars("xla/compile_count").values())
         assert compiles[0] >= 1 and compiles == sorted(compiles)
-        assert all(s > 0 for s in scalars("compile/seconds").values())
+        # stamped as of each window's last step: the eval at step 20 compiles after it
+        assert scalars("xla/compile_count")[30] > scalars("xla/compile_count")[20]
+        assert all(s > 0 for s in scalars("xla/compile_seconds").values())
 
-        # Histograms: every HISTOGRAM_EVERY steps, each over every value of its array.
-        histogram_steps = list(range(HISTOGRAM_EVERY, STEPS + 1, HISTOGRAM_EVERY))
+        # Histograms: at the first step and every HISTOGRAM_EVERY steps, each over every value of its array.
+        histogram_steps = [1, *range(HISTOGRAM_EVERY, STEPS + 1, HISTOGRAM_EVERY)]
         for tag, size in (("params/hidden/0/kernel", 64 * HIDDEN), ("grads/head/bias", 10)):
             rows = fetch_json(f"{base}/data/plugin/histograms/histograms?run={RUN}&tag={tag}")
             assert [step for _, step, _ in rows] == histogram_steps
@@ -161,13 +166,14 @@ def test_tensorboard_server_shows_every_tab(observed):
                 assert sum(count for _, _, count in buckets) == size
 
         # Images: a confusion matrix and misclassified digits after each eval.
-        url = f"{base}/data/plugin/images/images?run={RUN}&tag=classifier/confusion_matrix"
+        url = f"{base}/data/plugin/images/images?run={RUN}&tag=visuals/confusion_matrix"
         entries = fetch_json(url)
         assert [entry["step"] for entry in entries] == evals
         png = fetch(f"{base}/data/plugin/images/individualImage?{entries[-1]['query']}")
         matrix = np.asarray(Image.open(io.BytesIO(png)))
-        assert matrix.shape == (120, 120, 3)  # 10 x 10 classes of 12 x 12 pixels
-        url = f"{base}/data/plugin/images/images?run={RUN}&tag=classifier/misclassified"
+        assert matrix.shape[0] > 10 * 36 and matrix.shape[2] == 3  # 10 rows of 36-pixel cells
+        assert (matrix < 128).any(axis=2).sum() > 1000  # the counts and labels written in it
+        url = f"{base}/data/plugin/images/images?run={RUN}&tag=visuals/misclassified"
         assert [entry["step"] for entry in fetch_json(url)] == evals
 
         def text(tag: str) -> str:
@@ -179,13 +185,19 @@ def test_tensorboard_server_shows_every_tab(observed):
         assert "hidden/0" in summary and f"{params:,}" in summary
         assert f"steps: {STEPS}" in text("config")
         assert "Sharding plan on mesh" in text("sharding_plan")
-        cells = re.findall(r"<td>(\d+)</td>", text("classifier/confusion_matrix"))
+        cells = re.findall(r"<td>(\d+)</td>", text("visuals/confusion_matrix"))
         assert sum(map(int, cells)) == 360  # every eval digit once (row labels are bold)
 
         # HParams: the flattened config, and the run's final metrics as its session's values.
         experiment = fetch_json(f"{base}/data/plugin/hparams/experiment", {"experimentName": ""})
         names = {info["name"] for info in experiment["hparamInfos"]}
         assert {"trainer.steps", "model.hidden_sizes", "optimizer.learning_rate"} <= names
+        # every model's keys and metrics, whichever run TensorBoard takes the description from
+        assert {"model.context_length", "model.latent_dim", "data.window"} <= names
+        metrics = {info["name"]["tag"] for info in experiment["metricInfos"]}
+        assert {"eval/accuracy", "eval/bits_per_byte", "eval/kl", "train/loss"} <= metrics
+        first = [info["name"] for info in experiment["hparamInfos"][:5]]  # the default columns
+        assert first == sorted(DEFAULT_COLUMNS)
         request = {
             "experimentName": "",
             "allowedStatuses": ["STATUS_UNKNOWN", "STATUS_SUCCESS", "STATUS_RUNNING"],
@@ -199,9 +211,20 @@ def test_tensorboard_server_shows_every_tab(observed):
         assert final["eval/accuracy"] == pytest.approx(scalars("eval/accuracy")[STEPS])
 
 
+def test_the_first_groups_are_eval_and_train(observed):
+    """TensorBoard orders tag groups alphabetically and opens the first ones: the eval and train
+    curves come before the images and the compilation counts."""
+    _, workdir, _ = observed
+    tags = read_events(workdir).Tags()
+    groups = sorted({tag.split("/")[0] for kind in ("scalars", "images") for tag in tags[kind]})
+    assert groups == ["eval", "train", "visuals", "xla"]
+
+
 def test_profile_steps_write_a_trace_and_console_lines_reach_train_log(observed):
     _, workdir, result = observed
-    assert glob.glob(str(workdir / "plugins" / "profile" / "*" / "*.xplane.pb"))
+    (trace,) = glob.glob(str(workdir / "plugins" / "profile" / "*" / "*.xplane.pb"))
+    # step markers (the Profile tab's overview needs them): step_num of each traced step
+    assert b"step_num" in Path(trace).read_bytes()
     assert "Profiler trace of steps 3-5" in result.stderr
     log = (workdir / "train.log").read_text()
     for line in (f"eval @ step {STEPS}:", f"step {STEPS}/{STEPS} accuracy", "Profiler trace"):
@@ -258,3 +281,24 @@ def test_events_are_readable_while_training_and_complete_after_sigterm(tmp_path)
     assert max(live) < stopped
     losses = scalar_steps(read_events(workdir), "train/loss")
     assert list(losses) == list(range(LOG_EVERY, stopped + 1, LOG_EVERY))
+
+
+def test_compile_counts_continue_across_a_resume(tmp_path):
+    args = ("model=xor", "trainer.steps_per_dispatch=10", "trainer.log_every=10")
+    for steps in (20, 40):  # the second command resumes the first's run
+        result = run_cli(*args, f"trainer.steps={steps}", f"workdir={tmp_path}")
+        assert result.returncode == 0, result.stderr
+    events = read_events(tmp_path)
+    count, seconds = (scalar_steps(events, f"xla/compile_{t}") for t in ("count", "seconds"))
+    assert list(count) == [10, 20, 30, 40]
+    assert count[30] > count[20] and seconds[30] > seconds[20]  # the second process's added
+
+
+def test_gpt_text_sample_is_markdown_not_a_repr(tmp_path):
+    tiny = ("model.dim=32", "model.depth=1", "model.context_length=64", "data.window=64")
+    quick = ("data.eval_bytes=4096", "trainer.steps=2", "trainer.log_every=2")
+    zoo.fit("gpt", *tiny, *quick, f"workdir={tmp_path}")
+    (sample,) = read_events(tmp_path).Tensors("sample/text_summary")
+    text = sample.tensor_proto.string_val[0].decode()
+    assert text.startswith("**prompt**\n\n    ") and "\n\n**continuation**\n\n    " in text
+    assert "\\n" not in text and "' -> '" not in text  # no Python repr

@@ -46,15 +46,17 @@ def test_python_examples_run(tmp_path):
     assert len(accuracies) == 3 and min(accuracies) >= 0.7  # chance: 1/3
     assert (tmp_path / "runs" / "readme-shards" / "images-00000-of-00001.array_record").is_file()
     printed = printed[1:]
-    assert "xor" in printed[0] and printed[1] == "(2, 16)"
+    listed = re.search(r"print\(zoo\.list_models\(\)\)  # (.+)", README).group(1)
+    assert printed[0] == listed and printed[1] == "(2, 16)"
     assert printed[3].startswith("'")  # the gpt sample, printed as a Python string
     assert float(printed[4]) >= 0.9  # the user model's eval accuracy
     assert (tmp_path / "runs" / "readme-mlp" / "checkpoints" / "300").is_dir()
-    assert printed[5] == "200 200 300"  # the second run resumed from the first's checkpoint
-    assert printed[6] == "fashion_mnist 150"  # the loaded model and its config
-    assert float(printed[8]) >= 0.5  # the fine-tuned model on the user's digits (chance: 0.1)
+    assert printed[5] == "True"  # trainer.debug ran the steps on concrete arrays
+    assert printed[6] == "200 200 300"  # the second run resumed from the first's checkpoint
+    assert printed[7] == "fashion_mnist 150"  # the loaded model and its config
+    assert float(printed[9]) >= 0.5  # the fine-tuned model on the user's digits (chance: 0.1)
     assert (tmp_path / "runs" / "readme-digits" / "checkpoints" / "150").is_dir()
-    assert len(printed) == 9
+    assert len(printed) == 10
 
 
 def test_error_examples_match_real_output():
