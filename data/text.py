@@ -1,7 +1,9 @@
 """Text as bytes, for byte-level language models: any text file or directory, by default the
 Python standard library's own source files (present on every machine, nothing to download).
 With `tokenizer` (a Hugging Face `tokenizer.json`, or a directory holding one), the text is
-encoded into that tokenizer's ids instead (int32), for a model with its vocabulary (GPT-2's).
+encoded into that tokenizer's ids instead (int32), for a model with its vocabulary (GPT-2's);
+in `windows` mode those ids are cached on disk and memory-mapped (`data.tokens`), so a corpus
+larger than memory trains.
 
 Every split holds `tokens` (uint8 bytes or int32 ids, N x (L + 1)): a sequence whose first L
 predict the last L, and `length` (int32, N): how many of those L targets are real text. Two
@@ -28,6 +30,7 @@ from typing import Any
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from data.tokens import Segment, tokenized
 from train.errors import ZooError
 from train.registry import Batch, Splits, register_data
 
@@ -59,10 +62,9 @@ def _text_files(path: str | None, pattern: str) -> list[Path]:
     return sorted(p for p in root.glob(pattern) if p.is_file())
 
 
-def _read_texts(files: list[Path], where: str) -> list[tuple[str, bytes]]:
-    """(name, bytes) of each file that holds text: files with NUL bytes (binaries) are skipped."""
-    texts = [(f.name, f.read_bytes()) for f in files]
-    texts = [(name, data) for name, data in texts if data and b"\0" not in data]
+def _text_segments(files: list[Path], where: str) -> list[Segment]:
+    """The whole of each file that holds text: files with NUL bytes (binaries) are skipped."""
+    texts = [Segment(f, 0, f.stat().st_size) for f in files if _is_text(f)]
     if not texts:
         raise ZooError(
             f"{where} holds no text: no non-empty file without NUL bytes among {len(files)} "
@@ -72,21 +74,47 @@ def _read_texts(files: list[Path], where: str) -> list[tuple[str, bytes]]:
     return texts
 
 
-def _split(texts: list[tuple[str, bytes]]) -> tuple[bytes, bytes]:
-    held_out = [zlib.crc32(name.encode()) % 10 == 0 for name, _ in texts]
+def _is_text(file: Path) -> bool:
+    with open(file, "rb") as f:
+        blocks = iter(lambda: f.read(1 << 20), b"")
+        first = next(blocks, b"")
+        return bool(first) and b"\0" not in first and not any(b"\0" in b for b in blocks)
+
+
+def _split(texts: list[Segment]) -> tuple[list[Segment], list[Segment]]:
+    held_out = [zlib.crc32(t.file.name.encode()) % 10 == 0 for t in texts]
     if any(held_out) and not all(held_out):
-        train = b"".join(data for (_, data), out in zip(texts, held_out, strict=True) if not out)
-        test = b"".join(data for (_, data), out in zip(texts, held_out, strict=True) if out)
-        return train, test
-    stream = b"".join(data for _, data in texts)
-    cut = len(stream) - len(stream) // 10
-    return stream[:cut], stream[cut:]
+        train = [t for t, out in zip(texts, held_out, strict=True) if not out]
+        return train, [t for t, out in zip(texts, held_out, strict=True) if out]
+    total = sum(t.end for t in texts)
+    cut = total - total // 10
+    return _slice(texts, 0, cut), _slice(texts, cut, total)
 
 
-def load_tokenizer(path: str | Path) -> Any:
-    """The `tokenizers.Tokenizer` of a `tokenizer.json` file, or of the one in a directory."""
-    from tokenizers import Tokenizer
+def _slice(texts: list[Segment], start: int, stop: int) -> list[Segment]:
+    """Bytes `start` to `stop` (`stop` None: to the end) of the segments' text, end to end."""
+    sliced, offset = [], 0
+    for t in texts:
+        size = t.end - t.start
+        begin, end = max(start - offset, 0), size if stop is None else min(stop - offset, size)
+        if begin < end:
+            sliced.append(Segment(t.file, t.start + begin, t.start + end))
+        offset += size
+    return sliced
 
+
+def _read(segments: list[Segment]) -> bytes:
+    return b"".join(_read_segment(s) for s in segments)
+
+
+def _read_segment(segment: Segment) -> bytes:
+    with open(segment.file, "rb") as f:
+        f.seek(segment.start)
+        return f.read(segment.end - segment.start)
+
+
+def tokenizer_file(path: str | Path) -> Path:
+    """The `tokenizer.json` that `path` names: the file, or the one in a directory."""
     file = Path(path).expanduser()
     file = file / TOKENIZER_FILE if file.is_dir() else file
     if not file.is_file():
@@ -94,6 +122,14 @@ def load_tokenizer(path: str | Path) -> Any:
             f"data.tokenizer={path} is not a tokenizer: give a Hugging Face {TOKENIZER_FILE} "
             "file or a directory holding one (unset: byte-level text)."
         )
+    return file
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """The `tokenizers.Tokenizer` of a `tokenizer.json` file, or of the one in a directory."""
+    from tokenizers import Tokenizer
+
+    file = tokenizer_file(path)
     try:
         return Tokenizer.from_file(str(file))
     except Exception as e:  # noqa: BLE001  (the library raises a bare Exception)
@@ -165,19 +201,24 @@ def text(
     if not buckets or min(buckets) < 1:
         raise ZooError(f"data.buckets={list(buckets)} must be one or more positive lengths.")
     where = "The Python standard library" if path is None else f"data.path={path}"
-    train, test = _split(_read_texts(_text_files(path, pattern), where))
-    test = test[:eval_bytes] if eval_bytes else test
+    train, test = _split(_text_segments(_text_files(path, pattern), where))
+    test = _slice(test, 0, eval_bytes or None)
     encoder = None if tokenizer is None else load_tokenizer(tokenizer)
     if mode == TextMode.lines:
         longest = max(buckets)
         return Splits(
-            train=_lines(train, longest, "training", encoder),
-            eval=_lines(test, longest, "held-out", encoder),
+            train=_lines(_read(train), longest, "training", encoder),
+            eval=_lines(_read(test), longest, "held-out", encoder),
             transform=BucketPadding(list(buckets)),
             tokenizer=encoder,
         )
+    if encoder is None:
+        train_tokens, test_tokens = encode(_read(train), None), encode(_read(test), None)
+    else:
+        train_tokens = tokenized(train, tokenizer_file(tokenizer), encoder)
+        test_tokens = tokenized(test, tokenizer_file(tokenizer), encoder)
     return Splits(
-        train=_windows(encode(train, encoder), window, "training"),
-        eval=_windows(encode(test, encoder), window, "held-out"),
+        train=_windows(train_tokens, window, "training"),
+        eval=_windows(test_tokens, window, "held-out"),
         tokenizer=encoder,
     )

@@ -267,17 +267,27 @@ def _flags_parsed() -> None:
 class _WorkerInit:
     """Runs first in each worker process: it dies with the training process (killed or not,
     a worker never outlives it), and absl's flags count as parsed (Grain reads them, and a
-    process that imported JAX otherwise fails to)."""
+    process that imported JAX otherwise fails to).
+
+    Linux signals a child when the *thread* that started it ends (`PR_SET_PDEATHSIG`), and
+    Grain starts workers from threads of its own that end when the pipeline is closed; a
+    worker killed then would leave its last batches' shared memory behind. So the signal only
+    makes the worker look: it exits when its parent process is gone, and otherwise carries on
+    and stops as Grain asks it to, freeing what it holds."""
 
     def __init__(self, parent: int):
         self.parent = parent
 
     def __call__(self, index: int, count: int) -> None:
         _flags_parsed()
-        if hasattr(signal, "SIGKILL") and os.path.exists("/proc/self"):  # Linux
+        if hasattr(signal, "SIGUSR1") and os.path.exists("/proc/self"):  # Linux
+            signal.signal(signal.SIGUSR1, self._on_parent_change)
             pr_set_pdeathsig = 1
-            ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGKILL)
-        if os.getppid() != self.parent:  # the parent died before the line above
+            ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGUSR1)
+        self._on_parent_change()  # the parent may have died before the lines above
+
+    def _on_parent_change(self, *signal_args: Any) -> None:
+        if os.getppid() != self.parent:
             os._exit(1)
 
 

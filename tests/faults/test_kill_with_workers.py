@@ -1,5 +1,6 @@
 """kill -9 of a run whose batches are made by two Grain workers: its workers die with it, and
-the same command run again ends with the bits of a run made without workers."""
+the same command run again ends with the bits of a run made without workers, and exits cleanly
+(no shared memory of its workers left behind)."""
 
 from __future__ import annotations
 
@@ -72,5 +73,6 @@ def test_killed_with_two_workers_resumes_with_the_bits_of_a_run_without_workers(
     assert not any(alive(pid) for pid in workers)  # no worker outlives the training process
     status, stderr, _ = run(*args)
     assert status == 0, stderr
+    assert "leaked shared_memory" not in stderr  # the workers freed what they held, and exited
     assert "Resuming at step" in (workdir / "train.log").read_text()
     assert_same_arrays(final_arrays(workdir, STEPS), final_arrays(tmp_path / "inline", STEPS))
