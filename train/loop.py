@@ -96,6 +96,7 @@ class Trainer:
         _check_batch_split(trainer.batch_size, trainer.grad_accum_steps, self.mesh, self.rules)
         entry = registry.get_model(cfg.model.name)
         splits, hparams = _splits_and_hparams(cfg, entry, data)
+        self.hparams = hparams
         pipeline.check_host_memory(splits, trainer.batch_size, trainer.steps_per_dispatch)
         self.tokenizer = splits.tokenizer
         self.train_data, self.eval_data = pipeline.process_pipelines(
@@ -272,7 +273,14 @@ class Trainer:
             example = self.shard(pipeline.peek(self.train_data))
             zeros = zero_metrics(self.train_step, self.state, {}, example, self.step_key)
             how = restore.RunStart(
-                self.cfg, saved_config, self.graphdef, self.state, iterator, zeros, self.step_key
+                self.cfg,
+                saved_config,
+                self.graphdef,
+                self.state,
+                iterator,
+                zeros,
+                self.step_key,
+                self.hparams,
             )
             self.state, self.progress = restore.start(how, checkpointer)
         self.resumed_from = self.progress.step

@@ -26,7 +26,7 @@ from typing import Any
 import grain
 import jax
 from flax import nnx
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from train import resume, weights
 from train.checkpoint import FORMATS, Checkpointer
@@ -58,7 +58,8 @@ class Progress:
 @dataclasses.dataclass(frozen=True)
 class RunStart:
     """What `start` needs of the run: its config (and that config as saved in checkpoints),
-    its state and graphdef, a fresh data iterator, zero window sums and its base key."""
+    its state and graphdef, a fresh data iterator, zero window sums, its base key, and the
+    model's constructor arguments with what the data set decides filled in."""
 
     cfg: DictConfig
     saved_config: Mapping[str, Any]
@@ -67,6 +68,7 @@ class RunStart:
     iterator: grain.DatasetIterator
     zeros: Metrics
     base_key: jax.Array
+    hparams: Mapping[str, Any]
 
 
 def start(run: RunStart, checkpointer: Checkpointer) -> tuple[Any, Progress]:
@@ -191,8 +193,7 @@ def _warm_start(run: RunStart) -> Any:
     model, optimizer = nnx.merge(run.graphdef, run.state)
     if weights.is_pretrained(finetune.init_from):
         pretrained = weights.open_pretrained(finetune.init_from, name)
-        hparams = OmegaConf.to_container(run.cfg.model)
-        fresh = weights.fill(model, pretrained, hparams=hparams, skip=list(finetune.reinit))
+        fresh = weights.fill(model, pretrained, hparams=run.hparams, skip=list(finetune.reinit))
         log.info(
             "Starting from the %s checkpoint in %s%s",
             pretrained.family.name,

@@ -2,7 +2,9 @@
 
 `finetune.init_from=DIR` on a pretrained directory (see `train.weights`) makes the model what
 the checkpoint's `config.json` implies (its sizes, vocabulary, options: `model.*` keys the
-command line did not set itself), and gives a text data set the directory's `tokenizer.json`
+command line did not set itself), except what the run's data set decides (an image data set's
+`input_shape` and `num_classes`: the model adapts the checkpoint to them, e.g. ViT positions
+resized, a 1-channel stem summed, a head named in `finetune.reinit` started fresh), and gives a text data set the directory's `tokenizer.json`
 unless `data.tokenizer` is set. A tokenizer with more ids than the model's vocabulary is an
 error before anything is built.
 """
@@ -30,16 +32,16 @@ def pretrained_args(overrides: Sequence[str]) -> list[str]:
     models = [o.partition("=")[2] for o in overrides if o.startswith("model=")]
     pretrained = weights.open_pretrained(starts[-1], models[-1] if models else None)
     given = {o.split("=")[0].lstrip("+~") for o in overrides}
+    data = [o.partition("=")[2] for o in overrides if o.startswith("data=")]
+    entry = registry.get_model(pretrained.family.model)
+    data_entry = registry.get_data(data[-1] if data else entry.default_data)
     args = [] if models else [f"model={pretrained.family.model}"]
     args += [
         f"model.{key}={json.dumps(value)}"
         for key, value in pretrained.hparams().items()
-        if f"model.{key}" not in given
+        if f"model.{key}" not in given and key not in data_entry.info
     ]
-    data = [o.partition("=")[2] for o in overrides if o.startswith("data=")]
-    entry = registry.get_model(pretrained.family.model)
-    fields = _fields(registry.get_data(data[-1] if data else entry.default_data))
-    takes_tokenizer = "tokenizer" in fields
+    takes_tokenizer = "tokenizer" in _fields(data_entry)
     if pretrained.tokenizer and takes_tokenizer and "data.tokenizer" not in given:
         args.append(f"data.tokenizer={pretrained.tokenizer}")
     return args
