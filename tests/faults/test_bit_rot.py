@@ -19,9 +19,10 @@ import zoo
 ARGS = (*MLP, "optimizer.schedule=constant", "trainer.checkpoint_every=100", "trainer.keep=10")
 
 
-def largest_data_file(step_dir: Path) -> Path:
+def data_files(step_dir: Path) -> list[Path]:
+    """The checkpoint's array data files, largest first."""
     files = [p for p in (step_dir / "state").rglob("*") if p.is_file() and p.parent.name == "d"]
-    return max(files, key=lambda p: p.stat().st_size)
+    return sorted(files, key=lambda p: p.stat().st_size, reverse=True)
 
 
 def flip_a_silent_bit(workdir: Path, step: int) -> str:
@@ -29,21 +30,22 @@ def flip_a_silent_bit(workdir: Path, step: int) -> str:
     still reads it, as other numbers in one of the model's arrays (`state/0/...`, what
     `zoo.load` reads too); returns that array's name."""
     healthy = final_arrays(workdir, step)
-    target = largest_data_file(workdir / "checkpoints" / str(step))
-    original = target.read_bytes()
     rng = random.Random(0)
-    for _ in range(200):
-        damaged = bytearray(original)
-        damaged[rng.randrange(len(damaged) // 4, 3 * len(damaged) // 4)] ^= 1 << rng.randrange(8)
-        target.write_bytes(bytes(damaged))
-        try:
-            read = final_arrays(workdir, step)
-        except Exception:  # noqa: BLE001, S112  (this flip broke the framing: it would be caught anyway)
-            continue
-        changed = [name for name in healthy if not np.array_equal(healthy[name], read[name])]
-        if changed and changed[0].startswith("state/0/"):
-            return changed[0]
-    target.write_bytes(original)
+    for target in data_files(workdir / "checkpoints" / str(step)):
+        original = target.read_bytes()
+        for _ in range(50):
+            damaged = bytearray(original)
+            where = rng.randrange(len(damaged) // 4, 3 * len(damaged) // 4)
+            damaged[where] ^= 1 << rng.randrange(8)
+            target.write_bytes(bytes(damaged))
+            try:
+                read = final_arrays(workdir, step)
+            except Exception:  # noqa: BLE001, S112  (this flip broke the framing: it would be caught anyway)
+                continue
+            changed = [n for n in healthy if not np.array_equal(healthy[n], read[n])]
+            if changed and changed[0].startswith("state/0/"):
+                return changed[0]
+        target.write_bytes(original)
     pytest.fail("no flipped bit was read back silently")
 
 

@@ -45,7 +45,10 @@ def data_cache(tmp_path_factory):
 def children(pid: int) -> set[int]:
     found = set()
     for task in Path(f"/proc/{pid}/task").iterdir():
-        found |= {int(c) for c in (task / "children").read_text().split()}
+        try:
+            found |= {int(c) for c in (task / "children").read_text().split()}
+        except FileNotFoundError:  # a thread that ended while we looked
+            continue
     return found
 
 

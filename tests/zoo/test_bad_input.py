@@ -44,7 +44,10 @@ def swept(tmp_path_factory):
     ("overrides", "names"),
     [
         (["trainer.steps=300", "trainer.keep=0"], ["job 0", "trainer.keep=0", "at least 1"]),
-        (["trainer.steps=130"], ["trainer.steps_per_dispatch=50", "trainer.steps=130"]),
+        (
+            ["trainer.steps=330", "trainer.steps_per_dispatch=50"],
+            ["trainer.steps_per_dispatch=50", "trainer.steps=330"],
+        ),
         (["optimizer.learning_rate=-0.1"], ["optimizer.learning_rate=-0.1", "positive"]),
         (["model.num_hidden=0"], ["model.num_hidden=0", "at least 1"]),
     ],
@@ -59,7 +62,13 @@ def test_a_sweep_checks_every_job_before_any_writes(swept, overrides, names):
 
 
 def test_a_bad_job_of_a_sweep_fails_alone_and_the_sweep_exits_2(tmp_path):
-    result = run_cli("-m", "model=xor", "trainer.steps=130,100", f"workdir={tmp_path}")
+    result = run_cli(
+        "-m",
+        "model=xor",
+        "trainer.steps_per_dispatch=50",
+        "trainer.steps=130,100",
+        f"workdir={tmp_path}",
+    )
     assert result.returncode == 2
     one_paragraph(result.stderr, "job 0 (", "trainer.steps=130")
     assert sorted(os.listdir(tmp_path)) == ["1"]  # the good job ran; the bad one wrote nothing

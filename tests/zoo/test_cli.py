@@ -59,7 +59,10 @@ def test_help_lists_models_and_datasets():
     result = run_cli("--help")
     assert result.returncode == 0
     assert "model: cnn, gpt, mlp, resnet, vae, vit, xor" in result.stdout
-    assert "data: cifar10, digits, fashion_mnist, mnist, text, xor" in result.stdout
+    assert (
+        "data: arrayrecord, cifar10, digits, fashion_mnist, images, mnist, parquet, text, xor"
+        in result.stdout
+    )
     assert "  gpt: gpt2: GPT-2, transformers GPT2LMHeadModel\n" in result.stdout
     assert "trainer.steps" in result.stdout or "steps: 2000" in result.stdout
 

@@ -65,7 +65,7 @@ def test_lora_trains_adapters_only_and_merges_into_the_checkpoint_layout(pretrai
     loaded = zoo.load(tmp_path)  # rebuilt from the run's config alone, adapters included
     tokens = np.load(TINY / "reference.npz")["tokens"]
     with_adapters = zoo.predict(loaded, tokens)
-    zoo.merge_lora(loaded)
+    loaded = zoo.merge_lora(loaded)
     np.testing.assert_allclose(zoo.predict(loaded, tokens), with_adapters, atol=1e-5, rtol=0)
     merged = params(loaded.model)
     assert merged.keys() == pretrained.keys()
