@@ -25,7 +25,8 @@ INIT_FROM = "finetune.init_from="
 
 def pretrained_args(overrides: Sequence[str]) -> list[str]:
     """The overrides a run from the pretrained directory that `overrides` name implies, less
-    those `overrides` set themselves; [] when `finetune.init_from` is not one."""
+    those `overrides` set themselves and, when they name a data set, those it decides (its
+    input shape, its classes); [] when `finetune.init_from` is not one."""
     starts = [o[len(INIT_FROM) :] for o in overrides if o.startswith(INIT_FROM)]
     if not starts or not weights.is_pretrained(starts[-1]):
         return []
@@ -39,7 +40,7 @@ def pretrained_args(overrides: Sequence[str]) -> list[str]:
     args += [
         f"model.{key}={json.dumps(value)}"
         for key, value in pretrained.hparams().items()
-        if f"model.{key}" not in given and key not in data_entry.info
+        if f"model.{key}" not in given and not (data and key in data_entry.info)
     ]
     takes_tokenizer = "tokenizer" in _fields(data_entry)
     if pretrained.tokenizer and takes_tokenizer and "data.tokenizer" not in given:
