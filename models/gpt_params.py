@@ -75,7 +75,6 @@ def _export_config(hparams: Mapping[str, Any]) -> dict[str, Any]:
 def _rules(hparams: Mapping[str, Any]) -> list[Rule]:
     dim, heads, vocab = hparams["dim"], hparams["num_heads"], hparams["vocab_size"]
     to_heads = (heads, dim // heads)
-    rows = padded_vocab(vocab) - vocab
 
     def rule(key: str, param: str, **transform: Any) -> Rule:
         pattern = _PREFIX + key.replace(".", r"\.")
@@ -94,12 +93,7 @@ def _rules(hparams: Mapping[str, Any]) -> list[Rule]:
 
     qkv = "attention.query.{0} attention.key.{0} attention.value.{0}"
     return [
-        rule(
-            "wte.weight",
-            "embedding",
-            load=lambda w: (np.pad(w, ((0, rows), (0, 0))),),
-            save=lambda table: table[:vocab],
-        ),
+        rule("wte.weight", "embedding", pad_rows=padded_vocab(vocab) - vocab),
         rule("wpe.weight", "positions"),
         *norm("ln_1", "attention_norm"),
         block(

@@ -199,13 +199,16 @@ class Rule:
     `load(array) -> tuple of arrays`, one per path of `params`, does the transform (transpose,
     split of a fused qkv, reshape to heads); `save(*arrays) -> array` is its inverse, for export.
     `export_key` is the key written on export (with the same `\\1` groups); None: `key` itself,
-    for a key without regex syntax."""
+    for a key without regex syntax. `pad_rows`: the rows of zeros the (single) param has beyond
+    the tensor's, e.g. a vocabulary padded so that it shards; written straight into the
+    param's buffers on load, dropped on export."""
 
     key: str
     params: tuple[str, ...]
     load: Callable[[np.ndarray], tuple[np.ndarray, ...]] = _same
     save: Callable[..., np.ndarray] = _only
     export_key: str | None = None
+    pad_rows: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

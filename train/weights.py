@@ -8,11 +8,13 @@ it implies, and a table of `Rule`s from checkpoint keys to its params, with the 
 each (transpose, split of a fused qkv, reshape to heads) and its inverse for export.
 
 Reading needs no PyTorch: the `safetensors` library checks each file and lists its keys; each
-tensor is then read from the file straight into a numpy array of its own, one at a time (bf16
-as `ml_dtypes.bfloat16`), converted to the param's dtype, and each param is placed
-straight into its planned sharding with `jax.make_array_from_callback`: every device receives
-its own slice, so no device ever holds a full copy of a sharded param, and the host holds one
-checkpoint tensor at a time besides the model.
+tensor is then memory-mapped on its own, one at a time (bf16 as `ml_dtypes.bfloat16`), and the
+rule's transform gives views of it. Every param is planned before it is filled: its sharding
+gives each device a slice, and each distinct slice gets one 64-byte-aligned host buffer of the
+param's dtype, into which the views are copied straight from the page cache (the only copy:
+jax on CPU adopts an aligned numpy buffer as a device buffer without copying it, so the slices
+become the devices' arrays through `jax.make_array_from_callback`). No device ever holds a
+full copy of a sharded param, and the host holds the model and one mapped tensor at a time.
 
 Everything is checked before the model changes: a key that no rule maps, a param no key fills,
 a shape that differs, a directory of no registered family, a missing shard or a truncated file
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import mmap
 import os
 import re
 import struct
@@ -88,17 +91,19 @@ class Pretrained:
         return path if os.path.isfile(path) else None
 
     def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
-        """(key, array) of every tensor, one at a time, file by file: each read straight from
-        the file into its own array (the library's `get_tensor` holds a second copy while it
-        converts, twice the memory of GPT-2's 150 MB embedding)."""
+        """(key, array) of every tensor, file by file: each a read-only view of the file's
+        bytes, mapped for as long as it is referenced, so that a reader copies each straight
+        into its own buffers (the library's `get_tensor` holds a second copy while it converts,
+        and `load_file` the whole file besides the arrays)."""
         by_file: dict[str, list[str]] = {}
         for key, path in self.files.items():
             by_file.setdefault(path, []).append(key)
         for path, keys in by_file.items():
             start, header = _header(path)
-            with open(path, "rb", buffering=0) as f:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
                 for key in keys:
-                    yield key, _read_tensor(f, start, header[key], f"{key} of {path}")
+                    yield key, _mapped(f, size, start, header[key], f"{key} of {path}")
 
 
 _DTYPES = {
@@ -123,25 +128,25 @@ def _header(path: str) -> tuple[int, dict[str, Any]]:
         return 8 + length, json.loads(f.read(length))
 
 
-def _read_tensor(f: Any, start: int, entry: Mapping[str, Any], what: str) -> np.ndarray:
+def _mapped(f: Any, size: int, start: int, entry: Mapping[str, Any], what: str) -> np.ndarray:
+    """The tensor `entry` of the open file `f` (of `size` bytes, data from `start`), mapped."""
     if entry["dtype"] not in _DTYPES:
         raise ZooError(
             f"Tensor {what} has dtype {entry['dtype']}, which zoo does not read; it reads "
             f"{', '.join(_DTYPES)}."
         )
-    array = np.empty(entry["shape"], _DTYPES[entry["dtype"]])
-    view = memoryview(array.reshape(-1).view(np.uint8))
-    begin, end = entry["data_offsets"]
-    if end - begin != len(view):
-        raise ZooError(f"Tensor {what} holds {end - begin} bytes for shape {entry['shape']}.")
-    f.seek(start + begin)
-    done = 0
-    while done < len(view):
-        read = f.readinto(view[done:])
-        if not read:
-            raise ZooError(f"The file ends inside tensor {what}: it is truncated.")
-        done += read
-    return array
+    dtype, shape = np.dtype(_DTYPES[entry["dtype"]]), tuple(entry["shape"])
+    begin, end = (start + offset for offset in entry["data_offsets"])
+    count = int(np.prod(shape))
+    if end - begin != count * dtype.itemsize:
+        raise ZooError(f"Tensor {what} holds {end - begin} bytes for shape {list(shape)}.")
+    if end > size:
+        raise ZooError(f"The file ends inside tensor {what}: it is truncated.")
+    if count == 0:
+        return np.empty(shape, dtype)
+    first = begin - begin % mmap.ALLOCATIONGRANULARITY
+    mapped = mmap.mmap(f.fileno(), end - first, offset=first, access=mmap.ACCESS_READ)
+    return np.frombuffer(mapped, dtype, count, begin - first).reshape(shape)
 
 
 def open_pretrained(directory: str | os.PathLike, model: str | None = None) -> Pretrained:
@@ -249,7 +254,7 @@ def fill(
     table = pretrained.family.rules_for(hparams)
     stacked = tuple(pretrained.family.stacked(hparams))
     ignore = [re.compile(pattern) for pattern in pretrained.family.ignore]
-    unmapped, absent, differ, arrays, layers = [], [], [], {}, {}
+    unmapped, absent, differ, filling = [], [], [], {}
     for key, tensor in pretrained.tensors():
         if any(pattern.fullmatch(key) for pattern in ignore):
             continue
@@ -268,30 +273,22 @@ def fill(
                 absent.append(f"{path} (from {key})")
                 continue
             shape = tuple(variable.shape[1:] if depth else variable.shape)
-            if tuple(value.shape) != shape:
+            read = (value.shape[0] + rule.pad_rows, *value.shape[1:]) if value.ndim else ()
+            if read != shape:
                 differ.append(f"{path} (from {key}: {value.shape}, model {shape})")
                 continue
-            if depth is None:
-                arrays[target] = _placed(
-                    np.asarray(value, variable.dtype), variable, target, mesh, rules
-                )
-            else:  # one layer of a stacked param: gathered on the host, placed once whole
-                host, filled = layers.setdefault(
-                    target, (np.empty(variable.shape, variable.dtype), set())
-                )
-                host[layer] = value
-                filled.add(layer)
-    unfilled = []
-    for target, (stack, filled) in layers.items():
-        missing = sorted(set(range(len(stack))) - filled)
-        if missing:
-            unfilled.append(f"{target} (layer(s) {', '.join(map(str, missing))})")
-        else:
-            arrays[target] = _placed(stack, targets[target], target, mesh, rules)
-    unfilled += [p for p in targets if p not in arrays and p not in layers and p not in skipped]
+            if target not in filling:
+                filling[target] = _Filling(variable, _sharding(variable, target, mesh, rules))
+            filling[target].write(value, layer)
+    unfilled = [
+        f"{target} (layer(s) {', '.join(map(str, missing))})"
+        for target, param in filling.items()
+        if (missing := param.missing())
+    ]
+    unfilled += [p for p in targets if p not in filling and p not in skipped]
     _refuse(pretrained, unmapped, absent, differ, unfilled)
-    for path, array in arrays.items():
-        targets[path].set_value(array)
+    for path, param in filling.items():
+        targets[path].set_value(param.placed())
     return skipped
 
 
@@ -323,16 +320,80 @@ def _rule_for(table: Sequence[Rule], key: str) -> tuple[Rule, list[str]] | None:
     return None
 
 
-def _placed(value: np.ndarray, variable: Any, path: str, mesh: Mesh | None, rules: Any):
-    """`value` on the devices, each holding only its own slice of it."""
-    current, shape = variable.get_value(), tuple(value.shape)
+def _sharding(variable: Any, path: str, mesh: Mesh | None, rules: Any) -> jax.sharding.Sharding:
+    """The sharding of the array that replaces `variable`'s: its own, or (abstract) that of its
+    logical axes."""
+    current = variable.get_value()
     if isinstance(current, jax.Array):
-        sharding = current.sharding
-    else:
-        logical = variable.get_metadata().get("out_sharding")
-        spec = () if logical is None else rules.spec(logical, shape, mesh, f"'{path}'")
-        sharding = NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
-    return jax.make_array_from_callback(shape, sharding, lambda index: value[index])
+        return current.sharding
+    logical = variable.get_metadata().get("out_sharding")
+    spec = () if logical is None else rules.spec(logical, tuple(variable.shape), mesh, f"'{path}'")
+    return NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+
+
+class _Filling:
+    """One param while the checkpoint fills it: a host buffer for each distinct slice that its
+    sharding gives a device (one for a replicated param), 64-byte aligned so that jax on CPU
+    adopts it as the device's buffer, and which layers of a stacked param are in."""
+
+    def __init__(self, variable: Any, sharding: jax.sharding.Sharding):
+        self.shape, self.dtype, self.sharding = tuple(variable.shape), variable.dtype, sharding
+        self.slices = {
+            _bounds(index, self.shape)
+            for index in sharding.addressable_devices_indices_map(self.shape).values()
+        }
+        self.buffers: dict[tuple, np.ndarray] = {}
+        self.layers: set[int | None] = set()
+
+    def write(self, value: np.ndarray, layer: int | None) -> None:
+        """Copy `value` (a view of the tensor; slice `layer` of a stacked param) into every
+        device's buffer; rows the param has beyond `value`'s are zero."""
+        self.layers.add(layer)
+        for bounds in self.slices:
+            buffer = self.buffers.get(bounds)
+            if buffer is None:
+                shape = tuple(stop - start for start, stop in bounds)
+                buffer = self.buffers[bounds] = _aligned(shape, self.dtype)
+            if layer is None:
+                _copy_slice(buffer, value, bounds)
+            elif bounds[0][0] <= layer < bounds[0][1]:
+                _copy_slice(buffer[layer - bounds[0][0]], value, bounds[1:])
+
+    def missing(self) -> list[int]:
+        """The layers of a stacked param that no tensor filled."""
+        if None in self.layers:
+            return []
+        return sorted(set(range(self.shape[0])) - self.layers)
+
+    def placed(self) -> jax.Array:
+        return jax.make_array_from_callback(
+            self.shape, self.sharding, lambda index: self.buffers[_bounds(index, self.shape)]
+        )
+
+
+def _bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """A device's index into an array of `shape` as hashable (start, stop) per axis."""
+    return tuple(part.indices(size)[:2] for part, size in zip(index, shape, strict=True))
+
+
+def _aligned(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """An uninitialised C-contiguous array whose data start on a 64-byte boundary."""
+    size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    raw = np.empty(size + 64, np.uint8)
+    skip = -raw.ctypes.data % 64
+    return raw[skip : skip + size].view(dtype).reshape(shape)
+
+
+def _copy_slice(buffer: np.ndarray, value: np.ndarray, bounds: tuple[tuple[int, int], ...]):
+    """`buffer` = `value`[bounds] in `buffer`'s dtype, zero where the bounds pass `value`'s
+    rows (padded rows)."""
+    if not bounds:
+        np.copyto(buffer, value, casting="unsafe")
+        return
+    (start, stop), rest = bounds[0], tuple(slice(*b) for b in bounds[1:])
+    held = max(0, min(stop, len(value)) - start)
+    np.copyto(buffer[:held], value[(slice(start, start + held), *rest)], casting="unsafe")
+    buffer[held:] = 0
 
 
 def _refuse(pretrained: Pretrained, unmapped, absent, differ, unfilled) -> None:
@@ -372,7 +433,10 @@ def export_tensors(
             paths = [_substitute(p, groups) for p in rule.params]
             arrays = [state[p] for p in paths]
             key = _substitute(rule.export_key or rule.key, groups)
-            tensors[key] = np.ascontiguousarray(rule.save(*arrays))
+            saved = rule.save(*arrays)
+            if rule.pad_rows:
+                saved = saved[: -rule.pad_rows]
+            tensors[key] = np.ascontiguousarray(saved)
             used.update(paths)
     left = [path for path in state if path not in used]
     if left:
