@@ -141,16 +141,19 @@ def in_fresh_process(what: str, directory: Path, devices: int) -> dict[str, floa
 
 
 def run(directory: Path, repeats: int) -> dict:
+    """Each case `repeats` times, the cases interleaved (round after round), so that a load on
+    the machine that comes and goes weighs on each alike."""
     size = (directory / WEIGHTS).stat().st_size
     results = {"file_bytes": size, "params": int(sum(np.prod(s) for _, s in gpt2_small_shapes()))}
-    for name, (what, devices) in CASES.items():
-        runs = []
-        for _ in range(repeats):
+    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in CASES}
+    for _ in range(repeats):
+        for name, (what, devices) in CASES.items():
             base = in_fresh_process("baseline", directory, devices)
             got = in_fresh_process(what, directory, devices)
-            runs.append((got["seconds"], got["peak_bytes"] - base["peak_bytes"]))
-        seconds = statistics.median(r[0] for r in runs)
-        peak = statistics.median(r[1] for r in runs)
+            runs[name].append((got["seconds"], got["peak_bytes"] - base["peak_bytes"]))
+    for name, measured in runs.items():
+        seconds = statistics.median(r[0] for r in measured)
+        peak = statistics.median(r[1] for r in measured)
         results[name] = {"seconds": seconds, "peak_bytes": peak, "peak_x_file": peak / size}
         print(f"  {name}: {seconds:.2f} s, peak {peak / 2**20:.0f} MiB", flush=True)
     for name in CASES:
