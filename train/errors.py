@@ -4,6 +4,8 @@ The CLI prints a `ZooError` as a single paragraph and exits non-zero, without a 
 message itself must name the bad value and what would be valid.
 """
 
+from collections.abc import Sequence
+
 
 class ZooError(ValueError):
     """Bad input from the user: an unknown name, a wrong key or type, missing data."""
@@ -19,3 +21,14 @@ class CorruptCheckpoint(ZooError):
 
 class SaveFailed(ZooError):
     """A checkpoint could not be written (permission, full disk, I/O error)."""
+
+
+def mismatches(*kinds: tuple[str, Sequence[str]]) -> str:
+    """What does not fit, as one clause for an error message: "what: a, b; and what: c" for
+    each (what, items) that has items, items that hold commas themselves (shapes) joined by
+    "; "; empty when no kind has any."""
+    return "; and ".join(
+        f"{what}: {('; ' if any(', ' in item for item in items) else ', ').join(items)}"
+        for what, items in kinds
+        if items
+    )

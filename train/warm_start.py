@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from train.config import resume_step
-from train.errors import CorruptCheckpoint, ZooError
+from train.errors import CorruptCheckpoint, ZooError, mismatches
 from train.failures import quiet_storage_noise, reason
 from train.paths import dotted, matches
 from train.saved import SavedPath, read_json, restore_arrays, saved_shapes, saved_steps
@@ -203,18 +203,16 @@ def warm_start(
         if key not in used and not any(matches(pattern, key) for pattern in reinit)
     ]
     modules.update(name.rsplit(".", 1)[0] for name in extra)
-    problems = []
-    if differ:
-        problems.append(f"param(s) whose shapes differ: {'; '.join(differ)}")
-    if missing:
-        problems.append(f"param(s) of the model that the checkpoint lacks: {', '.join(missing)}")
-    if extra:
-        problems.append(f"param(s) in the checkpoint that the model lacks: {', '.join(extra)}")
+    problems = mismatches(
+        ("param(s) whose shapes differ", differ),
+        ("param(s) of the model that the checkpoint lacks", missing),
+        ("param(s) in the checkpoint that the model lacks", extra),
+    )
     if problems:
         names = sorted(modules)
         raise ZooError(
             f"Cannot start from the checkpoint {step_path}: it does not fit the model, with "
-            f"{'; and '.join(problems)}. To start these fresh instead (a new head, for a new "
+            f"{problems}. To start these fresh instead (a new head, for a new "
             f"number of classes), name them in {option}, e.g. {option}=[{','.join(names)}]; "
             "otherwise build the model as the checkpoint's run did."
         )

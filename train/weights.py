@@ -40,7 +40,7 @@ from jax.sharding import Mesh, NamedSharding
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from train.errors import ZooError
+from train.errors import ZooError, mismatches
 from train.paths import matches
 from train.registry import Family, Rule, families
 from train.sharding import AxisRules
@@ -397,19 +397,16 @@ def _copy_slice(buffer: np.ndarray, value: np.ndarray, bounds: tuple[tuple[int, 
 
 
 def _refuse(pretrained: Pretrained, unmapped, absent, differ, unfilled) -> None:
-    problems = []
-    if unmapped:
-        problems.append(f"checkpoint key(s) that map to no param: {', '.join(unmapped)}")
-    if absent:
-        problems.append(f"param(s) that the model lacks: {', '.join(absent)}")
-    if differ:
-        problems.append(f"shape(s) that differ: {'; '.join(differ)}")
-    if unfilled:
-        problems.append(f"param(s) that no checkpoint key fills: {', '.join(unfilled)}")
+    problems = mismatches(
+        ("checkpoint key(s) that map to no param", unmapped),
+        ("param(s) that the model lacks", absent),
+        ("shape(s) that differ", differ),
+        ("param(s) that no checkpoint key fills", unfilled),
+    )
     if problems:
         raise ZooError(
             f"Cannot load the {pretrained.family.name} checkpoint in {pretrained.directory} into "
-            f"'{pretrained.family.model}': {'; and '.join(problems)}. The checkpoint does not "
+            f"'{pretrained.family.model}': {problems}. The checkpoint does not "
             "fit the model its config.json implies; check that the directory holds one "
             "checkpoint, whole (or name new params to start fresh in finetune.reinit)."
         )
