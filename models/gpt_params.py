@@ -17,12 +17,15 @@ from typing import Any
 import numpy as np
 
 from models.gpt import padded_vocab
+from models.hf_config import transformer_config
 from train.errors import ZooError
 from train.registry import Family, Rule, register_family
 
 _PREFIX = r"(?:transformer\.)?"
 _TANH = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 _ACTIVATIONS = (*_TANH, "gelu")
+_SIZE_KEYS = ("n_embd", "n_layer", "n_head", "n_inner", "activation_function", "layer_norm_epsilon")
+_DROPOUTS = ("resid_pdrop", "embd_pdrop", "attn_pdrop")
 
 
 def _is_gpt2(config: Mapping[str, Any]) -> bool:
@@ -59,16 +62,8 @@ def _export_config(hparams: Mapping[str, Any]) -> dict[str, Any]:
         "model_type": "gpt2",
         "vocab_size": hparams["vocab_size"],
         "n_positions": hparams["context_length"],
-        "n_embd": hparams["dim"],
-        "n_layer": hparams["depth"],
-        "n_head": hparams["num_heads"],
-        "n_inner": hparams["dim"] * hparams["mlp_ratio"],
-        "activation_function": "gelu" if hparams["exact_gelu"] else "gelu_new",
-        "layer_norm_epsilon": hparams["norm_epsilon"],
+        **transformer_config(hparams, _SIZE_KEYS, "gelu_new", _DROPOUTS),
         "tie_word_embeddings": True,
-        "resid_pdrop": 0.0,
-        "embd_pdrop": 0.0,
-        "attn_pdrop": 0.0,
     }
 
 

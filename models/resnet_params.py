@@ -25,10 +25,11 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from models.hf_config import class_labels
 from models.resnet import BOTTLENECK_EXPANSION
 from models.torch_layout import conv_load, conv_save, input_conv_load, linear_load, linear_save
 from train.errors import ZooError
-from train.registry import Family, Rule, register_family
+from train.registry import Rule, register_families
 
 IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
 DEPTHS = {
@@ -39,6 +40,8 @@ DEPTHS = {
 _TIMM_ARCHITECTURE = re.compile(r"(resnet(?:18|34|50))(?:\..+)?")
 _IMAGE_SIZE = [224, 224, 3]
 _IGNORE = (r".*num_batches_tracked",)
+_TIMM_LISTING = "ResNet-18/34/50, timm and torchvision key layout"
+_HF_LISTING = "ResNet, transformers ResNetForImageClassification"
 
 
 def _conv(key: str, param: str, load=conv_load) -> Rule:
@@ -230,7 +233,6 @@ def _hf_hparams(config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _hf_config(hparams: Mapping[str, Any]) -> dict[str, Any]:
-    classes = range(hparams["num_classes"])
     return {
         "architectures": ["ResNetForImageClassification"],
         "model_type": "resnet",
@@ -245,32 +247,13 @@ def _hf_config(hparams: Mapping[str, Any]) -> dict[str, Any]:
         "hidden_act": "relu",
         "downsample_in_first_stage": False,
         "downsample_in_bottleneck": False,
-        "id2label": {str(i): f"LABEL_{i}" for i in classes},
-        "label2id": {f"LABEL_{i}": i for i in classes},
+        **class_labels(hparams["num_classes"]),
     }
 
 
-TIMM_RESNET = register_family(
-    Family(
-        name="timm-resnet",
-        model="resnet",
-        matches=_is_timm,
-        hparams=_timm_hparams,
-        rules=_torchvision_rules,
-        ignore=_IGNORE,
-        export_config=_timm_config,
-        description="ResNet-18/34/50, timm and torchvision key layout",
-    )
-)
-HF_RESNET = register_family(
-    Family(
-        name="hf-resnet",
-        model="resnet",
-        matches=_is_hf,
-        hparams=_hf_hparams,
-        rules=_hf_rules,
-        ignore=_IGNORE,
-        export_config=_hf_config,
-        description="ResNet, transformers ResNetForImageClassification",
-    )
+TIMM_RESNET, HF_RESNET = register_families(
+    "resnet",
+    ("timm-resnet", _is_timm, _timm_hparams, _torchvision_rules, _timm_config, _TIMM_LISTING),
+    ("hf-resnet", _is_hf, _hf_hparams, _hf_rules, _hf_config, _HF_LISTING),
+    ignore=_IGNORE,
 )

@@ -26,15 +26,27 @@ from typing import Any
 
 import numpy as np
 
+from models.hf_config import class_labels, transformer_config
 from models.torch_layout import conv_save, input_conv_load, linear_load, linear_save
 from train.errors import ZooError
-from train.registry import Family, Rule, register_family
+from train.registry import Rule, register_families
 
 HALF = [0.5, 0.5, 0.5]
 _TIMM_ARCHITECTURE = re.compile(r"vit_(tiny|small|base|large)_patch(\d+)_(\d+)(?:\..+)?")
 _TIMM_SIZES = {"tiny": (192, 12, 3), "small": (384, 12, 6), "base": (768, 12, 12)}
 _TIMM_SIZES["large"] = (1024, 24, 16)
 _TANH = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
+_HF_SIZE_KEYS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+    "hidden_act",
+    "layer_norm_eps",
+)
+_HF_LISTING = "ViT, transformers ViTForImageClassification"
+_TIMM_LISTING = "ViT, timm vit_* (VisionTransformer)"
+_HF_DROPOUTS = ("hidden_dropout_prob", "attention_probs_dropout_prob")
 
 
 def _rule(key: str, params: str, load=None, save=None, export_key: str | None = None) -> Rule:
@@ -199,24 +211,15 @@ def _hf_config(hparams: Mapping[str, Any]) -> dict[str, Any]:
             "Only a vit with model.class_token=true model.pool=cls model.attention_bias=true "
             "has the Hugging Face ViT layout."
         )
-    classes = range(hparams["num_classes"])
     return {
         "architectures": ["ViTForImageClassification"],
         "model_type": "vit",
         "image_size": hparams["position_grid"][0] * hparams["patch_size"],
         "patch_size": hparams["patch_size"],
         "num_channels": hparams["input_shape"][-1],
-        "hidden_size": hparams["dim"],
-        "num_hidden_layers": hparams["depth"],
-        "num_attention_heads": hparams["num_heads"],
-        "intermediate_size": hparams["dim"] * hparams["mlp_ratio"],
-        "hidden_act": "gelu" if hparams["exact_gelu"] else "gelu_pytorch_tanh",
-        "layer_norm_eps": hparams["norm_epsilon"],
+        **transformer_config(hparams, _HF_SIZE_KEYS, "gelu_pytorch_tanh", _HF_DROPOUTS),
         "qkv_bias": True,
-        "hidden_dropout_prob": 0.0,
-        "attention_probs_dropout_prob": 0.0,
-        "id2label": {str(i): f"LABEL_{i}" for i in classes},
-        "label2id": {f"LABEL_{i}": i for i in classes},
+        **class_labels(hparams["num_classes"]),
     }
 
 
@@ -295,25 +298,8 @@ def _timm_config(hparams: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-HF_VIT = register_family(
-    Family(
-        name="hf-vit",
-        model="vit",
-        matches=_is_hf,
-        hparams=_hf_hparams,
-        rules=_hf_rules,
-        export_config=_hf_config,
-        description="ViT, transformers ViTForImageClassification",
-    )
-)
-TIMM_VIT = register_family(
-    Family(
-        name="timm-vit",
-        model="vit",
-        matches=_is_timm,
-        hparams=_timm_hparams,
-        rules=_timm_rules,
-        export_config=_timm_config,
-        description="ViT, timm vit_* (VisionTransformer)",
-    )
+HF_VIT, TIMM_VIT = register_families(
+    "vit",
+    ("hf-vit", _is_hf, _hf_hparams, _hf_rules, _hf_config, _HF_LISTING),
+    ("timm-vit", _is_timm, _timm_hparams, _timm_rules, _timm_config, _TIMM_LISTING),
 )

@@ -329,6 +329,27 @@ def register_family(family: Family) -> Family:
     return family
 
 
+def register_families(model: str, *layouts: Sequence[Any], **shared: Any) -> tuple[Family, ...]:
+    """Record the checkpoint families of `model`, one a layout: (name, matches, hparams, rules,
+    export_config, description) as `Family` has them; `shared`: the fields they have in common
+    (`ignore`, ...)."""
+    return tuple(
+        register_family(
+            Family(
+                name,
+                model,
+                matches,
+                hparams,
+                rules,
+                export_config=config,
+                description=text,
+                **shared,
+            )
+        )
+        for name, matches, hparams, rules, config, text in layouts
+    )
+
+
 def families(model: str | None = None) -> list[Family]:
     """The registered checkpoint families (of `model` only, if given), by name."""
     return [f for _, f in sorted(_FAMILIES.items()) if model is None or f.model == model]
