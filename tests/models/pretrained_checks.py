@@ -6,19 +6,24 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
+import re
 import types
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 import numpy as np
+import pytest
 from flax import nnx
 from model_checks import ONE_DEVICE, _mesh, on_mesh
+from safetensors.numpy import load_file
 
 from train import registry, sharding, weights
 from train.sharding import DEFAULT_RULES
 
 FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "pretrained"
+HAS_REFERENCE = all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
+needs_reference = pytest.mark.skipif(not HAS_REFERENCE, reason="needs torch and transformers")
 
 
 def script(name: str) -> types.ModuleType:
@@ -70,3 +75,40 @@ def assert_same_state(a: nnx.Module, b: nnx.Module) -> None:
     assert [p for p, _ in left] == [p for p, _ in right]
     for (path, x), (_, y) in zip(left, right, strict=True):
         np.testing.assert_array_equal(np.asarray(x[...]), np.asarray(y[...]), err_msg=str(path))
+
+
+def assert_logits_match_the_reference(name: str, mesh: Mapping[str, int]) -> dict[str, Any]:
+    """Fixture `name` loaded onto `mesh` gives the reference's logits at 1e-5; its hparams."""
+    expected = reference(name)
+    model, hparams = loaded(FIXTURES / name, mesh)
+    out = logits(model, expected["images"], mesh)
+    np.testing.assert_allclose(out, expected["logits"], rtol=0, atol=1e-5)
+    return hparams
+
+
+def assert_export_round_trip(name: str, out: pathlib.Path) -> None:
+    """Fixture `name` exported writes back every tensor of its checkpoint that is a param
+    (not one its family ignores) bit for bit, and loads back bit-identical."""
+    model, hparams = loaded(FIXTURES / name)
+    family = weights.open_pretrained(FIXTURES / name).family
+    written = load_file(f"{exported(model, hparams, family, out)}/model.safetensors")
+    source = load_file(FIXTURES / name / "model.safetensors")
+    params = {
+        key: array
+        for key, array in source.items()
+        if not any(re.fullmatch(pattern, key) for pattern in family.ignore)
+    }
+    assert sorted(written) == sorted(params)
+    for key, array in params.items():
+        np.testing.assert_array_equal(written[key], array, err_msg=key)
+    again, _ = loaded(out)
+    assert_same_state(model, again)
+
+
+def assert_references_regenerate(maker: str, names: list[str], out: pathlib.Path) -> None:
+    """The fixture script `maker` run again writes the committed references of `names`."""
+    script(maker).main(out)
+    for name in names:
+        with np.load(out / name / "reference.npz") as again:
+            for key, array in reference(name).items():
+                np.testing.assert_allclose(again[key], array, rtol=0, atol=1e-6, err_msg=key)

@@ -4,40 +4,26 @@ stem to grayscale input as timm does, and writes the same layouts back."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 
 import numpy as np
+import pretrained_checks as checks
 import pytest
 from model_checks import MESH, ONE_DEVICE
-from pretrained_checks import (
-    FIXTURES,
-    assert_same_state,
-    exported,
-    loaded,
-    logits,
-    reference,
-    script,
-)
-from safetensors.numpy import load_file
+from pretrained_checks import FIXTURES, exported, loaded, logits, reference, script
 
 import zoo
 from train import weights
 
 CHECKPOINTS = ["resnet18-timm", "resnet50-timm", "resnet-hf-basic", "resnet-hf-bottleneck"]
-HAS_REFERENCE = all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
-needs_reference = pytest.mark.skipif(not HAS_REFERENCE, reason="needs torch and transformers")
 
 
 @pytest.mark.parametrize("mesh", [ONE_DEVICE, MESH], ids=["one_device", "mesh"])
 @pytest.mark.parametrize("name", CHECKPOINTS)
 def test_logits_match_the_reference(name, mesh):
-    expected = reference(name)
-    model, hparams = loaded(FIXTURES / name, mesh)
+    hparams = checks.assert_logits_match_the_reference(name, mesh)
     assert hparams["stem"] == "imagenet" and hparams["padding"] == "symmetric"
-    out = logits(model, expected["images"], mesh)
-    np.testing.assert_allclose(out, expected["logits"], rtol=0, atol=1e-5)
 
 
 def test_families_are_recognised_by_their_config():
@@ -61,17 +47,7 @@ def test_a_grayscale_model_sums_the_stem_over_input_channels():
 
 @pytest.mark.parametrize("name", ["resnet50-timm", "resnet-hf-basic"])
 def test_export_writes_back_the_checkpoint_and_reloads_bit_identical(name, tmp_path):
-    model, hparams = loaded(FIXTURES / name)
-    family = weights.open_pretrained(FIXTURES / name).family
-    out = exported(model, hparams, family, tmp_path / "out")
-    source = load_file(FIXTURES / name / "model.safetensors")
-    written = load_file(f"{out}/model.safetensors")
-    params = {k: v for k, v in source.items() if not k.endswith("num_batches_tracked")}
-    assert sorted(written) == sorted(params)
-    for key, array in params.items():
-        np.testing.assert_array_equal(written[key], array, err_msg=key)
-    again, _ = loaded(out)
-    assert_same_state(model, again)
+    checks.assert_export_round_trip(name, tmp_path / "out")
 
 
 def test_a_directory_of_another_family_is_refused():
@@ -95,7 +71,7 @@ def test_an_unusual_hugging_face_resnet_is_refused(tmp_path):
         weights.open_pretrained(directory).hparams()
 
 
-@needs_reference
+@checks.needs_reference
 def test_the_exported_directories_load_in_the_reference_code(tmp_path):
     make_resnet = script("make_resnet")
     from transformers import ResNetForImageClassification
@@ -114,11 +90,6 @@ def test_the_exported_directories_load_in_the_reference_code(tmp_path):
         np.testing.assert_allclose(again, expected["logits"], rtol=0, atol=1e-5)
 
 
-@needs_reference
+@checks.needs_reference
 def test_the_references_regenerate_live(tmp_path):
-    make_resnet = script("make_resnet")
-    make_resnet.main(tmp_path)
-    for name in CHECKPOINTS:
-        for key, array in reference(name).items():
-            with np.load(tmp_path / name / "reference.npz") as again:
-                np.testing.assert_allclose(again[key], array, rtol=0, atol=1e-6, err_msg=key)
+    checks.assert_references_regenerate("make_resnet", CHECKPOINTS, tmp_path)

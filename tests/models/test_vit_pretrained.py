@@ -4,37 +4,22 @@ larger one (positions resized as each family's code does), and writes the same l
 
 from __future__ import annotations
 
-import importlib.util
-
 import numpy as np
+import pretrained_checks as checks
 import pytest
 from model_checks import MESH, ONE_DEVICE
-from pretrained_checks import (
-    FIXTURES,
-    assert_same_state,
-    exported,
-    loaded,
-    logits,
-    reference,
-    script,
-)
-from safetensors.numpy import load_file
+from pretrained_checks import FIXTURES, exported, loaded, logits, reference, script
 
 import zoo
 from train import weights
 
 CHECKPOINTS = ["vit-hf", "vit-timm-token", "vit-timm-avg"]
-HAS_REFERENCE = all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
-needs_reference = pytest.mark.skipif(not HAS_REFERENCE, reason="needs torch and transformers")
 
 
 @pytest.mark.parametrize("mesh", [ONE_DEVICE, MESH], ids=["one_device", "mesh"])
 @pytest.mark.parametrize("name", CHECKPOINTS)
 def test_logits_match_the_reference(name, mesh):
-    expected = reference(name)
-    model, _ = loaded(FIXTURES / name, mesh)
-    out = logits(model, expected["images"], mesh)
-    np.testing.assert_allclose(out, expected["logits"], rtol=0, atol=1e-5)
+    checks.assert_logits_match_the_reference(name, mesh)
 
 
 @pytest.mark.parametrize("name", CHECKPOINTS)
@@ -62,16 +47,7 @@ def test_the_families_options_come_from_config_json():
 
 @pytest.mark.parametrize("name", ["vit-hf", "vit-timm-token", "vit-timm-avg"])
 def test_export_writes_back_the_checkpoint_and_reloads_bit_identical(name, tmp_path):
-    model, hparams = loaded(FIXTURES / name)
-    family = weights.open_pretrained(FIXTURES / name).family
-    out = exported(model, hparams, family, tmp_path / "out")
-    source = load_file(FIXTURES / name / "model.safetensors")
-    written = load_file(f"{out}/model.safetensors")
-    assert sorted(written) == sorted(source)
-    for key, array in source.items():
-        np.testing.assert_array_equal(written[key], array, err_msg=key)
-    again, _ = loaded(out)
-    assert_same_state(model, again)
+    checks.assert_export_round_trip(name, tmp_path / "out")
 
 
 def test_a_head_of_another_size_is_refused_by_name():
@@ -84,7 +60,7 @@ def test_a_directory_of_another_family_is_refused():
         weights.open_pretrained(FIXTURES / "resnet-hf-basic", model="vit")
 
 
-@needs_reference
+@checks.needs_reference
 def test_the_exported_directories_load_in_the_reference_code(tmp_path):
     make_vit = script("make_vit")
     from transformers import ViTForImageClassification
@@ -104,10 +80,6 @@ def test_the_exported_directories_load_in_the_reference_code(tmp_path):
         np.testing.assert_allclose(again, expected["logits"], rtol=0, atol=1e-5)
 
 
-@needs_reference
+@checks.needs_reference
 def test_the_references_regenerate_live(tmp_path):
-    script("make_vit").main(tmp_path)
-    for name in CHECKPOINTS:
-        with np.load(tmp_path / name / "reference.npz") as again:
-            for key, array in reference(name).items():
-                np.testing.assert_allclose(again[key], array, rtol=0, atol=1e-6, err_msg=key)
+    checks.assert_references_regenerate("make_vit", CHECKPOINTS, tmp_path)
