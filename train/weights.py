@@ -10,10 +10,10 @@ each (transpose, split of a fused qkv, reshape to heads) and its inverse for exp
 Reading needs no PyTorch: the `safetensors` library checks each file and lists its keys; each
 tensor is then memory-mapped on its own, one at a time (bf16 as `ml_dtypes.bfloat16`), and the
 rule's transform gives views of it. Every param is planned before it is filled: its sharding
-gives each device a slice, and each distinct slice gets one 64-byte-aligned host buffer of the
+gives each device a slice, and each distinct slice gets one page-aligned host buffer of the
 param's dtype, into which the views are copied straight from the page cache (the only copy:
-jax on CPU adopts an aligned numpy buffer as a device buffer without copying it, so the slices
-become the devices' arrays through `jax.make_array_from_callback`). No device ever holds a
+jax on CPU adopts a 64-byte-aligned numpy buffer as a device buffer without copying it, so the
+slices become the devices' arrays through `jax.make_array_from_callback`). No device ever holds a
 full copy of a sharded param, and the host holds the model and one mapped tensor at a time.
 
 Everything is checked before the model changes: a key that no rule maps, a param no key fills,
@@ -333,8 +333,8 @@ def _sharding(variable: Any, path: str, mesh: Mesh | None, rules: Any) -> jax.sh
 
 class _Filling:
     """One param while the checkpoint fills it: a host buffer for each distinct slice that its
-    sharding gives a device (one for a replicated param), 64-byte aligned so that jax on CPU
-    adopts it as the device's buffer, and which layers of a stacked param are in."""
+    sharding gives a device (one for a replicated param), which jax on CPU adopts as the
+    device's buffer, and which layers of a stacked param are in."""
 
     def __init__(self, variable: Any, sharding: jax.sharding.Sharding):
         self.shape, self.dtype, self.sharding = tuple(variable.shape), variable.dtype, sharding
@@ -353,7 +353,7 @@ class _Filling:
             buffer = self.buffers.get(bounds)
             if buffer is None:
                 shape = tuple(stop - start for start, stop in bounds)
-                buffer = self.buffers[bounds] = _aligned(shape, self.dtype)
+                buffer = self.buffers[bounds] = _host_buffer(shape, self.dtype)
             if layer is None:
                 _copy_slice(buffer, value, bounds)
             elif bounds[0][0] <= layer < bounds[0][1]:
@@ -376,12 +376,16 @@ def _bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int
     return tuple(part.indices(size)[:2] for part, size in zip(index, shape, strict=True))
 
 
-def _aligned(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-    """An uninitialised C-contiguous array whose data start on a 64-byte boundary."""
-    size = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    raw = np.empty(size + 64, np.uint8)
-    skip = -raw.ctypes.data % 64
-    return raw[skip : skip + size].view(dtype).reshape(shape)
+def _host_buffer(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """An array on pages of its own: page-aligned, as jax on CPU needs to adopt it without a
+    copy, and mapped with all its pages at once (`MAP_POPULATE`), which is about twice as fast
+    as the page faults of copying into fresh memory."""
+    count, dtype = int(np.prod(shape)), np.dtype(dtype)
+    if count == 0:
+        return np.empty(shape, dtype)
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+    pages = mmap.mmap(-1, count * dtype.itemsize, flags=flags)
+    return np.frombuffer(pages, dtype, count).reshape(shape)
 
 
 def _copy_slice(buffer: np.ndarray, value: np.ndarray, bounds: tuple[tuple[int, int], ...]):
