@@ -130,6 +130,27 @@ class Reporter:
         if self.primary:
             log.info("eval @ step %d: %s", step, format_metrics(metrics))
 
+    def flush(self) -> None:
+        """Write every event queued so far into the event file (the file's buffer included) and
+        wait until it is there: called before each checkpoint, so that a run killed later has on
+        disk every event up to the step it resumes from. (tensorboardX's own `flush` leaves the
+        queue of its writing thread alone; that thread writes the file every `FLUSH_SECS`.)"""
+        if (writer := self._events()) is None:
+            return
+        events = writer.file_writer.event_writer
+        try:
+            events._worker.stop()  # writes the queued events, up to its stop signal, and ends
+            events._ev_writer.flush()
+        except OSError as e:  # a full disk: the events so far are what is left
+            log.warning("Could not write the TensorBoard events: %s", e)
+            _abandon(writer)
+            self.writer = None
+            return
+        events._worker = type(events._worker)(
+            events._event_queue, events._ev_writer, events._flush_secs
+        )
+        events._worker.start()
+
     def close(self) -> None:
         if self._progress is not None:
             self._progress.stop()
