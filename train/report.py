@@ -19,6 +19,7 @@ import numpy as np
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from tensorboardX import SummaryWriter
 
+from train import event_files
 from train.console import CONSOLE
 
 log = logging.getLogger("zoo")
@@ -36,6 +37,8 @@ class Reporter:
 
     def __init__(self, workdir: str, total_steps: int, start_step: int = 0, primary: bool = True):
         self.primary = primary
+        if primary and start_step:  # the config this process announces is the one HParams shows
+            event_files.drop_tag(workdir)
         # A run resumed from step s writes nothing at steps <= s. Events that an interrupted run
         # wrote after its last checkpoint (steps > s) are written again by the resumed run:
         # `purge_step` marks the new event file so that TensorBoard drops the old ones.

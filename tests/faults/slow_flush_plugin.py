@@ -7,4 +7,10 @@ import tensorboardX.record_writer
 import train.report
 
 train.report.FLUSH_SECS = 3600
-tensorboardX.record_writer.open_file = lambda path: open(path, "wb", buffering=64 << 20)
+
+
+def _open_with_a_large_buffer(path):
+    return open(path, "wb", buffering=64 << 20)  # tensorboardX closes it
+
+
+tensorboardX.record_writer.open_file = _open_with_a_large_buffer

@@ -1,0 +1,58 @@
+"""Rewrites a workdir's earlier TensorBoard event files at a resume, for what TensorBoard reads
+from the first file only.
+
+TensorBoard keeps the first summary metadata it reads for each tag of a run. The HParams tab
+reads a run's config from such metadata (`_hparams_/session_start_info`), so a run resumed with
+other settings (more `trainer.steps`) would show the config of its first process forever. The
+resumed process removes that entry from the files before its own: its own then comes first.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import struct
+
+from tensorboardX.proto.event_pb2 import Event
+from tensorboardX.record_writer import masked_crc32c
+
+SESSION_START_TAG = "_hparams_/session_start_info"
+_HEADER = struct.Struct("<QI")  # a record: length, its CRC, the data, the data's CRC
+
+
+def records(data: bytes) -> list[bytes]:
+    """The whole records of an event file's bytes (a torn last record, from a kill, left out)."""
+    found, at = [], 0
+    while at + _HEADER.size <= len(data):
+        length, _ = _HEADER.unpack_from(data, at)
+        end = at + _HEADER.size + length + 4
+        if end > len(data):
+            break
+        found.append(data[at + _HEADER.size : end - 4])
+        at = end
+    return found
+
+
+def record(payload: bytes) -> bytes:
+    header = struct.pack("<Q", len(payload))
+    crc = struct.pack("<I", masked_crc32c(header))
+    return header + crc + payload + struct.pack("<I", masked_crc32c(payload))
+
+
+def drop_tag(workdir: str, tag: str = SESSION_START_TAG) -> None:
+    """Rewrite each event file of `workdir` that holds `tag` without it (atomically: a new file
+    renamed over the old)."""
+    for path in sorted(glob.glob(os.path.join(workdir, "events.out.tfevents.*"))):
+        with open(path, "rb") as f:
+            payloads = records(f.read())
+        kept = [p for p in payloads if not _has_tag(p, tag)]
+        if len(kept) == len(payloads):
+            continue
+        with open(path + ".tmp", "wb") as f:
+            f.write(b"".join(record(p) for p in kept))
+        os.replace(path + ".tmp", path)
+
+
+def _has_tag(payload: bytes, tag: str) -> bool:
+    event = Event.FromString(payload)
+    return event.HasField("summary") and any(v.tag == tag for v in event.summary.value)
