@@ -9,12 +9,16 @@ resumed process removes that entry from the files before its own: its own then c
 
 from __future__ import annotations
 
+import contextlib
 import glob
+import logging
 import os
 import struct
 
 from tensorboardX.proto.event_pb2 import Event
 from tensorboardX.record_writer import masked_crc32c
+
+log = logging.getLogger("zoo")
 
 SESSION_START_TAG = "_hparams_/session_start_info"
 _HEADER = struct.Struct("<QI")  # a record: length, its CRC, the data, the data's CRC
@@ -41,18 +45,26 @@ def record(payload: bytes) -> bytes:
 
 def drop_tag(workdir: str, tag: str = SESSION_START_TAG) -> None:
     """Rewrite each event file of `workdir` that holds `tag` without it (atomically: a new file
-    renamed over the old)."""
+    renamed over the old). A file that cannot be rewritten (a full disk) stays as it is."""
     for path in sorted(glob.glob(os.path.join(workdir, "events.out.tfevents.*"))):
-        with open(path, "rb") as f:
-            payloads = records(f.read())
-        kept = [p for p in payloads if not _has_tag(p, tag)]
-        if len(kept) == len(payloads):
-            continue
+        try:
+            _rewrite_without(path, tag)
+        except OSError as e:
+            log.warning("Could not rewrite %s (HParams may show the earlier config): %s", path, e)
+            with contextlib.suppress(OSError):
+                os.remove(path + ".tmp")
+
+
+def _rewrite_without(path: str, tag: str) -> None:
+    with open(path, "rb") as f:
+        payloads = records(f.read())
+    kept = [p for p in payloads if not holds_tag(p, tag)]
+    if len(kept) < len(payloads):
         with open(path + ".tmp", "wb") as f:
             f.write(b"".join(record(p) for p in kept))
         os.replace(path + ".tmp", path)
 
 
-def _has_tag(payload: bytes, tag: str) -> bool:
+def holds_tag(payload: bytes, tag: str) -> bool:
     event = Event.FromString(payload)
     return event.HasField("summary") and any(v.tag == tag for v in event.summary.value)
