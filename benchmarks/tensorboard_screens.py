@@ -3,13 +3,13 @@ tabs taken by a headless Chromium.
 
     python -m benchmarks.tensorboard_screens --out /tmp/screens
 
-Trains through the command line, into `<out>/runs`: `xor`, an `mlp` and a `cnn` on the digits,
+Trains through the command line, into `<out>/runs`: `xor` (with a profiler trace), an `mlp` and a `cnn` on the digits,
 a `cnn` on Fashion-MNIST (stopped at step 40, then resumed to 80 by the same command with more
 steps), a `vae` on Fashion-MNIST and a small `gpt`. Then starts `tensorboard --logdir
 <out>/runs` on a free localhost port and writes `<out>/<view>.png` for the landing page (Time
-Series), Scalars, HParams, Images and Text (all of it, and filtered to gpt's `sample`). Prints a
-table of the screenshots and a JSON line.
-Needs the `tensorboard` extra and Debian's `chromium` (`apt-get install chromium`).
+Series), Scalars, HParams, Images, Text (all of it, and filtered to gpt's `sample`) and Profile
+(xor's trace). Prints a table of the screenshots and a JSON line.
+Needs the `profile` extra and Debian's `chromium` (`apt-get install chromium`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,12 @@ QUICK = ("trainer.log_every=10", "trainer.eval_every=20")
 DIGITS = ("data=digits", "trainer.batch_size=64")
 FASHION = ("data=fashion_mnist", "trainer.batch_size=64")
 RUNS = {
-    "xor": ("model=xor", "trainer.steps=200", "trainer.log_every=50"),
+    "xor": (
+        "model=xor",
+        "trainer.steps=200",
+        "trainer.log_every=50",
+        "trainer.profile_steps=[5,15]",
+    ),
     "mlp-digits": ("model=mlp", "model.hidden_sizes=[32]", *DIGITS, "trainer.steps=60", *QUICK),
     "cnn-digits": ("model=cnn", "model.channels=[8,16,16]", *DIGITS, "trainer.steps=60", *QUICK),
     "vae-fashion": ("model=vae", "model.hidden_sizes=[64]", *FASHION, "trainer.steps=40", *QUICK),
@@ -49,6 +54,7 @@ VIEWS = {
     "images": "/#images",
     "text": "/#text",
     "text-sample": "/#text&tagFilter=sample",
+    "profile": "/#profile",
 }
 CHROMIUM_FLAGS = (
     "--headless=new",

@@ -79,6 +79,12 @@ class LogWindows:
         self._report_extras(step)
         self._callbacks("on_train_window", step, metrics)
 
+    def write_out(self) -> None:
+        """Before a checkpoint: report the pending window and put every event so far on disk,
+        so that the events up to a checkpoint's step are there as soon as the checkpoint is."""
+        self.report_pending()
+        self._reporter.flush()
+
     def check(self, sums: Metrics) -> None:
         """Before a checkpoint: stop if the open window met a NaN/Inf loss (nan_policy=stop)."""
         if not self._skip:
@@ -203,7 +209,7 @@ class Cadence:
 
     def save(self, step: int, state: Any, sums: Metrics) -> None:
         """Checkpoint `step`; never a state that a NaN/Inf loss has reached (nan_policy=stop)."""
-        self.windows.report_pending()
+        self.windows.write_out()
         self.windows.check(sums)
         progress = self.progress
         meta = {

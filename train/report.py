@@ -19,6 +19,7 @@ import numpy as np
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from tensorboardX import SummaryWriter
 
+from train import event_files
 from train.console import CONSOLE
 
 log = logging.getLogger("zoo")
@@ -36,6 +37,8 @@ class Reporter:
 
     def __init__(self, workdir: str, total_steps: int, start_step: int = 0, primary: bool = True):
         self.primary = primary
+        if primary and start_step:  # the config this process announces is the one HParams shows
+            event_files.drop_tag(workdir)
         # A run resumed from step s writes nothing at steps <= s. Events that an interrupted run
         # wrote after its last checkpoint (steps > s) are written again by the resumed run:
         # `purge_step` marks the new event file so that TensorBoard drops the old ones.
@@ -129,6 +132,27 @@ class Reporter:
         self.scalars("eval", step, metrics)
         if self.primary:
             log.info("eval @ step %d: %s", step, format_metrics(metrics))
+
+    def flush(self) -> None:
+        """Write every event queued so far into the event file (the file's buffer included) and
+        wait until it is there: called before each checkpoint, so that a run killed later has on
+        disk every event up to the step it resumes from. (tensorboardX's own `flush` leaves the
+        queue of its writing thread alone; that thread writes the file every `FLUSH_SECS`.)"""
+        if (writer := self._events()) is None:
+            return
+        events = writer.file_writer.event_writer
+        try:
+            events._worker.stop()  # writes the queued events, up to its stop signal, and ends
+            events._ev_writer.flush()
+        except OSError as e:  # a full disk: the events so far are what is left
+            log.warning("Could not write the TensorBoard events: %s", e)
+            _abandon(writer)
+            self.writer = None
+            return
+        events._worker = type(events._worker)(
+            events._event_queue, events._ev_writer, events._flush_secs
+        )
+        events._worker.start()
 
     def close(self) -> None:
         if self._progress is not None:

@@ -15,6 +15,8 @@ import pytest
 from fault_tools import MLP, assert_same_arrays, final_arrays, kept, run
 from helpers import ROOT, overriding
 
+from train import event_files
+
 # Checkpoints of about 1 MB: the room left on the full disk holds the run's log lines, not them.
 ARGS = overriding(
     *MLP,
@@ -25,6 +27,12 @@ ARGS = overriding(
 )
 ROOM = 256 * 1024  # bytes left free when the disk is filled
 SIMULATED = {"ZOO_PLUGINS": "full_disk_plugin", "PYTHONPATH": str(ROOT / "tests" / "faults")}
+
+
+def events_but_hparams(path) -> list[bytes]:
+    """The event records of `path`, less the HParams entry that a resumed run replaces."""
+    payloads = event_files.records(path.read_bytes())
+    return [p for p in payloads if not event_files.holds_tag(p, event_files.SESSION_START_TAG)]
 
 
 @pytest.fixture
@@ -67,6 +75,8 @@ def test_a_full_disk_stops_the_run_at_once_and_the_same_command_resumes(disk, tm
     status, stderr, _ = run(*ARGS, "trainer.steps=100", f"workdir={workdir}")
     assert status == 0, stderr
     before = kept(workdir)
+    (first_events,) = workdir.glob("events.out.tfevents.*")
+    first = events_but_hparams(first_events)
 
     fill()
     status, stderr, seconds = run(*ARGS, "trainer.steps=400", f"workdir={workdir}", env=env)
@@ -77,9 +87,10 @@ def test_a_full_disk_stops_the_run_at_once_and_the_same_command_resumes(disk, tm
     assert "Saving checkpoint 200 into" in message[0] and "No space left on device" in message[0]
     assert f"the last complete checkpoint is step 100 ({workdir}/checkpoints/100)" in message[0]
     assert "Traceback" not in stderr and "Exception ignored" not in stderr
-    after = kept(workdir)  # every checkpoint and event file as it was
-    saved = {k: v for k, v in before.items() if "/checkpoints/" in k or "events.out" in k}
+    after = kept(workdir)  # every checkpoint as it was
+    saved = {k: v for k, v in before.items() if "/checkpoints/" in k}
     assert saved and {k: after.get(k) for k in saved} == saved
+    assert events_but_hparams(first_events) == first  # and every event of the first run
 
     empty()
     status, stderr, _ = run(*ARGS, "trainer.steps=400", f"workdir={workdir}")

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 from helpers import ROOT, assert_same_bits, overriding, read_events, run_cli, scalar_steps
 from PIL import Image
+from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
 
 import zoo
 from train.checkpoint import Checkpointer
@@ -283,7 +284,9 @@ def test_events_are_readable_while_training_and_complete_after_sigterm(tmp_path)
     assert list(losses) == list(range(LOG_EVERY, stopped + 1, LOG_EVERY))
 
 
-def test_compile_counts_continue_across_a_resume(tmp_path):
+def test_compile_counts_and_hparams_follow_a_resume(tmp_path):
+    """A run resumed with more steps: its compile counts go on from the first process's, and
+    its HParams row shows the resumed config (TensorBoard keeps a tag's first metadata)."""
     args = ("model=xor", "trainer.steps_per_dispatch=10", "trainer.log_every=10")
     for steps in (20, 40):  # the second command resumes the first's run
         result = run_cli(*args, f"trainer.steps={steps}", f"workdir={tmp_path}")
@@ -292,6 +295,9 @@ def test_compile_counts_continue_across_a_resume(tmp_path):
     count, seconds = (scalar_steps(events, f"xla/compile_{t}") for t in ("count", "seconds"))
     assert list(count) == [10, 20, 30, 40]
     assert count[30] > count[20] and seconds[30] > seconds[20]  # the second process's added
+    content = events.PluginTagToContent("hparams")["_hparams_/session_start_info"]
+    session = HParamsPluginData.FromString(content).session_start_info
+    assert session.hparams["trainer.steps"].number_value == 40
 
 
 def test_gpt_text_sample_is_markdown_not_a_repr(tmp_path):
