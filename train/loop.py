@@ -25,7 +25,7 @@ import jax
 from flax import nnx
 from omegaconf import DictConfig, OmegaConf
 
-from train import distributed, ema, memory, pipeline, registry, restore, rundir, sharding
+from train import distributed, ema, memory, pipeline, precision, registry, restore, rundir, sharding
 from train import rngs as zoo_rngs
 from train.build import build_on_mesh
 from train.cadence import Cadence, Every, LogWindows
@@ -212,6 +212,7 @@ class Trainer:
             if self.cfg.trainer.debug:
                 stack.enter_context(debugging())
             stack.enter_context(rundir.hold(self.workdir, jax.process_index()))
+            self.callbacks.record_in(self.workdir, jax.process_index())
             run_log = run_log or stack.enter_context(rundir.RunLog())
             checkpointer = Checkpointer(
                 os.path.join(self.workdir, "checkpoints"),
@@ -423,6 +424,7 @@ class Trainer:
         if self.on_eval is not None:
             model, _ = nnx.merge(self.graphdef, self.state)  # shares the arrays; read only
             model.eval()
+            model = precision.computing(model, self.cfg.trainer.precision)  # as the eval
             key = zoo_rngs.on_eval_key(self.cfg.seed, step)
 
             def batches():
