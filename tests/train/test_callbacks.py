@@ -103,7 +103,7 @@ class Append:
         with open(sys.argv[1], "a") as f:
             f.write(json.dumps([step, metrics["loss"]]) + "\\n")
 
-    def on_eval(self, step, metrics):  # a kill -9 of its own process, between two windows
+    def on_checkpoint(self, step, path):  # a kill -9 of its own process, between two windows
         if step == int(sys.argv[2]):
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -111,9 +111,10 @@ zoo.fit("mlp", *sys.argv[3:], callbacks=[Append()])
 """
 
 
-def fit_in_process(seen, workdir, kill_at_eval=-1):
+def fit_in_process(seen, workdir, kill_at_checkpoint=-1):
+    args = (*ARGS, "trainer.checkpoint_every=10", f"workdir={workdir}")
     return subprocess.Popen(
-        [sys.executable, "-c", SCRIPT, str(seen), str(kill_at_eval), *ARGS, f"workdir={workdir}"],
+        [sys.executable, "-c", SCRIPT, str(seen), str(kill_at_checkpoint), *args],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -124,11 +125,13 @@ def fit_in_process(seen, workdir, kill_at_eval=-1):
 def test_across_a_kill_and_a_resume_every_window_reaches_the_callback_once(finished, tmp_path):
     recorder, _ = finished
     seen = tmp_path / "seen.jsonl"
-    killed = fit_in_process(seen, tmp_path / "run", kill_at_eval=30)
+    # Checkpoint 20 is announced once complete, as the save at 30 starts: killed there, the
+    # run has delivered windows 25 and 30, which the resume from 20 replays.
+    killed = fit_in_process(seen, tmp_path / "run", kill_at_checkpoint=20)
     killed.communicate(timeout=300)
     assert killed.returncode == -signal.SIGKILL
     before_kill = [json.loads(line)[0] for line in seen.read_text().splitlines()]
-    assert before_kill == [5, 10, 15, 20, 25]  # 25 after the checkpoint at 20: replayed next
+    assert before_kill == [5, 10, 15, 20, 25, 30]
     resumed = fit_in_process(seen, tmp_path / "run")
     _, stderr = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, stderr
