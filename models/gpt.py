@@ -191,9 +191,10 @@ class GPT(nnx.Module):
         return logits
 
     def empty_cache(self, batch_size: int) -> KVCache:
-        """A key/value cache for `decode`, `context_length` positions long."""
+        """A key/value cache for `decode`, `context_length` positions long, in the dtype the
+        model computes in (its params': bfloat16 for a copy made by `trainer.precision=bf16`)."""
         shape = (self.depth, batch_size, self.context_length, self.num_heads, self.head_dim)
-        zeros = jnp.zeros(shape, jnp.float32, out_sharding=_cache_spec())
+        zeros = jnp.zeros(shape, self.embedding[...].dtype, out_sharding=_cache_spec())
         return zeros, zeros
 
     def decode(

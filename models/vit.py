@@ -122,6 +122,7 @@ class ViT(nnx.Module):
             )
         )
         self.position_grid = tuple(grid)
+        self.input_grid = (height // patch_size, width // patch_size)
         self.class_token = nnx.data(None)
         if class_token:
             self.class_token = nnx.Param(
@@ -176,6 +177,15 @@ class ViT(nnx.Module):
         held = table[self.prefix :].reshape(*self.position_grid, -1)
         resized = positions.resize(held, grid, self.position_resize)
         return jnp.concatenate([table[: self.prefix], resized.reshape(-1, table.shape[-1])])
+
+    def hold_positions_at_input_size(self) -> tuple[int, int]:
+        """Replace the held positions by those the model computes with at its input size
+        (resized once, as each call would): an export then holds what the model computes,
+        at a grid that its config can name. Returns that grid."""
+        if self.input_grid != self.position_grid:
+            self.positions.set_value(self._positions(self.input_grid))
+            self.position_grid = self.input_grid
+        return self.input_grid
 
     def _pooled(self, tokens: jax.Array) -> jax.Array:
         return tokens[:, 0] if self.pool == "cls" else tokens[:, self.prefix :].mean(axis=1)

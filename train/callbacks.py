@@ -9,17 +9,33 @@ the next save starts or the run ends). A hook that returns `STOP` asks the run t
 saves a checkpoint and raises `CallbackStop`, and running it again resumes, as after a SIGTERM.
 A hook that raises stops the run the same way with `CallbackFailed`, the callback's own
 exception chained to it (its traceback shows where the callback failed).
+
+Each window, eval and checkpoint reaches the callbacks once across kills and resumes: a resumed
+run replays the steps after its checkpoint, with the same values, and would deliver their
+windows again, so the run keeps a record of the last step delivered per hook in
+`<workdir>/callbacks.json` (rewritten atomically after each delivery, by each process of its
+own) and skips what that record holds. The one repeat left: a kill while a hook runs, or
+between its return and the record's rewrite (a file replace, well under a millisecond),
+delivers that one event again.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Iterable
 from typing import Any
+
+from train.rundir import replace_file
 
 STOP = "stop"
 """What a hook returns to ask the run to stop (saved and resumable)."""
 
 HOOKS = ("on_train_window", "on_eval", "on_checkpoint", "on_end")
+STEPPED = ("on_train_window", "on_eval", "on_checkpoint")
+"""The hooks whose first argument is a step: delivered once per step across resumes
+(`on_end` comes at the end of each call that trains or finds the run complete)."""
+RECORD = "callbacks.json"
 
 
 class CallbackStop(Exception):
@@ -54,8 +70,30 @@ class Callbacks:
         self._callbacks = list(callbacks)
         self.stop_by: str | None = None
         self.failure: tuple[str, BaseException] | None = None
+        self._record: str | None = None
+        self._delivered: dict[str, int] = {}
+
+    def record_in(self, workdir: str, process: int = 0) -> None:
+        """Deliver each step's events once across this run's processes: read what the earlier
+        ones delivered from the workdir's record, and keep it there (only with callbacks)."""
+        if not self._callbacks:
+            return
+        name = RECORD if process == 0 else f"callbacks.{process}.json"
+        self._record = os.path.join(workdir, name)
+        if os.path.exists(self._record):
+            with open(self._record, encoding="utf-8") as f:
+                self._delivered = {hook: int(step) for hook, step in json.load(f).items()}
 
     def __call__(self, hook: str, *args: Any) -> None:
+        stepped = hook in STEPPED
+        if stepped and args[0] <= self._delivered.get(hook, -1):
+            return  # delivered before a kill, and replayed since with the same values
+        self._deliver(hook, *args)
+        if stepped and self._record is not None and self.failure is None:
+            self._delivered[hook] = int(args[0])
+            replace_file(self._record, json.dumps(self._delivered))
+
+    def _deliver(self, hook: str, *args: Any) -> None:
         for callback in self._callbacks:
             method = getattr(callback, hook, None)
             if method is None or self.failure is not None:

@@ -25,7 +25,7 @@ import jax
 from flax import nnx
 from omegaconf import DictConfig, OmegaConf
 
-from train import distributed, ema, pipeline, registry, restore, rundir, sharding
+from train import distributed, ema, memory, pipeline, precision, registry, restore, rundir, sharding
 from train import rngs as zoo_rngs
 from train.build import build_on_mesh
 from train.cadence import Cadence, Every, LogWindows
@@ -212,6 +212,7 @@ class Trainer:
             if self.cfg.trainer.debug:
                 stack.enter_context(debugging())
             stack.enter_context(rundir.hold(self.workdir, jax.process_index()))
+            self.callbacks.record_in(self.workdir, jax.process_index())
             run_log = run_log or stack.enter_context(rundir.RunLog())
             checkpointer = Checkpointer(
                 os.path.join(self.workdir, "checkpoints"),
@@ -234,21 +235,26 @@ class Trainer:
             cadence, instruments = self._actions(
                 reporter, checkpointer, iterator, saved_config, zeros
             )
-            yield from self._loop(cadence, instruments, iterator)
+            yield from self._loop(cadence, instruments, iterator, reporter)
 
-    def _loop(self, cadence: Cadence, instruments: Instruments, iterator) -> Iterator[int]:
+    def _loop(
+        self, cadence: Cadence, instruments: Instruments, iterator, reporter
+    ) -> Iterator[int]:
         """Steps `progress.step + K .. trainer.steps`, K at a time."""
         k, start, sums = self.dispatcher.k, cadence.progress.step, cadence.progress.window
         if cadence.finished:
             return
-        yield from self._dispatches(cadence, instruments, iterator, k, start, sums)
+        yield from self._dispatches(cadence, instruments, iterator, reporter, k, start, sums)
         cadence.finish()
         if cadence.callbacks.failure is not None:  # in a hook after the last step
             step = cadence.progress.step
             raise cadence.callbacks.halt(step, cadence.checkpoint_path(step))
 
-    def _dispatches(self, cadence, instruments, iterator, k, start, sums) -> Iterator[int]:
-        """The dispatches themselves, until trainer.steps or an early stop."""
+    def _dispatches(
+        self, cadence, instruments, iterator, reporter, k, start, sums
+    ) -> Iterator[int]:
+        """The dispatches themselves, until trainer.steps or an early stop. The first one's
+        compilation is made ahead of it, to report its memory (`train.memory`)."""
         with (
             cadence.stop.installed(),
             instruments.installed(),
@@ -258,6 +264,9 @@ class Trainer:
                 with instruments.clock.waiting_for_data():
                     batches = next(iterator)  # exactly K batches per K steps: the iterator's
                     # state always matches the step
+                if step == start + k and not self.cfg.trainer.debug:
+                    args = (self.state, sums, batches, self.step_key)
+                    memory.announce(self.dispatcher.run, args, k, reporter, start)
                 instruments.before(step, self.state, batches, self.step_key)
                 with instruments.profile.marker(step):
                     self.state, sums = self.dispatcher.run(self.state, sums, batches, self.step_key)
@@ -415,6 +424,7 @@ class Trainer:
         if self.on_eval is not None:
             model, _ = nnx.merge(self.graphdef, self.state)  # shares the arrays; read only
             model.eval()
+            model = precision.computing(model, self.cfg.trainer.precision)  # as the eval
             key = zoo_rngs.on_eval_key(self.cfg.seed, step)
 
             def batches():

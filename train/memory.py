@@ -1,14 +1,25 @@
 """What a compiled train step needs on each device: XLA's own accounting of its arguments
 (state, batch), outputs and temporaries (activations kept for the backward pass, gradients),
-read from `compiled.memory_analysis()` without running the step."""
+read from `compiled.memory_analysis()` without running the step.
+
+A run reports it before its first dispatch (`announce`), from the compilation that dispatch
+then uses: jax keeps the executable that `jitted.lower(args).compile()` built, and calling
+`jitted(args)` with arguments of the same shapes and shardings reuses it, so reporting costs
+no second compilation.
+"""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import jax
 
 from train import sharding
+from train.plan import readable_size
+from train.report import Reporter
+
+log = logging.getLogger("zoo")
 
 FIELDS = {
     "arguments": "argument_size_in_bytes",
@@ -18,15 +29,40 @@ FIELDS = {
 }
 
 
-def step_memory(trainer: Any) -> dict[str, int]:
-    """Bytes per device of `trainer`'s train step on its first batch (a compilation of its
-    own: call it where that time is affordable, e.g. a benchmark). `peak` counts arguments,
-    outputs and temporaries, less the outputs written in place of donated arguments."""
-    with sharding.activate(trainer.mesh, trainer.rules):
-        batch = trainer.shard(next(iter(trainer.train_data)))
-        zeros = jax.eval_shape(trainer.train_step, trainer.state, {}, batch, trainer.step_key)[1]
-        compiled = trainer.train_step.lower(trainer.state, zeros, batch, trainer.step_key).compile()
-    analysis = compiled.memory_analysis()
+def compiled_memory(jitted: Any, *args: Any) -> dict[str, int] | None:
+    """Bytes per device of `jitted` compiled for `args` (None where the backend does not say).
+    `peak` counts arguments, outputs and temporaries, less the outputs written in place of
+    donated arguments."""
+    analysis = jitted.lower(*args).compile().memory_analysis()
+    if analysis is None:
+        return None
     sizes = {name: int(getattr(analysis, field, 0) or 0) for name, field in FIELDS.items()}
     sizes["peak"] = sizes["arguments"] + sizes["outputs"] + sizes["temporaries"] - sizes["aliased"]
     return sizes
+
+
+def step_memory(trainer: Any) -> dict[str, int]:
+    """Bytes per device of `trainer`'s train step on its first batch (a compilation of its
+    own: call it where that time is affordable, e.g. a benchmark)."""
+    with sharding.activate(trainer.mesh, trainer.rules):
+        batch = trainer.shard(next(iter(trainer.train_data)))
+        zeros = jax.eval_shape(trainer.train_step, trainer.state, {}, batch, trainer.step_key)[1]
+        return compiled_memory(trainer.train_step, trainer.state, zeros, batch, trainer.step_key)
+
+
+def announce(jitted: Any, args: tuple, steps: int, reporter: Reporter, step: int) -> None:
+    """Compile `jitted` (the dispatch of `steps` train steps) for `args`, the first dispatch's
+    own arguments; log its bytes per device and write them to TensorBoard at `step` (scalars
+    `memory/*_bytes` and a `memory` text table)."""
+    sizes = compiled_memory(jitted, *args)
+    if sizes is None:
+        return
+    what = "train step" if steps == 1 else f"dispatch of {steps} train steps"
+    parts = ", ".join(f"{name} {readable_size(size)}" for name, size in sizes.items())
+    log.info("Memory per device of the compiled %s: %s", what, parts)
+    reporter.scalars("memory", step, {f"{name}_bytes": size for name, size in sizes.items()})
+    rows = [
+        f"    {name:<12} {size:>14,} bytes  {readable_size(size):>12}"
+        for name, size in sizes.items()
+    ]
+    reporter.text("memory", "\n".join([f"    per device, compiled {what}", *rows]), step)

@@ -62,7 +62,9 @@ class ShardingPlan:
         text += ["  " + "  ".join(c.ljust(w) for c, w in zip(line, widths)) for line in lines]
         for group in ("params", "optimizer", "other"):
             per_device, total = self.totals(group)
-            text.append(f"  {group}: {_size(per_device)} per device of {_size(total)} in all")
+            text.append(
+                f"  {group}: {readable_size(per_device)} per device of {readable_size(total)} in all"
+            )
         return "\n".join(text)
 
 
@@ -104,7 +106,7 @@ def create_sharded(
     return nnx.jit(create)(), plan
 
 
-def _size(num_bytes: int) -> str:
+def readable_size(num_bytes: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if num_bytes < 1024 or unit == "GiB":
             return f"{num_bytes:,.0f} {unit}" if unit == "B" else f"{num_bytes:,.1f} {unit}"

@@ -41,6 +41,15 @@ def compute_loss(loss_fn: Callable, precision: Any) -> Callable:
     return bf16_loss
 
 
+def computing(model: nnx.Module, precision: Any) -> nnx.Module:
+    """`model` to call outside training as the run computed: itself for fp32; for bf16 a copy
+    whose float params are bfloat16 (the trained float32 params stay as they are)."""
+    if Precision(precision) is Precision.fp32:
+        return model
+    graph, params, rest = nnx.split(model, nnx.Param, ...)
+    return nnx.merge(graph, lowered(params), rest, copy=True)
+
+
 def lowered(tree: Any) -> Any:
     """Every float32 array of `tree` in bfloat16; everything else (ints, keys) as it is."""
     return jax.tree.map(lambda x: x.astype(COMPUTE) if x.dtype == jnp.float32 else x, tree)

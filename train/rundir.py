@@ -121,9 +121,13 @@ def record(workdir: str, config: DictConfig, overrides: Sequence[str] | None = N
     directory = os.path.join(workdir, ".hydra")
     try:
         os.makedirs(directory, exist_ok=True)
-        _write(os.path.join(directory, "config.yaml"), OmegaConf.to_yaml(config, resolve=True))
+        replace_file(
+            os.path.join(directory, "config.yaml"), OmegaConf.to_yaml(config, resolve=True)
+        )
         if overrides is not None:
-            _write(os.path.join(directory, "overrides.yaml"), OmegaConf.to_yaml(list(overrides)))
+            replace_file(
+                os.path.join(directory, "overrides.yaml"), OmegaConf.to_yaml(list(overrides))
+            )
     except OSError as e:
         raise ZooError(
             f"Cannot write the run's config into {directory}: {e.strerror or e}. Nothing was "
@@ -131,7 +135,7 @@ def record(workdir: str, config: DictConfig, overrides: Sequence[str] | None = N
         ) from None
 
 
-def _write(path: str, text: str) -> None:
+def replace_file(path: str, text: str) -> None:
     """Replace `path` whole: a reader never sees half a file."""
     with open(path + ".tmp", "w") as f:
         f.write(text)

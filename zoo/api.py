@@ -134,6 +134,11 @@ def load(
     family some model loads, see `zoo.list_models(families=True)`): its model, at step 0, with
     the config a run starting from it would have."""
     if is_pretrained_dir(workdir):
+        if weights != "raw":
+            raise ZooError(
+                f"weights={weights!r}: {os.path.abspath(workdir)} is a pretrained directory, "
+                "which holds one set of weights and no average; use weights='raw'."
+            )
         return _load_pretrained(os.path.abspath(workdir), mesh, devices)
     step_number, _, (model, config, device_mesh, rules, metrics) = read_first(
         workdir, step, lambda _, path: _read_model(path, mesh, devices, weights)

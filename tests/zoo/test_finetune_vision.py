@@ -5,6 +5,8 @@ called and matches `zoo.predict`."""
 
 from __future__ import annotations
 
+import json
+
 import jax
 import numpy as np
 import pytest
@@ -97,15 +99,40 @@ def test_hf_export_of_a_fine_tuned_run_loads_back_bit_identical(name, request, t
     assert weights.open_pretrained(out).family.model == name
     before, after = params(run), params(out)
     assert before.keys() == after.keys()
+    if name == "vit":  # held at the digits' 2x2 patches, as the run computes with them
+        trained = zoo.load(run)
+        with trained.activate():
+            before[("positions",)] = np.asarray(trained.model._positions((2, 2)))
+        assert json.loads((tmp_path / "hf" / "config.json").read_text())["image_size"] == 8
     for path in before:
         np.testing.assert_array_equal(before[path], after[path], err_msg=str(path))
     images = np.resize(digits(), (8, *digits().shape[1:]))  # a batch the 8 devices split
-    exported = zoo.load(out)  # its config.json keeps the checkpoint's image size: call it directly
-    with exported.activate():
-        from_export = np.asarray(exported.model(images))
-    np.testing.assert_allclose(  # the params are equal bit for bit (above); batch sizes differ
-        from_export, zoo.predict(zoo.load(run), images), rtol=1e-5, atol=1e-6
+    np.testing.assert_allclose(
+        zoo.predict(zoo.load(out), images), zoo.predict(zoo.load(run), images), rtol=1e-5, atol=1e-6
     )
+
+
+def test_exported_vit_gives_the_runs_logits_in_transformers(vit, tmp_path):
+    pytest.importorskip("transformers")
+    import torch
+    from transformers import ViTForImageClassification
+
+    out = zoo.export(vit.workdir, tmp_path / "hf", format="hf")
+    reference = ViTForImageClassification.from_pretrained(out).eval()
+    images = digits()
+    normalised = (images - 0.5) / 0.5  # the checkpoint's pixel statistics, applied by zoo's model
+    with torch.no_grad():
+        pixels = torch.from_numpy(normalised.transpose(0, 3, 1, 2).copy())
+        live = reference(pixel_values=pixels).logits.numpy()
+    with jax.default_matmul_precision("highest"):
+        expected = zoo.predict(zoo.load(vit.workdir, devices=jax.devices()[:1]), images)
+    np.testing.assert_allclose(live, expected, atol=1e-5, rtol=0)
+
+
+def test_ema_weights_are_refused_for_a_run_without_an_average(resnet, tmp_path):
+    with pytest.raises(zoo.ZooError, match="weights='ema' needs a run trained with optimizer"):
+        zoo.export(resnet.workdir, tmp_path / "hf", format="hf", weights="ema")
+    assert not (tmp_path / "hf").exists()
 
 
 def test_jax_export_of_a_fine_tuned_vit_matches_predict(vit, tmp_path):

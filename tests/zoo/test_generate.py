@@ -1,45 +1,62 @@
 """`zoo.generate` speaks the model's tokenizer: prompts encoded and samples decoded by it for a
 pretrained directory and for a run fine-tuned from one (its eval-time sample too), byte-level
-otherwise (tests/models/test_gpt.py); `python -m zoo.generate DIR prompt=...` prints what the function writes."""
+otherwise (tests/models/test_gpt.py); a run trained in bf16 generates in bf16; `python -m
+zoo.generate DIR prompt=...` prints what the function writes."""
 
 from __future__ import annotations
 
+import importlib
 import re
 import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from helpers import ROOT, run_cli
 
 import zoo
 from data.text import load_tokenizer
 from models.generate import generate_tokens
+from train.precision import computing
 from train.rngs import on_eval_key
 
 FIXTURES = ROOT / "tests" / "fixtures" / "pretrained"
 TINY, TEXT = FIXTURES / "gpt2-tiny", FIXTURES / "tiny.txt"
 TOKENIZER = load_tokenizer(TINY)
+zoo_generate = importlib.import_module(
+    "zoo.generate"
+)  # the module (`zoo.generate` is the function)
 PROMPT = "def main():\n    return"
 DATA = {"path": str(TEXT), "window": 16, "tokenizer": str(TINY)}
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """A short CLI fine-tune of the tiny GPT-2 checkpoint on a text file, with one eval."""
+    """A short CLI fine-tune of the tiny GPT-2 checkpoint on a text file in bf16, one eval."""
     workdir = tmp_path_factory.mktemp("gpt2-finetuned")
     result = run_cli(
         f"finetune.init_from={TINY}",
         *(f"data.{key}={value}" for key, value in DATA.items() if key != "tokenizer"),
         "trainer.steps=2",
         "trainer.batch_size=8",
+        "trainer.precision=bf16",
         "trainer.eval_every=2",
         "optimizer.warmup_steps=0",
         f"workdir={workdir}",
     )
     assert result.returncode == 0, result.stderr
     return workdir
+
+
+def spy(function, called: list):
+    def recording(model, *args, **kwargs):
+        called.append(model)
+        return function(model, *args, **kwargs)
+
+    return recording
 
 
 def greedy_by_full_forward(trained, ids: list[int], count: int) -> list[int]:
@@ -60,19 +77,27 @@ def test_a_pretrained_directory_generates_through_its_tokenizer():
     assert text == TOKENIZER.decode(expected, skip_special_tokens=False)
 
 
-def test_a_run_with_a_tokenizer_generates_and_samples_through_it(run):
+def test_a_bf16_run_with_a_tokenizer_generates_and_samples_through_it_in_bf16(run, monkeypatch):
     trained = zoo.load(run)
     assert trained.config.data.tokenizer == str(TINY / "tokenizer.json")
+    called = []
+    monkeypatch.setattr(zoo_generate, "generate_text", spy(zoo_generate.generate_text, called))
     from_dir = zoo.generate(run, PROMPT, max_new_tokens=6, seed=3)
+    (model,) = called
+    dtypes = {x.dtype for x in jax.tree.leaves(nnx.state(model, nnx.Param))}
+    assert dtypes == {jnp.dtype(jnp.bfloat16)}  # computed as the run trained
+    assert trained.model.embedding[...].dtype == jnp.float32  # the loaded params stay float32
     with trained.activate():
-        bare = zoo.generate(trained.model, PROMPT, 6, seed=3, tokenizer=TINY / "tokenizer.json")
+        assert model.empty_cache(8)[0].dtype == jnp.bfloat16  # 8: a batch the mesh splits
+        low = computing(trained.model, "bf16")
+        bare = zoo.generate(low, PROMPT, 6, seed=3, tokenizer=TINY / "tokenizer.json")
     assert from_dir == bare
 
-    # The eval-time sample: the first held-out example's start, continued and decoded.
+    # The eval-time sample: the first held-out example's start, continued and decoded (bf16).
     first = zoo.load_data("text", **DATA).eval
     prompt = first["tokens"][0][: min(int(first["length"][0]), 32)]
     with trained.activate():
-        new = generate_tokens(trained.model, prompt, 32, temperature=0.8, seed=on_eval_key(0, 2))
+        new = generate_tokens(low, prompt, 32, temperature=0.8, seed=on_eval_key(0, 2))
     shown, written = TOKENIZER.decode(prompt.tolist()), TOKENIZER.decode(new.tolist())
     log = (run / "train.log").read_text()
     assert f"sample @ step 2: {shown!r} -> {written!r}" in log
@@ -106,8 +131,9 @@ def test_generate_cli_prints_prompt_and_continuation():
     ],
     ids=["not-a-number", "too-long", "no-prompt"],
 )
-def test_generate_cli_refuses_bad_options(args, message):
+def test_generate_cli_refuses_bad_options(args, message, capsys):
+    """The CLI's own `main`, in process (the command itself runs in the test above)."""
     prompt = () if not args else (f"prompt={PROMPT}",)
-    result = generate_cli(TINY, *prompt, *args)
-    assert result.returncode == 2
-    assert re.search(message, result.stderr), result.stderr
+    assert zoo_generate.main([str(TINY), *prompt, *args]) == 2
+    stderr = capsys.readouterr().err
+    assert re.search(message, stderr), stderr

@@ -1,10 +1,13 @@
 """Writing a trained model out: `zoo.export(workdir, out_dir, format="hf" | "jax")`, and its CLI
-`python -m zoo.export WORKDIR OUT [format=hf|jax] [step=latest]`.
+`python -m zoo.export WORKDIR OUT [format=hf|jax] [step=latest] [weights=raw|ema]`.
 
 - `hf`: `config.json` + `model.safetensors` (+ `tokenizer.json`) in the layout of the checkpoint
   family the model loads (the one the run started from, else the model's first), which that
   family's reference code reads; LoRA adapters are merged first. Generic over every registered
-  family: the family's key table, run backwards (`train.weights.export_tensors`).
+  family: the family's key table, run backwards (`train.weights.export_tensors`). A ViT trained
+  at another image size than its checkpoint's is written with its positions resized to the
+  images it takes, as each call resizes them, so that the config names that size; a language
+  model's config names its end-of-text token (`zoo.export.token_ids`).
 - `jax`: the inference function serialised with `jax.export` (StableHLO) in `model.jaxexport`,
   its weights in `weights.npz` (in the order the function takes them) and `signature.json`; a
   process with jax alone runs it: `jax.export.deserialize(...).call(*weights, inputs)`.
@@ -24,23 +27,31 @@ import jax
 import numpy as np
 from flax import nnx
 
-from train import registry, weights
+from train import registry
+from train import weights as pretrained
 from train.errors import ZooError
 from train.lora import merge_adapters
 from zoo.api import TrainedModel, load, resolved_hparams
+from zoo.export.token_ids import special_token_ids
 
 FORMATS = ("hf", "jax")
 FUNCTION, WEIGHTS, SIGNATURE = "model.jaxexport", "weights.npz", "signature.json"
 
 
 def export(
-    workdir: str | os.PathLike, out_dir: str | os.PathLike, format: str = "hf", step="latest"
+    workdir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    format: str = "hf",
+    step="latest",
+    weights: str = "raw",
 ) -> str:
     """Write the model of the run (or pretrained directory) `workdir` at `step` into `out_dir`
-    as `format` (`hf` or `jax`, see the module docstring); returns `out_dir`'s path."""
+    as `format` (`hf` or `jax`, see the module docstring); returns `out_dir`'s path.
+    `weights="ema"` writes the average of the params that `optimizer.ema_decay` kept (as
+    `zoo.load(..., weights="ema")` loads it) in place of the params themselves."""
     if format not in FORMATS:
         raise ZooError(f"format={format!r} is not an export format: choose one of hf, jax.")
-    trained = load(workdir, step, devices=jax.devices()[:1])
+    trained = load(workdir, step, devices=jax.devices()[:1], weights=weights)
     with trained.activate():
         merge_adapters(trained.model)
     out = os.path.abspath(os.fspath(out_dir))
@@ -49,8 +60,8 @@ def export(
 
 def _family(trained: TrainedModel) -> registry.Family:
     name, start = trained.config.model.name, trained.config.finetune.init_from
-    if start and weights.is_pretrained(start):
-        return weights.open_pretrained(start, name).family
+    if start and pretrained.is_pretrained(start):
+        return pretrained.open_pretrained(start, name).family
     found = [f for f in registry.families(name) if f.export_config is not None]
     if not found:
         raise ZooError(
@@ -62,14 +73,19 @@ def _family(trained: TrainedModel) -> registry.Family:
 
 def _hf(trained: TrainedModel, out: str) -> str:
     family, hparams = _family(trained), resolved_hparams(trained.config)
-    tensors = weights.export_tensors(trained.model, family, hparams)
-    weights.write_pretrained(out, family.export_config(hparams), tensors)
+    if hasattr(trained.model, "hold_positions_at_input_size"):
+        with trained.activate():
+            hparams["position_grid"] = list(trained.model.hold_positions_at_input_size())
+    tensors = pretrained.export_tensors(trained.model, family, hparams)
+    config = family.export_config(hparams)
     tokenizer = trained.config.data.get("tokenizer")
+    if tokenizer and os.path.isdir(tokenizer):
+        tokenizer = os.path.join(tokenizer, pretrained.TOKENIZER)
+    if "vocab_size" in config:
+        config.update(special_token_ids(tokenizer, config["vocab_size"]))
+    pretrained.write_pretrained(out, config, tensors)
     if tokenizer:
-        source = (
-            os.path.join(tokenizer, weights.TOKENIZER) if os.path.isdir(tokenizer) else tokenizer
-        )
-        shutil.copyfile(source, os.path.join(out, weights.TOKENIZER))
+        shutil.copyfile(tokenizer, os.path.join(out, pretrained.TOKENIZER))
     return out
 
 
@@ -107,10 +123,11 @@ def _example_input(trained: TrainedModel) -> jax.ShapeDtypeStruct:
 def main(argv: list[str]) -> int:
     positional = [a for a in argv if "=" not in a]
     options = dict(a.split("=", 1) for a in argv if "=" in a)
-    unknown = sorted(set(options) - {"format", "step"})
+    unknown = sorted(set(options) - {"format", "step", "weights"})
     if len(positional) != 2 or unknown:
         print(
-            "usage: python -m zoo.export WORKDIR OUT_DIR [format=hf|jax] [step=latest|best|N]",
+            "usage: python -m zoo.export WORKDIR OUT_DIR [format=hf|jax] [step=latest|best|N] "
+            "[weights=raw|ema]",
             file=sys.stderr,
         )
         return 2

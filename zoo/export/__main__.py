@@ -1,4 +1,4 @@
-"""`python -m zoo.export WORKDIR OUT_DIR [format=hf|jax] [step=latest|best|N]`."""
+"""`python -m zoo.export WORKDIR OUT_DIR [format=hf|jax] [step=latest|best|N] [weights=raw|ema]`."""
 
 import sys
 

@@ -5,7 +5,8 @@
 `model` is a run (`RunResult`, `TrainedModel`), a workdir or a pretrained directory, or a bare
 module. A run's model is called under its own mesh and speaks its data set's tokenizer
 (`data.tokenizer`, which a run from a pretrained directory takes from it); a bare module is
-byte-level unless `tokenizer` is given, and is called under the mesh the caller activated.
+byte-level unless `tokenizer` is given, and is called under the mesh the caller activated. A
+run trained with `trainer.precision=bf16` generates in bfloat16, as it trained.
 Sampling itself is `models.generate`.
 
 (`zoo.generate` is the function once `import zoo` ran; the package's `__main__` is the CLI.)
@@ -21,6 +22,7 @@ import jax
 
 from data.text import load_tokenizer
 from models.generate import generate as generate_text
+from train import precision
 from train.errors import ZooError
 from train.loop import RunResult
 from zoo.api import TrainedModel, load
@@ -57,7 +59,8 @@ def generate(
     if tokenizer is None and path:
         tokenizer = load_tokenizer(path)
     with model.activate():
-        return generate_text(model.model, *args, tokenizer=tokenizer)
+        computing = precision.computing(model.model, model.config.trainer.precision)
+        return generate_text(computing, *args, tokenizer=tokenizer)
 
 
 def main(argv: list[str]) -> int:
