@@ -15,7 +15,6 @@ seed, as for image folders).
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -36,7 +35,7 @@ from data.examples import (
     held_out,
     readable,
 )
-from data.images import image_splits
+from data.images import fingerprint, image_splits
 from data.imaging import Augment
 from train.errors import ZooError
 from train.registry import Splits, register_data
@@ -173,14 +172,6 @@ def read_parquet(files: list[str], columns: list[str], where: str) -> pa.Table:
             )
         tables.append(pq.read_table(file, columns=columns))
     return pa.concat_tables(tables)
-
-
-def fingerprint(files: list[str]) -> str:
-    digest = hashlib.sha256()
-    for file in files:
-        stat = Path(file).stat()
-        digest.update(f"{file}|{stat.st_size}|{stat.st_mtime_ns}\n".encode())
-    return digest.hexdigest()
 
 
 # ---- The data sets ----
