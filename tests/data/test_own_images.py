@@ -17,6 +17,7 @@ import pytest
 from array_record.python.array_record_module import ArrayRecordReader
 from helpers import ROOT, run_cli
 from image_files import CLASSES, picture, write_folder
+from omegaconf import OmegaConf
 from PIL import Image
 
 import zoo
@@ -26,13 +27,6 @@ from train.registry import get_data
 
 SMALL = ("model.hidden_sizes=[16]", "trainer.batch_size=16", "optimizer.warmup_steps=0")
 QUICK = ("trainer.steps=6", "trainer.log_every=3", "trainer.eval_every=6")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def data_cache(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("ZOO_DATA_DIR", str(tmp_path_factory.mktemp("cache")))
-        yield
 
 
 @pytest.fixture(scope="module")
@@ -317,3 +311,34 @@ def test_a_trained_model_fine_tunes_on_another_image_folder(folder, tmp_path):
     np.testing.assert_array_equal(
         tuned.model.hidden[0].kernel[...], base.model.hidden[0].kernel[...]
     )
+
+
+# ---- A pretrained model on an image folder ----
+
+PRETRAINED = ROOT / "tests" / "fixtures" / "pretrained" / "resnet18-timm"
+
+
+def test_a_pretrained_model_sees_the_pixels_its_weights_expect(tmp_path):
+    """The fixture's reference images written as PNG files: the folder's pipeline, as a
+    fine-tune from the directory composes it, feeds the model pixels for which it gives the
+    reference library's logits (normalised once, by the model with ImageNet's statistics)."""
+    reference = np.load(PRETRAINED / "reference.npz")
+    for split in ("train", "val"):
+        for i, pixels in enumerate(reference["images"]):
+            (tmp_path / split / f"class{i}").mkdir(parents=True)
+            Image.fromarray(np.round(pixels * 255).astype(np.uint8)).save(
+                tmp_path / split / f"class{i}" / "0.png"
+            )
+    start = [f"finetune.init_from={PRETRAINED}", "data=images", f"data.path={tmp_path}"]
+    cfg = zoo.compose([*start, "data.image_size=40"])
+    assert cfg.data.normalize == "none"
+    data = {
+        k: v for k, v in OmegaConf.to_container(cfg.data, enum_to_str=True).items() if k != "name"
+    }
+    splits = zoo.load_data("images", **data)
+    batch = splits.transform(splits.eval.examples(np.arange(4), None, 0))
+    logits = zoo.predict(zoo.load(PRETRAINED), batch["image"])
+    np.testing.assert_allclose(logits, reference["logits"], atol=0.02)  # pixels rounded to 8 bits
+    for twice in ("data.normalize=imagenet", "data.normalize=dataset"):
+        with pytest.raises(ZooError, match=f"{twice} would normalise the pixels twice"):
+            zoo.compose([*start, twice])
