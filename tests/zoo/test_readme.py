@@ -43,7 +43,7 @@ def test_python_examples_run(tmp_path):
         check=False,
         capture_output=True,
         text=True,
-        timeout=420,
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr
     printed = result.stdout.splitlines()
