@@ -204,8 +204,12 @@ def _write_quietly(path, text: str) -> None:
 
 
 class NormalizeBy(str, enum.Enum):
+    """How pixels become a model's inputs: standardised by the training images' statistics or
+    ImageNet's, or (`none`) only scaled to [0, 1], for a model that normalises them itself."""
+
     dataset = "dataset"
     imagenet = "imagenet"
+    none = "none"
 
 
 def held_out(labels: np.ndarray, fraction: float) -> tuple[np.ndarray, np.ndarray]:

@@ -102,10 +102,13 @@ def image_splits(
     workers: int,
     fingerprint: str,
 ) -> Splits:
-    """The splits, normalised by the training images' statistics or ImageNet's."""
+    """The splits, normalised by the training images' statistics or ImageNet's, or only
+    scaled to [0, 1]."""
     if normalize == NormalizeBy.imagenet:
         mean, std = IMAGENET_MEAN, IMAGENET_STD
         mean, std = (mean, std) if train.channels == 3 else ((np.mean(mean),), (np.mean(std),))
+    elif normalize == NormalizeBy.none:
+        mean, std = (0.0,) * train.channels, (1.0,) * train.channels
     else:
         mean, std = train.statistics(fingerprint)
     return Splits(train=train, eval=test, transform=Normalize(255, mean, std), workers=workers)
@@ -132,8 +135,9 @@ def images(
 ) -> Splits:
     """A folder of images, one subfolder per class (see the module's doc). Images become
     `image_size` x `image_size` x `channels` (1: grey, 3: RGB), normalised by the training
-    images' per-channel statistics (`dataset`) or ImageNet's (`imagenet`, what pretrained
-    weights expect); `workers` processes decode and augment the training batches."""
+    images' per-channel statistics (`dataset`), ImageNet's (`imagenet`), or only scaled to
+    [0, 1] (`none`: for a model that normalises its inputs itself, as pretrained ones do);
+    `workers` processes decode and augment the training batches."""
     check_shape(image_size, channels, workers)
     check_fraction(eval_fraction)
     train_dir, val_dir = _split_dirs(_root(path))

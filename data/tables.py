@@ -15,7 +15,6 @@ seed, as for image folders).
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -36,7 +35,7 @@ from data.examples import (
     held_out,
     readable,
 )
-from data.images import image_splits
+from data.images import fingerprint, image_splits
 from data.imaging import Augment
 from train.errors import ZooError
 from train.registry import Splits, register_data
@@ -175,14 +174,6 @@ def read_parquet(files: list[str], columns: list[str], where: str) -> pa.Table:
     return pa.concat_tables(tables)
 
 
-def fingerprint(files: list[str]) -> str:
-    digest = hashlib.sha256()
-    for file in files:
-        stat = Path(file).stat()
-        digest.update(f"{file}|{stat.st_size}|{stat.st_mtime_ns}\n".encode())
-    return digest.hexdigest()
-
-
 # ---- The data sets ----
 
 
@@ -253,38 +244,32 @@ def _describe(fmt: str, suffix: str):
     return describe
 
 
-@register_data("arrayrecord", describe=_describe("arrayrecord", ARRAY_RECORD))
-def arrayrecord(
-    path: str | None = None,
-    image_column: str = "image",
-    label_column: str = "label",
-    num_classes: int | None = None,
-    image_size: int = 32,
-    channels: int = 3,
-    augment: Augment = Augment.basic,
-    normalize: NormalizeBy = NormalizeBy.dataset,
-    eval_fraction: float = 0.1,
-    workers: int = 0,
-    on_error: OnError = OnError.skip,
-) -> Splits:
-    """Labelled images in ArrayRecord shards (see the module's doc); the other keys are those
-    of `data=images`. `num_classes` unset: the number of class names, or the largest label + 1."""
-    return _tables("arrayrecord", ARRAY_RECORD, dict(locals()))
+def _loader(fmt: str, suffix: str, what: str):
+    """The loader of one of the two formats: the same keys, its own files."""
+
+    def load(
+        path: str | None = None,
+        image_column: str = "image",
+        label_column: str = "label",
+        num_classes: int | None = None,
+        image_size: int = 32,
+        channels: int = 3,
+        augment: Augment = Augment.basic,
+        normalize: NormalizeBy = NormalizeBy.dataset,
+        eval_fraction: float = 0.1,
+        workers: int = 0,
+        on_error: OnError = OnError.skip,
+    ) -> Splits:
+        params = {k: v for k, v in locals().items() if k not in ("fmt", "suffix")}
+        return _tables(fmt, suffix, params)
+
+    load.__name__ = load.__qualname__ = fmt
+    load.__doc__ = (
+        f"Labelled images in {what} (see the module's doc); the other keys are those of "
+        "`data=images`. `num_classes` unset: the number of class names, or the largest label + 1."
+    )
+    return register_data(fmt, describe=_describe(fmt, suffix))(load)
 
 
-@register_data("parquet", describe=_describe("parquet", PARQUET))
-def parquet(
-    path: str | None = None,
-    image_column: str = "image",
-    label_column: str = "label",
-    num_classes: int | None = None,
-    image_size: int = 32,
-    channels: int = 3,
-    augment: Augment = Augment.basic,
-    normalize: NormalizeBy = NormalizeBy.dataset,
-    eval_fraction: float = 0.1,
-    workers: int = 0,
-    on_error: OnError = OnError.skip,
-) -> Splits:
-    """Labelled images in Parquet files (see the module's doc); the keys are `arrayrecord`'s."""
-    return _tables("parquet", PARQUET, dict(locals()))
+arrayrecord = _loader("arrayrecord", ARRAY_RECORD, "ArrayRecord shards")
+parquet = _loader("parquet", PARQUET, "Parquet files")

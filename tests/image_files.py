@@ -19,6 +19,23 @@ SAVES = {
 }
 
 
+RUN_STEPS = 24
+RUN_ARGS = (
+    "model=mlp",
+    "model.hidden_sizes=[16]",
+    "data=images",
+    "data.image_size=16",
+    "trainer.batch_size=16",
+    f"trainer.steps={RUN_STEPS}",
+    "trainer.log_every=4",
+    "trainer.checkpoint_every=4",
+    "trainer.eval_every=0",
+    "logging.norms_every=0",
+    "optimizer.warmup_steps=0",
+)
+"""A small run on an image folder (`data.path` to add), checkpointed every 4 steps."""
+
+
 def picture(label: int, index: int, size=(20, 24)) -> np.ndarray:
     """A picture its class can be told from: a bright band whose position is the class."""
     rng = np.random.default_rng([label, index])

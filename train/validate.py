@@ -21,6 +21,7 @@ from train import registry
 from train.config import Config, resume_step
 from train.dispatch import check_cadences
 from train.errors import ZooError
+from train.pipeline import ExampleSource
 from train.sharding import AxisRules, check_mesh_sizes
 
 
@@ -195,7 +196,8 @@ def check_data(entry: registry.ModelEntry, splits: registry.Splits, hparams: Map
 
 
 def check_split(entry: registry.ModelEntry, split: str, data: Any, hparams: Mapping) -> None:
-    """One split of the caller's data (columns or a random-access source) against the model."""
+    """One split of the caller's data (columns, a random-access source or an `ExampleSource`)
+    against the model."""
     columns = _columns(data)
     missing = [c for c in entry.columns or () if c not in columns]
     if missing:
@@ -221,8 +223,11 @@ def columns_by_model() -> str:
 
 
 def _columns(data: Any) -> list[str]:
-    first = data if isinstance(data, Mapping) else data[0] if len(data) else {}
-    return list(first)
+    if isinstance(data, Mapping):
+        return list(data)
+    if isinstance(data, ExampleSource):
+        return list(data.examples(np.zeros(1, np.int64), None, 0)) if len(data) else []
+    return list(data[0]) if len(data) else []
 
 
 def _check_labels(split: str, labels: np.ndarray, classes: int, model: str) -> None:

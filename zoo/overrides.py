@@ -22,7 +22,7 @@ from train.dispatch import CADENCES
 from train.errors import ZooError
 from train.validate import validate
 from zoo.hydra_store import store_registry
-from zoo.pretrained import check_tokenizer, pretrained_args
+from zoo.pretrained import check_tokenizer, fit_normalisation, pretrained_args
 
 log = logging.getLogger("zoo")
 
@@ -41,6 +41,7 @@ def compose(overrides: Sequence[str] = ()) -> DictConfig:
         cfg = _compose(overrides)
         _fit_default_warmup(cfg, overrides)
         _fit_default_dispatch(cfg, overrides)
+        fit_normalisation(cfg, overrides)
         validate(cfg)
         check_tokenizer(cfg)
     except ZooError:

@@ -4,14 +4,17 @@
 the checkpoint's `config.json` implies (its sizes, vocabulary, options: `model.*` keys the
 command line did not set itself), except what the run's data set decides (an image data set's
 `input_shape` and `num_classes`: the model adapts the checkpoint to them, e.g. ViT positions
-resized, a 1-channel stem summed, a head named in `finetune.reinit` started fresh), and gives a text data set the directory's `tokenizer.json`
-unless `data.tokenizer` is set. A tokenizer with more ids than the model's vocabulary is an
-error before anything is built.
+resized, a 1-channel stem summed, a head named in `finetune.reinit` started fresh), and gives a
+text data set the directory's `tokenizer.json` unless `data.tokenizer` is set. A tokenizer with
+more ids than the model's vocabulary is an error before anything is built. Its model normalises
+pixels itself, with the checkpoint's statistics, so an image data set's own normalisation is
+turned off.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 
 from omegaconf import DictConfig
@@ -21,6 +24,8 @@ from train import registry, weights
 from train.errors import ZooError
 
 INIT_FROM = "finetune.init_from="
+
+log = logging.getLogger("zoo")
 
 
 def pretrained_args(overrides: Sequence[str]) -> list[str]:
@@ -40,12 +45,46 @@ def pretrained_args(overrides: Sequence[str]) -> list[str]:
     args += [
         f"model.{key}={json.dumps(value)}"
         for key, value in pretrained.hparams().items()
-        if f"model.{key}" not in given and not (data and key in data_entry.info)
+        if f"model.{key}" not in given and not (data and key in data_entry.decides)
     ]
     takes_tokenizer = "tokenizer" in _fields(data_entry)
     if pretrained.tokenizer and takes_tokenizer and "data.tokenizer" not in given:
         args.append(f"data.tokenizer={pretrained.tokenizer}")
     return args
+
+
+def fit_normalisation(cfg: DictConfig, overrides: Sequence[str]) -> None:
+    """A model that normalises its inputs itself (`model.pixel_mean` and `pixel_std`, as a
+    pretrained directory sets them) reads its data set's pixels in [0, 1]: the data set's own
+    normalisation is turned off (said in one line), and one the overrides turn on is refused,
+    since the pixels would be normalised twice."""
+    if cfg.model.get("pixel_mean") is None or "normalize" not in cfg.data:
+        return
+    setting = cfg.data.normalize
+    off = False if isinstance(setting, bool) else "none"
+    if setting == off:
+        return
+    if "data.normalize" in {o.split("=")[0].lstrip("+~") for o in overrides}:
+        raise ZooError(
+            f"data.normalize={_shown(setting)} would normalise the pixels twice: model "
+            f"'{cfg.model.name}' normalises its inputs itself (model.pixel_mean="
+            f"{list(cfg.model.pixel_mean)}, model.pixel_std={list(cfg.model.pixel_std)}, what "
+            f"its weights expect) and takes pixels in [0, 1]: set data.normalize={_shown(off)} "
+            "or leave it out."
+        )
+    cfg.data.normalize = off
+    log.info(
+        "data.normalize=%s: model '%s' normalises its inputs itself (model.pixel_mean), so "
+        "data set '%s' gives it pixels in [0, 1].",
+        _shown(off),
+        cfg.model.name,
+        cfg.data.name,
+    )
+
+
+def _shown(value: object) -> str:
+    """A setting as the command line writes it."""
+    return str(getattr(value, "value", value)).lower()
 
 
 def check_tokenizer(cfg: DictConfig) -> None:

@@ -17,6 +17,7 @@ import pytest
 from array_record.python.array_record_module import ArrayRecordReader
 from helpers import ROOT, run_cli
 from image_files import CLASSES, picture, write_folder
+from omegaconf import OmegaConf
 from PIL import Image
 
 import zoo
@@ -26,13 +27,6 @@ from train.registry import get_data
 
 SMALL = ("model.hidden_sizes=[16]", "trainer.batch_size=16", "optimizer.warmup_steps=0")
 QUICK = ("trainer.steps=6", "trainer.log_every=3", "trainer.eval_every=6")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def data_cache(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("ZOO_DATA_DIR", str(tmp_path_factory.mktemp("cache")))
-        yield
 
 
 @pytest.fixture(scope="module")
@@ -147,10 +141,9 @@ def test_converter_writes_each_file_as_it_is_with_its_class(folder, shards):
     assert record["label"] == Path(record["name"]).parent.name
 
 
-@pytest.mark.parametrize("fmt", ["images", "arrayrecord", "parquet"])
-def test_each_format_trains_from_python(fmt, folder, shards, parquet_file, tmp_path):
+@pytest.mark.parametrize("fmt", ["arrayrecord", "parquet"])  # images: the fine-tune's base
+def test_each_format_trains_from_python(fmt, shards, parquet_file, tmp_path):
     where = {
-        "images": [f"data.path={folder}"],
         "arrayrecord": [f"data.path={shards}"],
         "parquet": [
             f"data.path={parquet_file}",
@@ -299,11 +292,14 @@ def test_parquet_arrays_of_pixels_are_images_too(tmp_path):
     assert batch["image"].shape == (len(splits.train), 8, 8, 3)
 
 
-def test_a_trained_model_fine_tunes_on_another_image_folder(folder, tmp_path):
+def test_an_image_folder_trains_from_python_and_fine_tunes_on_another(folder, tmp_path):
     base = zoo.fit(
         "mlp", "data=images", f"data.path={folder}", "data.image_size=16", *SMALL, *QUICK,
         f"workdir={tmp_path / 'base'}",
     )  # fmt: skip
+    assert base.model.head.kernel.shape == (16, 3)
+    assert 0 <= base.eval_metrics["accuracy"] <= 1
+    assert (tmp_path / "base" / "checkpoints" / "6").is_dir()
     two_classes = tmp_path / "two"
     write_folder(two_classes, per_class=6, classes=("yes", "no"))
     tuned = zoo.finetune(
@@ -317,3 +313,34 @@ def test_a_trained_model_fine_tunes_on_another_image_folder(folder, tmp_path):
     np.testing.assert_array_equal(
         tuned.model.hidden[0].kernel[...], base.model.hidden[0].kernel[...]
     )
+
+
+# ---- A pretrained model on an image folder ----
+
+PRETRAINED = ROOT / "tests" / "fixtures" / "pretrained" / "resnet18-timm"
+
+
+def test_a_pretrained_model_sees_the_pixels_its_weights_expect(tmp_path):
+    """The fixture's reference images written as PNG files: the folder's pipeline, as a
+    fine-tune from the directory composes it, feeds the model pixels for which it gives the
+    reference library's logits (normalised once, by the model with ImageNet's statistics)."""
+    reference = np.load(PRETRAINED / "reference.npz")
+    for split in ("train", "val"):
+        for i, pixels in enumerate(reference["images"]):
+            (tmp_path / split / f"class{i}").mkdir(parents=True)
+            Image.fromarray(np.round(pixels * 255).astype(np.uint8)).save(
+                tmp_path / split / f"class{i}" / "0.png"
+            )
+    start = [f"finetune.init_from={PRETRAINED}", "data=images", f"data.path={tmp_path}"]
+    cfg = zoo.compose([*start, "data.image_size=40"])
+    assert cfg.data.normalize == "none"
+    data = {
+        k: v for k, v in OmegaConf.to_container(cfg.data, enum_to_str=True).items() if k != "name"
+    }
+    splits = zoo.load_data("images", **data)
+    batch = splits.transform(splits.eval.examples(np.arange(4), None, 0))
+    logits = zoo.predict(zoo.load(PRETRAINED), batch["image"])
+    np.testing.assert_allclose(logits, reference["logits"], atol=0.02)  # pixels rounded to 8 bits
+    for twice in ("data.normalize=imagenet", "data.normalize=dataset"):
+        with pytest.raises(ZooError, match=f"{twice} would normalise the pixels twice"):
+            zoo.compose([*start, twice])

@@ -8,38 +8,9 @@ import signal
 import time
 from pathlib import Path
 
-import pytest
 from fault_tools import assert_same_arrays, final_arrays, logged_step, run, start, wait_for
-from image_files import write_folder
-
-STEPS = 24
-ARGS = (
-    "model=mlp",
-    "model.hidden_sizes=[16]",
-    "data=images",
-    "data.image_size=16",
-    "trainer.batch_size=16",
-    f"trainer.steps={STEPS}",
-    "trainer.log_every=4",
-    "trainer.checkpoint_every=4",
-    "trainer.eval_every=0",
-    "logging.norms_every=0",
-    "optimizer.warmup_steps=0",
-)
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("images")
-    write_folder(root, per_class=10)
-    return root
-
-
-@pytest.fixture(scope="module", autouse=True)
-def data_cache(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("ZOO_DATA_DIR", str(tmp_path_factory.mktemp("cache")))
-        yield
+from image_files import RUN_ARGS as ARGS
+from image_files import RUN_STEPS as STEPS
 
 
 def children(pid: int) -> set[int]:
@@ -59,11 +30,13 @@ def alive(pid: int) -> bool:
         return False
 
 
-def test_killed_with_two_workers_resumes_with_the_bits_of_a_run_without_workers(folder, tmp_path):
-    status, stderr, _ = run(*ARGS, f"data.path={folder}", f"workdir={tmp_path / 'inline'}")
-    assert status == 0, stderr
+def test_killed_with_two_workers_resumes_with_the_bits_of_a_run_without_workers(
+    image_folder, tmp_path
+):
+    # The run without workers that the killed one must match, alongside it (both start slowly).
+    inline = start(*ARGS, f"data.path={image_folder}", f"workdir={tmp_path / 'inline'}")
     workdir = tmp_path / "killed"
-    args = (*ARGS, f"data.path={folder}", "data.workers=2", f"workdir={workdir}")
+    args = (*ARGS, f"data.path={image_folder}", "data.workers=2", f"workdir={workdir}")
     process = start(*args)
     wait_for(logged_step(workdir, 12, STEPS), process)
     workers = children(process.pid)
@@ -78,4 +51,6 @@ def test_killed_with_two_workers_resumes_with_the_bits_of_a_run_without_workers(
     assert status == 0, stderr
     assert "leaked shared_memory" not in stderr  # the workers freed what they held, and exited
     assert "Resuming at step" in (workdir / "train.log").read_text()
+    _, stderr = inline.communicate(timeout=300)
+    assert inline.returncode == 0, stderr
     assert_same_arrays(final_arrays(workdir, STEPS), final_arrays(tmp_path / "inline", STEPS))

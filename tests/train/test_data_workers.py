@@ -7,12 +7,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 from helpers import ROOT, overriding
-from image_files import write_folder
+from image_files import RUN_ARGS as ARGS
 
 from train import pipeline
 from train.resume import config_changes
@@ -88,35 +87,6 @@ def test_a_changed_worker_count_is_allowed_on_resume():
 
 # ---- Real runs ----
 
-STEPS = 24
-ARGS = (
-    "model=mlp",
-    "model.hidden_sizes=[16]",
-    "data=images",
-    "data.image_size=16",
-    "trainer.batch_size=16",
-    f"trainer.steps={STEPS}",
-    "trainer.log_every=4",
-    "trainer.checkpoint_every=4",
-    "trainer.eval_every=0",
-    "logging.norms_every=0",
-    "optimizer.warmup_steps=0",
-)
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("images")
-    write_folder(root, per_class=10)
-    return root
-
-
-@pytest.fixture(scope="module", autouse=True)
-def data_cache(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("ZOO_DATA_DIR", str(tmp_path_factory.mktemp("cache")))
-        yield
-
 
 def free_port() -> int:
     import socket
@@ -126,14 +96,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_the_processes_of_a_multi_process_run_read_disjoint_shares(folder, tmp_path):
+def test_the_processes_of_a_multi_process_run_read_disjoint_shares(image_folder, tmp_path):
     env = {**os.environ, "ZOO_PLUGINS": "read_log", "PYTHONPATH": str(ROOT / "tests")}
     env["ZOO_READ_LOG"] = str(tmp_path / "reads")
     env.pop("JAX_NUM_CPU_DEVICES", None)
     port = free_port()
     common = [
         *overriding(*ARGS, "trainer.steps=8"),
-        f"data.path={folder}",
+        f"data.path={image_folder}",
         f"workdir={tmp_path / 'run'}",
         "mesh.cpu_devices=2",
         f"distributed.coordinator=127.0.0.1:{port}",

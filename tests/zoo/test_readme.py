@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -28,6 +29,10 @@ def test_first_lines_are_the_two_commands_and_ci_runs_the_test_one():
 
 def test_python_examples_run(tmp_path):
     script = "\n\n".join(code_blocks("python"))
+    # The pretrained directory the image fine-tune names: a tiny timm ResNet-18 checkpoint.
+    shutil.copytree(
+        ROOT / "tests" / "fixtures" / "pretrained" / "resnet18-timm", tmp_path / "resnet18"
+    )
     # The examples run as on a user's CPU machine, on one device: meshes have their own tests,
     # and several trainings in one process on 8 simulated devices sharing 2 cores is where
     # XLA:CPU's all-reduce rendezvous has (rarely) lost a participant.
@@ -38,7 +43,7 @@ def test_python_examples_run(tmp_path):
         check=False,
         capture_output=True,
         text=True,
-        timeout=420,
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr
     printed = result.stdout.splitlines()
@@ -56,7 +61,11 @@ def test_python_examples_run(tmp_path):
     assert printed[7] == "fashion_mnist 150"  # the loaded model and its config
     assert float(printed[9]) >= 0.5  # the fine-tuned model on the user's digits (chance: 0.1)
     assert (tmp_path / "runs" / "readme-digits" / "checkpoints" / "150").is_dir()
-    assert len(printed) == 10
+    assert printed[10] == "[0]"  # a blue photo, read as the fine-tuned ResNet reads it
+    assert float(printed[11]) >= 0.8  # the held-out photos (chance: 1/3)
+    log = (tmp_path / "runs" / "readme-resnet" / "train.log").read_text()
+    assert "data.normalize=none: model 'resnet' normalises its inputs itself" in log
+    assert len(printed) == 12
 
 
 def test_error_examples_match_real_output():
