@@ -46,10 +46,12 @@ def spread(values: Sequence[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def benchmark_trainer(model: str, workdir: str, overrides: Sequence[str] = ()) -> Trainer:
+def benchmark_trainer(
+    model: str, workdir: str, overrides: Sequence[str] = (), devices: Sequence[Any] | None = None
+) -> Trainer:
     """The zoo trainer at the model's defaults, but with no periodic eval or checkpoint (they
     are not training steps), a step budget no window reaches, so nothing ends the run, and one
-    step per dispatch unless `overrides` say otherwise."""
+    step per dispatch unless `overrides` say otherwise; on `devices` (default: all)."""
     cfg = zoo.compose(
         [
             f"model={model}",
@@ -61,7 +63,7 @@ def benchmark_trainer(model: str, workdir: str, overrides: Sequence[str] = ()) -
             *overrides,
         ]
     )
-    return Trainer(cfg)
+    return Trainer(cfg, devices)
 
 
 def _timed(advance: Callable[[int], None], steps: int) -> float:

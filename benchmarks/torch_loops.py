@@ -83,15 +83,7 @@ def torch_loop(
         return "PyTorch is not installed (pip install torch, the CPU build)"
     torch.manual_seed(0)
     model = _twin(name, hparams).train()
-    lr = float(optimizer["learning_rate"])
-    if optimizer["name"] == "sgd":
-        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=float(optimizer["momentum"]))
-    elif optimizer["name"] == "adam":
-        opt = torch.optim.Adam(model.parameters(), lr=lr)
-    else:
-        opt = torch.optim.AdamW(
-            model.parameters(), lr=lr, weight_decay=float(optimizer["weight_decay"])
-        )
+    update = torch_update(model, optimizer)
     if name == "xor":
         inputs = [torch.from_numpy(np.asarray(b["inputs"])) for b in batches]
         targets = [torch.from_numpy(np.asarray(b["label"], np.float32))[:, None] for b in batches]
@@ -109,11 +101,10 @@ def torch_loop(
     def steps(n: int) -> None:
         for _ in range(n):
             x, y = next(cycle)
-            opt.zero_grad(set_to_none=True)
             loss_fn(model(x), y).backward()
-            opt.step()
+            update()
 
-    threads = _fastest_threads(torch, steps)
+    threads = fastest_threads(torch, steps)
 
     def advance(n: int) -> None:
         torch.set_num_threads(threads)
@@ -123,7 +114,46 @@ def torch_loop(
     return advance
 
 
-def _fastest_threads(torch: Any, steps: Advance, trial_steps: int = 20) -> int:
+def torch_update(
+    model: Any, optimizer: Mapping[str, Any], fused: bool = False
+) -> Callable[[], None]:
+    """The twin of the `optimizer` config section for `model`, as `update()`: clip the
+    gradients to `grad_clip_norm` (if set), apply them, clear them. AdamW decays only the weights
+    of Linear and Conv layers, like zoo's mask, unless `decay_all`. `fused`: PyTorch's fused
+    Adam(W) kernels, its fastest."""
+    import torch
+    from torch import nn
+
+    lr = float(optimizer["learning_rate"])
+    if optimizer["name"] == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=float(optimizer["momentum"]))
+    elif optimizer["name"] == "adam":
+        opt = torch.optim.Adam(model.parameters(), lr=lr, fused=fused)
+    else:
+        kernels = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear | nn.Conv2d)}
+        rate = float(optimizer["weight_decay"])
+        split: dict[bool, list] = {True: [], False: []}
+        for p in model.parameters():
+            split[bool(optimizer["decay_all"]) or id(p) in kernels].append(p)
+        groups = [
+            {"params": group, "weight_decay": rate if decayed else 0.0}
+            for decayed, group in split.items()
+            if group
+        ]
+        opt = torch.optim.AdamW(groups, lr=lr, fused=fused)
+    clip = optimizer.get("grad_clip_norm")
+    params = list(model.parameters())
+
+    def update() -> None:
+        if clip is not None:
+            nn.utils.clip_grad_norm_(params, float(clip))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return update
+
+
+def fastest_threads(torch: Any, steps: Advance, trial_steps: int = 20) -> int:
     """PyTorch's faster intra-op thread count for this model: one thread or all cores. On a
     small model its default (all cores) can be ten times slower than one thread."""
     timings = {}
