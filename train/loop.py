@@ -254,27 +254,36 @@ class Trainer:
         self, cadence, instruments, iterator, reporter, k, start, sums
     ) -> Iterator[int]:
         """The dispatches themselves, until trainer.steps or an early stop. The first one's
-        compilation is made ahead of it, to report its memory (`train.memory`)."""
-        with (
-            cadence.stop.installed(),
-            instruments.installed(),
-            sharding.activate(self.mesh, self.rules),
-        ):
+        compilation is made ahead of it, to report its memory (`train.memory`). The mesh is
+        current only while a dispatch is made: the caller's code between two yields runs
+        outside it, and a generator left unfinished leaves no mesh behind."""
+        with cadence.stop.installed(), instruments.installed():
             for step in range(start + k, cadence.every.total + 1, k):  # counts batches consumed
-                with instruments.clock.waiting_for_data():
-                    batches = next(iterator)  # exactly K batches per K steps: the iterator's
-                    # state always matches the step
-                if step == start + k and not self.cfg.trainer.debug:
-                    args = (self.state, sums, batches, self.step_key)
-                    memory.announce(self.dispatcher.run, args, k, reporter, start)
-                instruments.before(step, self.state, batches, self.step_key)
-                with instruments.profile.marker(step):
-                    self.state, sums = self.dispatcher.run(self.state, sums, batches, self.step_key)
-                instruments.after(step, sums)
-                sums = cadence.after_dispatch(step, self.state, sums)
+                with sharding.activate(self.mesh, self.rules):
+                    first = step == start + k
+                    sums = self._dispatch(
+                        cadence, instruments, iterator, reporter, step, sums, first
+                    )
                 yield step
                 if cadence.finished:
                     return
+
+    def _dispatch(
+        self, cadence, instruments, iterator, reporter, step: int, sums, first: bool
+    ) -> Metrics:
+        """The K steps that end at `step`, and what follows them (logs, eval, checkpoint)."""
+        with instruments.clock.waiting_for_data():
+            batches = next(iterator)  # exactly K batches per K steps: the iterator's state
+            # always matches the step
+        if first and not self.cfg.trainer.debug:
+            args = (self.state, sums, batches, self.step_key)
+            k = self.dispatcher.k
+            memory.announce(self.dispatcher.run, args, k, reporter, step - k)
+        instruments.before(step, self.state, batches, self.step_key)
+        with instruments.profile.marker(step):
+            self.state, sums = self.dispatcher.run(self.state, sums, batches, self.step_key)
+        instruments.after(step, sums)
+        return cadence.after_dispatch(step, self.state, sums)
 
     def _start(self, checkpointer: Checkpointer, iterator, saved_config) -> Metrics:
         """Restore (or start) the run; the zero window sums of its train step."""
@@ -325,7 +334,7 @@ class Trainer:
         reporter.text("sharding_plan", _as_markdown_code(self.plan.table()), step=step)
         model, _ = nnx.merge(self.graphdef, self.state)  # shares the arrays; read only
         reporter.text("model_summary", _as_markdown_code(model_summary(model)), step=step)
-        metric_tags = [f"eval/{name}" for name in self.eval_metric_names()]
+        metric_tags = [f"val/{name}" for name in self.eval_metric_names()]
         reporter.summaries(hparams_summaries(saved_config, [*metric_tags, "train/loss"]))
         total = int(cfg.trainer.steps)
         how = "Training"
@@ -400,7 +409,7 @@ class Trainer:
             Deferred(
                 self.norms_step,
                 every(int(self.cfg.logging.norms_every)),
-                lambda s, norms: reporter.scalars("train", s, norms),
+                lambda s, norms: reporter.scalars("vitals", s, norms),
             ),
             Deferred(
                 self.histogram_step,
@@ -419,7 +428,7 @@ class Trainer:
         reporter.eval(step, metrics)
         if self.ema_decay is not None:
             averaged = self.evaluate(ema=True)
-            reporter.scalars("eval_ema", step, averaged)
+            reporter.scalars("val_ema", step, averaged)
             log.info("Eval (EMA weights) @ step %d: %s", step, format_metrics(averaged))
         if self.on_eval is not None:
             model, _ = nnx.merge(self.graphdef, self.state)  # shares the arrays; read only

@@ -38,11 +38,13 @@ def params(state) -> list[np.ndarray]:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """A run stepped one step at a time: its params after every step, and the trainer."""
+    """A run stepped one step at a time: its params after every step, and the trainer. Between
+    two steps the caller's code runs outside the run's mesh."""
     workdir = tmp_path_factory.mktemp("ema")
     trainer = Trainer(zoo.compose(overriding(*MLP, f"workdir={workdir}")))
     history = []
     for _ in trainer.steps():
+        assert jax.sharding.get_abstract_mesh().empty
         history.append(params(trainer.state))
     return trainer, history, workdir
 
@@ -75,7 +77,7 @@ def test_the_average_is_sharded_like_the_params(run):
 def test_eval_ema_is_logged_beside_eval(run):
     _, _, workdir = run
     tags = read_events(workdir).Tags()["scalars"]
-    assert {"eval/loss", "eval_ema/loss", "eval_ema/accuracy"} <= set(tags)
+    assert {"val/loss", "val_ema/loss", "val_ema/accuracy"} <= set(tags)
 
 
 def test_a_decay_outside_zero_to_one_is_refused(tmp_path):
