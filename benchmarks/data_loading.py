@@ -13,7 +13,7 @@ side's worker start-up counts); runs alternate between the two, round after roun
 are medians over the rounds, zoo/torch the median of each round's ratio.
 
 Also measured: the time to restore zoo's iterator at a saved position (`set_state`, then the
-first batch: worker start-up included), and `train/data_wait_share` of a `cnn` trained on the
+first batch: worker start-up included), and `vitals/data_wait_share` of a `cnn` trained on the
 folder with 2 workers (the share of the loop's time spent waiting for batches).
 
 Needs torch (the `bench` extra, or `pip install torch==2.13.0`); zoo never imports it.
@@ -155,7 +155,7 @@ def restore_seconds(splits, args, workers: int) -> float:
 
 
 def data_wait_share(folder: Path, args) -> dict:
-    """`train/data_wait_share` of a cnn on the folder with 2 workers, windows after the first."""
+    """`vitals/data_wait_share` of a cnn on the folder with 2 workers, windows after the first."""
     import zoo
     from benchmarks.loops import data_wait_shares
 
@@ -236,7 +236,7 @@ def main() -> None:
     for w, seconds in report["restore_seconds"].items():
         print(f"restore the iterator at batch 1,000 with {w} workers: {seconds:.2f} s")
     share = report["data_wait_share_cnn_2_workers"]
-    print(f"cnn, 2 workers: train/data_wait_share median {share['median']:.3f}")
+    print(f"cnn, 2 workers: vitals/data_wait_share median {share['median']:.3f}")
     print(json.dumps(report, indent=2))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -56,13 +56,13 @@ def pipeline_rate(trainer: Trainer, batches: int) -> float:
 
 
 def data_wait_shares(workdir: str) -> list[float]:
-    """`train/data_wait_share` of every log window the trainer in `workdir` wrote but the
+    """`vitals/data_wait_share` of every log window the trainer in `workdir` wrote but the
     first (compilation, warm-up)."""
     events = EventAccumulator(workdir)
     events.Reload()
-    if "train/data_wait_share" not in events.Tags()["scalars"]:
+    if "vitals/data_wait_share" not in events.Tags()["scalars"]:
         return []  # no window was reported
-    return [event.value for event in events.Scalars("train/data_wait_share")[1:]]
+    return [event.value for event in events.Scalars("vitals/data_wait_share")[1:]]
 
 
 def _mean_loss(loss_fn: registry.LossFn) -> Callable:

@@ -124,7 +124,7 @@ class OptimizerConfig:
     decay_all: bool = False
     grad_clip_norm: float | None = None
     # Keep an exponential moving average of the trained params with this decay (e.g. 0.999),
-    # evaluated beside them (eval_ema/*) and loadable with zoo.load(..., weights="ema"); costs
+    # evaluated beside them (val_ema/*) and loadable with zoo.load(..., weights="ema"); costs
     # one more copy of the trained params in memory and checkpoints. null: none.
     ema_decay: float | None = None
 

@@ -52,7 +52,7 @@ class EarlyStop:
             return None
         self.stopped = True
         return (
-            f"Stopping early at step {step}: eval/{self.metric} has not improved by more than "
+            f"Stopping early at step {step}: val/{self.metric} has not improved by more than "
             f"{self.min_delta:g} for {self.patience} evals (best {self.best:.4g} at step "
             f"{self.best_step}; trainer.early_stop)."
         )

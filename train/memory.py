@@ -53,14 +53,14 @@ def step_memory(trainer: Any) -> dict[str, int]:
 def announce(jitted: Any, args: tuple, steps: int, reporter: Reporter, step: int) -> None:
     """Compile `jitted` (the dispatch of `steps` train steps) for `args`, the first dispatch's
     own arguments; log its bytes per device and write them to TensorBoard at `step` (scalars
-    `memory/*_bytes` and a `memory` text table)."""
+    `xla/memory_*_bytes` and a `memory` text table)."""
     sizes = compiled_memory(jitted, *args)
     if sizes is None:
         return
     what = "train step" if steps == 1 else f"dispatch of {steps} train steps"
     parts = ", ".join(f"{name} {readable_size(size)}" for name, size in sizes.items())
     log.info("Memory per device of the compiled %s: %s", what, parts)
-    reporter.scalars("memory", step, {f"{name}_bytes": size for name, size in sizes.items()})
+    reporter.scalars("xla", step, {f"memory_{name}_bytes": size for name, size in sizes.items()})
     rows = [
         f"    {name:<12} {size:>14,} bytes  {readable_size(size):>12}"
         for name, size in sizes.items()

@@ -120,7 +120,8 @@ class Reporter:
     def train_window(
         self, step: int, metrics: Mapping[str, float], speed: Mapping[str, float]
     ) -> None:
-        self.scalars("train", step, {**metrics, **speed})
+        self.scalars("train", step, metrics)
+        self.scalars("vitals", step, speed)
         rate = f"{speed['steps_per_sec']:.0f} steps/s"
         if self._progress is not None:
             status = f"loss {metrics['loss']:.4g} | {rate}"
@@ -129,7 +130,7 @@ class Reporter:
             log.info("step %d/%d %s | %s", step, self._total, format_metrics(metrics), rate)
 
     def eval(self, step: int, metrics: Mapping[str, float]) -> None:
-        self.scalars("eval", step, metrics)
+        self.scalars("val", step, metrics)
         if self.primary:
             log.info("eval @ step %d: %s", step, format_metrics(metrics))
 

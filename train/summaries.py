@@ -76,7 +76,7 @@ EXPERIMENT_TAG = "_hparams_/experiment"
 
 def hparams_summaries(config: Mapping[str, Any], metric_tags: Sequence[str]) -> list[Any]:
     """The HParams plugin's experiment and session-start summaries for this run: its flattened
-    config, and the scalar tags (e.g. `eval/accuracy`) whose latest values are its metrics."""
+    config, and the scalar tags (e.g. `val/accuracy`) whose latest values are its metrics."""
     values = flat_config(config)
     _, session_start, _ = hparams(values, {})
     return [experiment_summary(values, metric_tags), session_start]
@@ -120,9 +120,9 @@ def _registered_key_types() -> dict[str, int]:
 
 
 def _registered_metric_tags() -> set[str]:
-    tags = {"train/loss", "eval/loss"}
+    tags = {"train/loss", "val/loss"}
     for name in registry.list_models():
-        tags.update(f"eval/{metric}" for metric in registry.get_model(name).metrics)
+        tags.update(f"val/{metric}" for metric in registry.get_model(name).metrics)
     return tags
 
 

@@ -20,7 +20,7 @@ ARGS = (
     "trainer.grad_accum_steps=4",
     "optimizer.ema_decay=0.9",
 )
-TAGS = ("train/loss", "eval/loss", "eval_ema/loss")
+TAGS = ("train/loss", "val/loss", "val_ema/loss")
 
 
 def logged(workdir) -> dict[str, dict[int, float]]:
@@ -48,4 +48,4 @@ def test_killed_and_run_again_ends_with_the_same_bits(uninterrupted, tmp_path):
     assert "Resuming at step" in stderr
     assert_same_arrays(final_arrays(tmp_path, STEPS), final)
     assert logged(tmp_path) == numbers
-    assert len(numbers["eval_ema/loss"]) == 4
+    assert len(numbers["val_ema/loss"]) == 4

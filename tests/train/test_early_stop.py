@@ -47,7 +47,7 @@ def history(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("full")
     result = run_cli(*ARGS, f"workdir={workdir}")
     assert result.returncode == 0, result.stderr
-    return scalar_steps(read_events(workdir), "eval/accuracy")
+    return scalar_steps(read_events(workdir), "val/accuracy")
 
 
 def test_stops_at_the_right_eval_saves_it_and_resumes_as_complete(history, tmp_path):
@@ -55,7 +55,7 @@ def test_stops_at_the_right_eval_saves_it_and_resumes_as_complete(history, tmp_p
     assert stop < STEPS
     first = run_cli(*ARGS, *EARLY, f"workdir={tmp_path}")
     assert first.returncode == 0, first.stderr
-    assert f"Stopping early at step {stop}: eval/accuracy has not improved" in first.stderr
+    assert f"Stopping early at step {stop}: val/accuracy has not improved" in first.stderr
     assert saved_steps(str(tmp_path / "checkpoints"))[-1] == stop
     assert max(scalar_steps(read_events(tmp_path), "train/loss")) == stop
     again = run_cli(*ARGS, *EARLY, f"workdir={tmp_path}")

@@ -34,7 +34,7 @@ def test_the_step_memory_is_reported_from_the_one_compilation(tmp_path, caplog):
     assert sum("jit(train_step)" in line for line in finished) == 1, finished
 
     events = read_events(tmp_path)
-    sizes = {name: scalar_steps(events, f"memory/{name}_bytes") for name in NAMES}
+    sizes = {name: scalar_steps(events, f"xla/memory_{name}_bytes") for name in NAMES}
     assert all(list(by_step) == [0] for by_step in sizes.values())  # at the run's start
     size = {name: by_step[0] for name, by_step in sizes.items()}
     assert (

@@ -66,8 +66,8 @@ def test_two_processes_match_one_process_with_eight_devices(mesh, tmp_path):
     assert sorted(losses_one) == sorted(losses_two) == list(range(1, 21))
     for step, loss in losses_one.items():
         assert losses_two[step] == pytest.approx(loss, rel=1e-5, abs=1e-6), step
-    assert scalar_steps(two, "eval/loss")[20] == pytest.approx(
-        scalar_steps(one, "eval/loss")[20], rel=1e-5
+    assert scalar_steps(two, "val/loss")[20] == pytest.approx(
+        scalar_steps(one, "val/loss")[20], rel=1e-5
     )
     assert (tmp_path / "two" / "checkpoints" / "20").is_dir()
 

@@ -278,7 +278,7 @@ def test_unknown_best_metric_is_refused_before_training(tmp_path):
 
 @pytest.mark.parametrize(("mode", "keep"), [("max", 2), ("min", 1)])
 def test_retention_keeps_latest_and_best(tmp_path, mode, keep):
-    """`keep` latest plus the best by eval/loss. With mode=max the 'best' is the highest loss,
+    """`keep` latest plus the best by val/loss. With mode=max the 'best' is the highest loss,
     an early step, so the best really is older than the latest ones."""
     result = zoo.run(
         zoo.compose(
@@ -295,7 +295,7 @@ def test_retention_keeps_latest_and_best(tmp_path, mode, keep):
             ]
         )
     )
-    eval_loss = scalar_steps(read_events(tmp_path), "eval/loss")
+    eval_loss = scalar_steps(read_events(tmp_path), "val/loss")
     assert sorted(eval_loss) == [10, 20, 30, 40, 50, 60]
     best = (max if mode == "max" else min)(eval_loss, key=eval_loss.get)
     latest = list(range(60, 60 - 10 * keep, -10))

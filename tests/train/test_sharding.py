@@ -146,7 +146,7 @@ def test_cli_trains_on_a_three_axis_mesh_and_logs_the_plan(tmp_path):
     events = read_events(tmp_path)
     plan = events.Tensors("sharding_plan/text_summary")[0].tensor_proto.string_val[0].decode()
     assert "P(None, 'tensor')" in plan
-    assert events.Scalars("eval/accuracy")[-1].value >= 0.99
+    assert events.Scalars("val/accuracy")[-1].value >= 0.99
 
 
 def test_unsharded_activation_spec_needs_rules():

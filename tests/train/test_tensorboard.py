@@ -125,13 +125,13 @@ def test_tensorboard_server_shows_every_tab(observed):
     with tensorboard_server(logdir) as base:
         scalar_tags = {
             *(f"train/{name}" for name in ("loss", "accuracy", "learning_rate")),
-            *(f"train/{name}" for name in ("grad_norm", "param_norm", "update_ratio")),
-            *(f"train/{name}" for name in ("steps_per_sec", "examples_per_sec")),
-            "train/data_wait_share",
+            *(f"vitals/{name}" for name in ("grad_norm", "param_norm", "update_ratio")),
+            *(f"vitals/{name}" for name in ("steps_per_sec", "examples_per_sec")),
+            "vitals/data_wait_share",
             "xla/compile_count",
             "xla/compile_seconds",
-            "eval/loss",
-            "eval/accuracy",
+            "val/loss",
+            "val/accuracy",
         }
         wait_for_tags(base, "scalars", scalar_tags)
         wait_for_tags(base, "histograms", {"params/head/kernel", "grads/hidden/0/kernel"})
@@ -143,15 +143,15 @@ def test_tensorboard_server_shows_every_tab(observed):
             return {step: value for _, step, value in rows}
 
         assert list(scalars("train/loss")) == windows
-        assert list(scalars("eval/accuracy")) == evals
+        assert list(scalars("val/accuracy")) == evals
         for name in ("grad_norm", "param_norm", "update_ratio"):
-            norms = scalars(f"train/{name}")
+            norms = scalars(f"vitals/{name}")
             # every window, and the run's first step (a run shorter than norms_every samples too)
             assert list(norms) == [1, *windows] and all(v > 0 for v in norms.values()), name
-        speed, examples = scalars("train/steps_per_sec"), scalars("train/examples_per_sec")
+        speed, examples = scalars("vitals/steps_per_sec"), scalars("vitals/examples_per_sec")
         for step in windows:
             assert examples[step] == pytest.approx(speed[step] * BATCH, rel=1e-5)
-            assert 0 < scalars("train/data_wait_share")[step] < 1
+            assert 0 < scalars("vitals/data_wait_share")[step] < 1
         compiles = list(scalars("xla/compile_count").values())
         assert compiles[0] >= 1 and compiles == sorted(compiles)
         # stamped as of each window's last step: the eval at step 20 compiles after it
@@ -196,7 +196,7 @@ def test_tensorboard_server_shows_every_tab(observed):
         # every model's keys and metrics, whichever run TensorBoard takes the description from
         assert {"model.context_length", "model.latent_dim", "data.window"} <= names
         metrics = {info["name"]["tag"] for info in experiment["metricInfos"]}
-        assert {"eval/accuracy", "eval/bits_per_byte", "eval/kl", "train/loss"} <= metrics
+        assert {"val/accuracy", "val/bits_per_byte", "val/kl", "train/loss"} <= metrics
         first = [info["name"] for info in experiment["hparamInfos"][:5]]  # the default columns
         assert first == sorted(DEFAULT_COLUMNS)
         request = {
@@ -209,16 +209,16 @@ def test_tensorboard_server_shows_every_tab(observed):
         (group,) = groups["sessionGroups"]
         assert group["hparams"]["trainer.steps"] == STEPS
         final = {m["name"]["tag"]: m["value"] for m in group["metricValues"]}
-        assert final["eval/accuracy"] == pytest.approx(scalars("eval/accuracy")[STEPS])
+        assert final["val/accuracy"] == pytest.approx(scalars("val/accuracy")[STEPS])
 
 
-def test_the_first_groups_are_eval_and_train(observed):
-    """TensorBoard orders tag groups alphabetically and opens the first ones: the eval and train
-    curves come before the images and the compilation counts."""
+def test_the_first_groups_are_train_and_val(observed):
+    """TensorBoard orders tag groups alphabetically and opens the first two: the train and eval
+    curves come before the images, the speed and norm curves and the compilation counts."""
     _, workdir, _ = observed
     tags = read_events(workdir).Tags()
     groups = sorted({tag.split("/")[0] for kind in ("scalars", "images") for tag in tags[kind]})
-    assert groups == ["eval", "train", "visuals", "xla"]
+    assert groups == ["train", "val", "visuals", "vitals", "xla"]
 
 
 def test_profile_steps_write_a_trace_and_console_lines_reach_train_log(observed):

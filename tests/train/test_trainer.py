@@ -82,11 +82,11 @@ def test_same_seed_same_bits_other_seed_other_bits(run, tmp_path):
 
 def test_tensorboard_events_hold_train_and_eval_curves(run):
     events = read_events(run.workdir)
-    assert sorted(scalar_steps(events, "eval/accuracy")) == [20, 40, 60]
+    assert sorted(scalar_steps(events, "val/accuracy")) == [20, 40, 60]
     assert sorted(scalar_steps(events, "train/loss")) == [20, 40, 60]
     assert scalar_steps(events, "train/learning_rate")[60] == pytest.approx(0.01)
-    assert scalar_steps(events, "train/steps_per_sec")[60] > 0
-    assert scalar_steps(events, "eval/accuracy")[60] == pytest.approx(run.eval_metrics["accuracy"])
+    assert scalar_steps(events, "vitals/steps_per_sec")[60] > 0
+    assert scalar_steps(events, "val/accuracy")[60] == pytest.approx(run.eval_metrics["accuracy"])
     config_text = events.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
     assert f"name: {MODEL}" in config_text and "batch_size: 64" in config_text
 
@@ -120,7 +120,7 @@ def test_multi_device_mesh_matches_single_device(run, tmp_path):
 
 
 def test_update_norms_measure_the_gradients_the_step_applies(tmp_path):
-    """With the backbone frozen, `train/grad_norm` is the norm of the head's gradients (those
+    """With the backbone frozen, `vitals/grad_norm` is the norm of the head's gradients (those
     the step applies), not of every param's."""
     cfg = zoo.compose(
         [

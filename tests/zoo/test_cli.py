@@ -23,7 +23,7 @@ def test_xor_trains_to_tutorial_accuracy(xor_run):
     workdir, result = xor_run
     assert result.returncode == 0, result.stderr
     events = read_events(workdir)
-    final_accuracy = scalar_steps(events, "eval/accuracy")
+    final_accuracy = scalar_steps(events, "val/accuracy")
     assert list(final_accuracy) == [2000]
     assert final_accuracy[2000] >= 0.99
     assert "Final eval @ step 2000" in result.stderr
@@ -35,10 +35,10 @@ def test_xor_run_writes_events_checkpoint_and_log(xor_run):
     for tag in (
         "train/loss",
         "train/accuracy",
-        "eval/loss",
-        "eval/accuracy",
+        "val/loss",
+        "val/accuracy",
         "train/learning_rate",
-        "train/steps_per_sec",
+        "vitals/steps_per_sec",
     ):
         assert tag in tags
     assert os.path.isdir(workdir / "checkpoints" / "2000")
@@ -154,7 +154,7 @@ def test_user_model_registered_through_plugin_module(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert "Training wide on xor" in result.stderr
-    assert scalar_steps(read_events(workdir), "eval/accuracy")[300] >= 0.9
+    assert scalar_steps(read_events(workdir), "val/accuracy")[300] >= 0.9
 
 
 def test_run_time_error_exits_non_zero_and_keeps_checkpoints(tmp_path):
@@ -189,4 +189,4 @@ def test_cnn_trains_on_the_real_fashion_mnist(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert "Training cnn on fashion_mnist" in result.stderr
-    assert scalar_steps(read_events(tmp_path), "eval/accuracy")[30] > 0.4  # chance: 0.1
+    assert scalar_steps(read_events(tmp_path), "val/accuracy")[30] > 0.4  # chance: 0.1

@@ -50,7 +50,7 @@ def test_the_gpt_trial_run_says_how_it_warms_up(gpt_trial):
 def test_a_run_shorter_than_norms_every_samples_its_norms(gpt_trial):
     events = read_events(gpt_trial[0])
     for name in ("grad_norm", "param_norm", "update_ratio"):  # norms_every=500 > 40 steps
-        assert [e.step for e in events.Scalars(f"train/{name}")] == [1]
+        assert [e.step for e in events.Scalars(f"vitals/{name}")] == [1]
 
 
 def test_a_gpt_fine_tune_reads_the_data_as_its_run_did(gpt_trial, tmp_path):
