@@ -15,6 +15,8 @@ import numpy as np
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 ROOT = Path(__file__).resolve().parent.parent
+# The environment of a process whose compilations are counted: without the session's cache.
+NO_COMPILE_CACHE = {"JAX_ENABLE_COMPILATION_CACHE": "false"}
 
 
 def run_cli(*args: str, env: dict[str, str | None] | None = None, timeout: float = 300, cwd=ROOT):

@@ -25,7 +25,7 @@ ARGS = (
 NAMES = ("arguments", "outputs", "temporaries", "aliased", "peak")
 
 
-def test_the_step_memory_is_reported_from_the_one_compilation(tmp_path, caplog):
+def test_the_step_memory_is_reported_from_the_one_compilation(tmp_path, caplog, fresh_compiles):
     with jax.log_compiles(True), caplog.at_level(logging.WARNING, logger="jax"):
         result = zoo.fit("mlp", *ARGS, f"workdir={tmp_path}")
     finished = [

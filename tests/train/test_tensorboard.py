@@ -21,7 +21,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import ROOT, assert_same_bits, overriding, read_events, run_cli, scalar_steps
+from helpers import (
+    NO_COMPILE_CACHE,
+    ROOT,
+    assert_same_bits,
+    overriding,
+    read_events,
+    run_cli,
+    scalar_steps,
+)
 from PIL import Image
 from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
 
@@ -60,7 +68,7 @@ def observed(tmp_path_factory):
         f"logging.norms_every={LOG_EVERY}",
         "trainer.profile_steps=[3,5]",
     )
-    result = run_cli(*mlp_args(workdir, *extra))
+    result = run_cli(*mlp_args(workdir, *extra), env=NO_COMPILE_CACHE)
     assert result.returncode == 0, result.stderr
     return logdir, workdir, result
 
@@ -289,7 +297,9 @@ def test_compile_counts_and_hparams_follow_a_resume(tmp_path):
     its HParams row shows the resumed config (TensorBoard keeps a tag's first metadata)."""
     args = ("model=xor", "trainer.steps_per_dispatch=10", "trainer.log_every=10")
     for steps in (20, 40):  # the second command resumes the first's run
-        result = run_cli(*args, f"trainer.steps={steps}", f"workdir={tmp_path}")
+        result = run_cli(
+            *args, f"trainer.steps={steps}", f"workdir={tmp_path}", env=NO_COMPILE_CACHE
+        )
         assert result.returncode == 0, result.stderr
     events = read_events(tmp_path)
     count, seconds = (scalar_steps(events, f"xla/compile_{t}") for t in ("count", "seconds"))

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
-from helpers import ROOT
+from helpers import NO_COMPILE_CACHE, ROOT
 
 from benchmarks import throughput
 
@@ -16,7 +17,8 @@ def test_benchmark_runs_and_writes_every_figure(tmp_path):
     command = [sys.executable, "-m", "benchmarks.run", "--models", "xor", "--windows", "2"]
     command += ["--window-seconds", "0.01", "--steps-per-dispatch", "10", "--json", str(out)]
     command += ["trainer.log_every=10"]
-    subprocess.run(command, cwd=ROOT, check=True, capture_output=True, timeout=300)
+    env = {**os.environ, **NO_COMPILE_CACHE}
+    subprocess.run(command, cwd=ROOT, env=env, check=True, capture_output=True, timeout=300)
     result = json.loads(out.read_text())["models"]["xor"]
     for loop in ("zoo", "zoo_dispatch", "bare", "nnx"):
         figures = result["steps_per_sec"][loop]

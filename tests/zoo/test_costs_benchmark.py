@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
-from helpers import ROOT
+from helpers import NO_COMPILE_CACHE, ROOT
 
 
 def assert_spread(figure: dict[str, float]) -> None:
@@ -18,7 +19,13 @@ def test_costs_benchmark_writes_every_figure(tmp_path):
     command = [sys.executable, "-m", "benchmarks.costs", "--models", "xor", "--repeats", "1"]
     command += ["--steps", "100", "--windows", "2", "--window-seconds", "0.05", "--json", str(out)]
     done = subprocess.run(
-        command, cwd=ROOT, check=False, capture_output=True, text=True, timeout=300
+        command,
+        cwd=ROOT,
+        env={**os.environ, **NO_COMPILE_CACHE},
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())
