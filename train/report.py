@@ -120,8 +120,9 @@ class Reporter:
     def train_window(
         self, step: int, metrics: Mapping[str, float], speed: Mapping[str, float]
     ) -> None:
-        self.scalars("train", step, metrics)
-        self.scalars("vitals", step, speed)
+        model_metrics = {k: v for k, v in metrics.items() if k != "learning_rate"}
+        self.scalars("train", step, model_metrics)  # the loss among the first cards
+        self.scalars("vitals", step, {**speed, "learning_rate": metrics["learning_rate"]})
         rate = f"{speed['steps_per_sec']:.0f} steps/s"
         if self._progress is not None:
             status = f"loss {metrics['loss']:.4g} | {rate}"

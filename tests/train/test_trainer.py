@@ -84,7 +84,7 @@ def test_tensorboard_events_hold_train_and_eval_curves(run):
     events = read_events(run.workdir)
     assert sorted(scalar_steps(events, "val/accuracy")) == [20, 40, 60]
     assert sorted(scalar_steps(events, "train/loss")) == [20, 40, 60]
-    assert scalar_steps(events, "train/learning_rate")[60] == pytest.approx(0.01)
+    assert scalar_steps(events, "vitals/learning_rate")[60] == pytest.approx(0.01)
     assert scalar_steps(events, "vitals/steps_per_sec")[60] > 0
     assert scalar_steps(events, "val/accuracy")[60] == pytest.approx(run.eval_metrics["accuracy"])
     config_text = events.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()

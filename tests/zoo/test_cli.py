@@ -37,7 +37,7 @@ def test_xor_run_writes_events_checkpoint_and_log(xor_run):
         "train/accuracy",
         "val/loss",
         "val/accuracy",
-        "train/learning_rate",
+        "vitals/learning_rate",
         "vitals/steps_per_sec",
     ):
         assert tag in tags
