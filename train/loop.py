@@ -40,7 +40,7 @@ from train.norms import make_norms_step
 from train.observe import Deferred, Instruments, ProfileWindow, WindowClock
 from train.optim import make_optimizer
 from train.precision import compute_loss
-from train.report import EvalReport, Reporter, format_metrics
+from train.report import EvalReport, Reporter, format_metrics, val_tag
 from train.steps import COUNT, Metrics, Trainable, make_steps, means, zero_metrics
 from train.summaries import hparams_summaries, model_summary
 from train.validate import check_data
@@ -334,7 +334,7 @@ class Trainer:
         reporter.text("sharding_plan", _as_markdown_code(self.plan.table()), step=step)
         model, _ = nnx.merge(self.graphdef, self.state)  # shares the arrays; read only
         reporter.text("model_summary", _as_markdown_code(model_summary(model)), step=step)
-        metric_tags = [f"val/{name}" for name in self.eval_metric_names()]
+        metric_tags = [val_tag(name) for name in self.eval_metric_names()]
         reporter.summaries(hparams_summaries(saved_config, [*metric_tags, "train/loss"]))
         total = int(cfg.trainer.steps)
         how = "Training"

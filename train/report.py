@@ -26,6 +26,14 @@ log = logging.getLogger("zoo")
 
 # Seconds between flushes of the event file: short, so a running job shows up in TensorBoard.
 FLUSH_SECS = 2
+# The two tag groups TensorBoard opens first (it sorts groups by name): the loss and the model's
+# metrics of each log window, then the evals. Every other group sorts after them.
+TRAIN, VAL = "train", "val"
+
+
+def val_tag(metric: str) -> str:
+    """The scalar tag of an eval metric (`val/accuracy`)."""
+    return f"{VAL}/{metric}"
 
 
 def format_metrics(metrics: Mapping[str, float]) -> str:
@@ -121,7 +129,7 @@ class Reporter:
         self, step: int, metrics: Mapping[str, float], speed: Mapping[str, float]
     ) -> None:
         model_metrics = {k: v for k, v in metrics.items() if k != "learning_rate"}
-        self.scalars("train", step, model_metrics)  # the loss among the first cards
+        self.scalars(TRAIN, step, model_metrics)  # the loss among the first cards
         self.scalars("vitals", step, {**speed, "learning_rate": metrics["learning_rate"]})
         rate = f"{speed['steps_per_sec']:.0f} steps/s"
         if self._progress is not None:
@@ -131,7 +139,7 @@ class Reporter:
             log.info("step %d/%d %s | %s", step, self._total, format_metrics(metrics), rate)
 
     def eval(self, step: int, metrics: Mapping[str, float]) -> None:
-        self.scalars("val", step, metrics)
+        self.scalars(VAL, step, metrics)
         if self.primary:
             log.info("eval @ step %d: %s", step, format_metrics(metrics))
 

@@ -25,6 +25,7 @@ from tensorboardX.summary import hparams
 
 from train import registry
 from train.config import Config
+from train.report import val_tag
 
 HParamValue = bool | int | float | str
 
@@ -120,9 +121,9 @@ def _registered_key_types() -> dict[str, int]:
 
 
 def _registered_metric_tags() -> set[str]:
-    tags = {"train/loss", "val/loss"}
+    tags = {"train/loss", val_tag("loss")}
     for name in registry.list_models():
-        tags.update(f"val/{metric}" for metric in registry.get_model(name).metrics)
+        tags.update(val_tag(metric) for metric in registry.get_model(name).metrics)
     return tags
 
 
