@@ -1,31 +1,52 @@
 """Every test sees 8 simulated CPU devices, in this process and in the CLI subprocesses."""
 
+import atexit
 import os
+import shutil
 import tempfile
 
+
+def _temporary_dir(prefix: str) -> str:
+    """A new directory, removed when this process exits."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
 os.environ["JAX_NUM_CPU_DEVICES"] = "8"
-# Data caches (tokenized text, image statistics, downloads) go to a directory of this session,
+# Data caches (tokenized text, image statistics, downloads) go to a directory of this process,
 # never into the user's ~/.cache; Fashion-MNIST and the like are still found where a system
 # package installs them.
-os.environ["ZOO_DATA_DIR"] = tempfile.mkdtemp(prefix="zoo-test-data-")
+os.environ["ZOO_DATA_DIR"] = _temporary_dir("zoo-test-data-")
 # One JAX persistent compilation cache for the session's processes (pytest's workers inherit the
 # directory the first process made, and pass it on to the runs they start): a kill-and-resume
-# test compiles the same steps in up to three processes. Its file lock (on with a size limit)
-# keeps a reader from seeing an entry half written. Tests that count compilations turn it off
+# test compiles the same steps in up to three processes. No size limit: with one, jax lists the
+# whole directory at every write to find what to evict, and with the thousands of small entries
+# a session writes that made the tests that compile most (trainer.debug's eager ops) five times
+# slower. Without the limit's file lock, a process that reads an entry while another writes it
+# warns and compiles it itself. Tests that count compilations turn the cache off
 # (`fresh_compiles`, `NO_COMPILE_CACHE`).
-os.environ.setdefault("ZOO_TEST_COMPILE_CACHE", tempfile.mkdtemp(prefix="zoo-test-xla-"))
+if "ZOO_TEST_COMPILE_CACHE" not in os.environ:
+    os.environ["ZOO_TEST_COMPILE_CACHE"] = _temporary_dir("zoo-test-xla-")
 os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ["ZOO_TEST_COMPILE_CACHE"]
-os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(8 << 30)
+os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = "-1"
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 # 8 simulated devices share 2 cores here. Rarely (seen twice in about 40 runs under heavy load)
 # one device never reached the first all-reduce of a run and XLA:CPU aborted after 40 s. Eigen's
 # shared intra-op pool is a reported cause of such wedges, and buys nothing with 8 devices on 2
 # cores, so it is off; a later arrival than 40 s under load is tolerated up to 120 s.
+# Compiling dominates the suite's time: XLA:CPU's backend optimisations (LLVM) are off, which
+# takes about 40% off the CPU time of a test that trains (measured on tests/models/
+# test_vision_models.py). Every comparison in the suite is between programs compiled alike or
+# against references at a tolerance, so it holds at either level; flags already in XLA_FLAGS come
+# last and win.
 os.environ["XLA_FLAGS"] = " ".join(
     [
-        os.environ.get("XLA_FLAGS", ""),
+        "--xla_backend_optimization_level=0",
+        "--xla_llvm_disable_expensive_passes=true",
         "--xla_cpu_multi_thread_eigen=false",
         "--xla_cpu_collective_call_terminate_timeout_seconds=120",
+        os.environ.get("XLA_FLAGS", ""),
     ]
 ).strip()
 
