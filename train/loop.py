@@ -419,7 +419,10 @@ class Trainer:
         ]
         profile = ProfileWindow(self.workdir, list(self.cfg.trainer.profile_steps))
         compiled = self.progress.compiles
-        return Instruments(clock, profile, probes, k, first_step=first, compiled_before=compiled)
+        devices = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
+        return Instruments(
+            clock, profile, probes, k, first, compiled_before=compiled, devices=devices
+        )
 
     def _evaluate_and_report(self, step: int, reporter: Reporter) -> dict[str, float]:
         """The eval at `step`, to TensorBoard and the console, then the model's own report

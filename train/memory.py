@@ -6,11 +6,15 @@ A run reports it before its first dispatch (`announce`), from the compilation th
 then uses: jax keeps the executable that `jitted.lower(args).compile()` built, and calling
 `jitted(args)` with arguments of the same shapes and shardings reuses it, so reporting costs
 no second compilation.
+
+On devices whose allocator keeps statistics (GPUs, TPUs; not XLA:CPU), each log window also
+reports the device memory the run holds and its high-water mark (`device_memory`).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 import jax
@@ -66,3 +70,16 @@ def announce(jitted: Any, args: tuple, steps: int, reporter: Reporter, step: int
         for name, size in sizes.items()
     ]
     reporter.text("memory", "\n".join([f"    per device, compiled {what}", *rows]), step)
+
+
+def device_memory(devices: Iterable[Any]) -> dict[str, int]:
+    """Bytes in use now and the most ever in use (since the process started: XLA's allocator
+    keeps no resettable peak), the largest over `devices`; empty where a backend keeps no
+    statistics (XLA:CPU returns none)."""
+    stats = [device.memory_stats() for device in devices]
+    if not stats or any(not s or "peak_bytes_in_use" not in s for s in stats):
+        return {}
+    return {
+        "device_in_use_bytes": max(int(s.get("bytes_in_use", 0)) for s in stats),
+        "device_peak_bytes": max(int(s["peak_bytes_in_use"]) for s in stats),
+    }

@@ -18,6 +18,7 @@ from typing import Any
 import jax
 from jax import monitoring
 
+from train.memory import device_memory
 from train.report import Reporter
 from train.steps import COUNT
 
@@ -182,8 +183,10 @@ class Instruments:
         steps_per_dispatch: int,
         first_step: int,
         compiled_before: Mapping[str, float] | None = None,
+        devices: Sequence[Any] = (),
     ):
         self.clock, self.profile, self.probes = clock, profile, probes
+        self._devices = devices  # this process's devices of the mesh, for their memory
         self.compiles = CompileWatch(compiled_before)
         self._k, self._first = steps_per_dispatch, first_step
         self._in_flight = InFlight()
@@ -213,10 +216,11 @@ class Instruments:
 
     def report(self, step: int, reporter: Reporter) -> None:
         """With the log window that ends at `step` (reported a window later): compilations up
-        to `step`'s dispatch, and the probes' results up to `step` (finished on the device long
-        ago)."""
+        to `step`'s dispatch, the probes' results up to `step` (finished on the device long
+        ago), and the device memory as the report is written (GPUs, TPUs)."""
         totals = self._compiled_at.get(step, self.compiles.totals())
         self._compiled_at = {s: t for s, t in self._compiled_at.items() if s > step}
-        reporter.scalars("xla", step, {f"compile_{name}": value for name, value in totals.items()})
+        compiles = {f"compile_{name}": value for name, value in totals.items()}
+        reporter.scalars("xla", step, {**compiles, **device_memory(self._devices)})
         for probe in self.probes:
             probe.write(up_to=step)

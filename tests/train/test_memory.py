@@ -12,6 +12,7 @@ from flax import nnx
 from helpers import read_events, scalar_steps
 
 import zoo
+from train.memory import device_memory
 
 ARGS = (
     "data=digits",
@@ -49,3 +50,25 @@ def test_the_step_memory_is_reported_from_the_one_compilation(tmp_path, caplog, 
     log_text = (tmp_path / "train.log").read_text()
     line = re.search(r"Memory per device of the compiled train step: (.*)", log_text).group(1)
     assert line.startswith("arguments ") and " peak " in line
+    # XLA:CPU keeps no allocator statistics: no device-memory scalars rather than zeros
+    assert not [tag for tag in events.Tags()["scalars"] if tag.startswith("xla/device_")]
+
+
+class _Device:
+    """A device as `jax.Device.memory_stats()` describes it on a GPU."""
+
+    def __init__(self, stats):
+        self._stats = stats
+
+    def memory_stats(self):
+        return self._stats
+
+
+def test_device_memory_is_the_largest_in_use_and_peak_over_the_devices():
+    gpus = [
+        _Device({"bytes_in_use": 5, "peak_bytes_in_use": 90, "bytes_limit": 100}),
+        _Device({"bytes_in_use": 7, "peak_bytes_in_use": 60, "bytes_limit": 100}),
+    ]
+    assert device_memory(gpus) == {"device_in_use_bytes": 7, "device_peak_bytes": 90}
+    assert device_memory(jax.local_devices()) == {}  # XLA:CPU: None
+    assert device_memory([]) == {}
