@@ -40,7 +40,7 @@ from train.norms import make_norms_step
 from train.observe import Deferred, Instruments, ProfileWindow, WindowClock
 from train.optim import make_optimizer
 from train.precision import compute_loss
-from train.report import EvalReport, Reporter, format_metrics, val_tag
+from train.report import TRAIN, EvalReport, Reporter, format_metrics, val_tag
 from train.steps import COUNT, Metrics, Trainable, make_steps, means, zero_metrics
 from train.summaries import hparams_summaries, model_summary
 from train.validate import check_data
@@ -335,7 +335,7 @@ class Trainer:
         model, _ = nnx.merge(self.graphdef, self.state)  # shares the arrays; read only
         reporter.text("model_summary", _as_markdown_code(model_summary(model)), step=step)
         metric_tags = [val_tag(name) for name in self.eval_metric_names()]
-        reporter.summaries(hparams_summaries(saved_config, [*metric_tags, "train/loss"]))
+        reporter.summaries(hparams_summaries(saved_config, [*metric_tags, f"{TRAIN}/loss"]))
         total = int(cfg.trainer.steps)
         how = "Training"
         stopped = self.progress.early_stop.get("stopped", False)
@@ -419,10 +419,7 @@ class Trainer:
         ]
         profile = ProfileWindow(self.workdir, list(self.cfg.trainer.profile_steps))
         compiled = self.progress.compiles
-        devices = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
-        return Instruments(
-            clock, profile, probes, k, first, compiled_before=compiled, devices=devices
-        )
+        return Instruments(clock, profile, probes, k, first, compiled, self.mesh.local_devices)
 
     def _evaluate_and_report(self, step: int, reporter: Reporter) -> dict[str, float]:
         """The eval at `step`, to TensorBoard and the console, then the model's own report
