@@ -39,6 +39,7 @@ from models.layers import dense, layer_norm
 from models.transformer import Block, BlockOptions, KVCache, dropout_key, tokens_spec
 from train.errors import ZooError
 from train.registry import WEIGHT, loss_contract, register_model
+from train.rngs import construction_rngs
 from train.sharding import logical_spec
 
 VOCAB = 256
@@ -163,7 +164,7 @@ class GPT(nnx.Module):
                 dropout_rate,
                 causal=True,
                 options=options,
-                rngs=nnx.Rngs(params=key),
+                rngs=construction_rngs(params=key),
             )
 
         layer_keys = jax.random.split(rngs.params(), depth)
