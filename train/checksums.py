@@ -63,16 +63,18 @@ def _checksum(x: jax.Array) -> jax.Array:
     return jnp.sum(_mix(words ^ (position * jnp.uint32(_GOLDEN))), dtype=jnp.uint32)
 
 
-@jax.jit
-def _checksums(arrays: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
-    return {name: _checksum(x) for name, x in arrays.items()}
+# One small program per shape, dtype and sharding, shared by every array that has them (a
+# model's layers, its biases), rather than one program over every array of the state: a run's
+# first save compiles much less (the resnet18 fixture's 229 arrays on 8 CPU devices, 23 distinct:
+# 1.1-1.3 s, against 2.4 s as one program), and a large state's checksums run faster (README,
+# "What checksums cost"), for one dispatch per array at each save.
+_checksum_jitted = jax.jit(_checksum)
 
 
 def checksums(arrays: Mapping[str, jax.Array]) -> dict[str, int]:
-    """`{name: checksum}` of each array (computed on its devices, then fetched)."""
-    if not arrays:
-        return {}
-    return {name: int(value) for name, value in jax.device_get(_checksums(dict(arrays))).items()}
+    """`{name: checksum}` of each array (computed on its devices, then fetched together)."""
+    computed = {name: _checksum_jitted(x) for name, x in arrays.items()}
+    return {name: int(value) for name, value in jax.device_get(computed).items()}
 
 
 def flat(tree: object, prefix: str = "") -> dict[str, jax.Array]:
