@@ -33,8 +33,9 @@ def unsharded():
         yield
 
 
-def draws(rngs: nnx.Rngs) -> list[jax.Array]:
-    return [jax.random.key_data(rngs[name]()) for name in ("params", "dropout") for _ in range(3)]
+def draws(streams: nnx.Rngs) -> list[jax.Array]:
+    names = ("params", "dropout")
+    return [jax.random.key_data(streams[name]()) for name in names for _ in range(3)]
 
 
 def test_streams_draw_what_nnx_rngs_draws_eagerly_and_traced():
@@ -54,11 +55,11 @@ def test_a_model_builds_as_with_nnx_rngs_in_the_jitted_init(monkeypatch):
         return nnx.jit(lambda: nnx.state(build_model(entry, GPT, seed=3)))()
 
     built = jitted_init()
+    abstract = nnx.eval_shape(lambda: build_model(entry, GPT, seed=3))
+    assert jax.tree.structure(nnx.state(abstract)) == jax.tree.structure(built)
     monkeypatch.setattr(gpt, "construction_rngs", nnx.Rngs)
     monkeypatch.setattr(rngs, "construction_rngs", nnx.Rngs)
     assert_same_bits(built, jitted_init())
-    abstract = nnx.eval_shape(lambda: build_model(entry, GPT, seed=3))
-    assert jax.tree.structure(nnx.state(abstract)) == jax.tree.structure(built)
     kernels = [built["blocks"][i]["mlp_in"]["kernel"][...] for i in range(GPT["depth"])]
     assert all((a != b).any() for a, b in itertools.pairwise(kernels))
 
