@@ -2,11 +2,14 @@
 against the part of each that computes the checksums (`train.checksums`).
 
     python -m benchmarks.checkpoint_integrity --repeats 5 --json runs/bench/integrity.json
+    JAX_NUM_CPU_DEVICES=8 python -m benchmarks.checkpoint_integrity mesh.data=1 mesh.fsdp=8
 
-For each state (a model's train state: params, optimizer moments, RNG streams), in turns: the
-checksums alone (computed on the devices, fetched), a save's blocking part (the checksums, the
-copy off the devices, Orbax's bookkeeping; the write to disk overlaps with training and is waited
-for separately, untimed), and a full restore (read, place, verify). Medians over the repeats.
+Config overrides after the options apply to every state (the second line: params sharded over 8
+devices, where each device sums its own shard). For each state (a model's train state: params,
+optimizer moments, RNG streams), in turns: the checksums alone (computed on the devices,
+fetched), a save's blocking part (the checksums, the copy off the devices, Orbax's bookkeeping;
+the write to disk overlaps with training and is waited for separately, untimed), and a full
+restore (read, place, verify). Medians over the repeats.
 """
 
 from __future__ import annotations
@@ -71,11 +74,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--states", nargs="*", default=list(STATES))
     parser.add_argument("--json", type=Path)
+    parser.add_argument("overrides", nargs="*", help="config overrides for every state")
     args = parser.parse_args()
     results = {}
     with tempfile.TemporaryDirectory() as root:
         for name in args.states:
-            results[name] = measure(name, STATES[name], args.repeats, root)
+            results[name] = measure(name, [*STATES[name], *args.overrides], args.repeats, root)
             r = results[name]
             print(
                 f"{name:8} {r['params']:>12,} params {r['state_bytes'] / 2**20:>8.1f} MiB state | "
@@ -85,7 +89,13 @@ def main() -> None:
             )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        command = f"python -m benchmarks.checkpoint_integrity --repeats {args.repeats}"
+        command = " ".join(
+            [
+                "python -m benchmarks.checkpoint_integrity",
+                f"--repeats {args.repeats}",
+                *args.overrides,
+            ]
+        )
         args.json.write_text(json.dumps({"command": command, "results": results}, indent=2))
 
 
