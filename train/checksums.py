@@ -22,6 +22,7 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -130,9 +131,32 @@ def _dispatch(x: jax.Array) -> jax.Array:
 
 
 def checksums(arrays: Mapping[str, jax.Array]) -> dict[str, int]:
-    """`{name: checksum}` of each array (computed on its devices, then fetched together)."""
-    computed = jax.device_get({name: _dispatch(x) for name, x in arrays.items()})
-    return {name: int(np.sum(value, dtype=np.uint32)) for name, value in computed.items()}
+    """`{name: checksum}` of each array: computed on its devices, the shares this process holds
+    fetched together and added, then (several processes) added across processes in one
+    exchange."""
+    names = list(arrays)
+    results = [_dispatch(arrays[name]) for name in names]
+    counted = [_counted_here(arrays[name], result) for name, result in zip(names, results)]
+    fetched = iter(jax.device_get([piece for pieces in counted for piece in pieces]))
+    local = np.array(
+        [np.sum([next(fetched) for _ in pieces], dtype=np.uint32) for pieces in counted],
+        dtype=np.uint32,
+    )
+    if jax.process_count() > 1:
+        local = np.sum(multihost_utils.process_allgather(local), axis=0, dtype=np.uint32)
+    return {name: int(value) for name, value in zip(names, local)}
+
+
+def _counted_here(x: jax.Array, result: jax.Array) -> list:
+    """What this process adds to the checksum of `x`: its devices' shares of a sharded array;
+    of an array whole on each device, its checksum from the process of the array's first
+    device (once over all processes), nothing from the others."""
+    if result.ndim:  # the shares of `_block_sums`, deduplicated on the devices
+        return [shard.data for shard in result.addressable_shards]
+    if not isinstance(x, jax.Array):  # a host array: one process
+        return [result]
+    first = min(x.sharding.device_set, key=lambda device: device.id)
+    return [result.addressable_shards[0].data] if first.process_index == jax.process_index() else []
 
 
 def flat(tree: object, prefix: str = "") -> dict[str, jax.Array]:

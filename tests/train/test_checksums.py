@@ -104,3 +104,9 @@ def test_hundreds_of_sharded_arrays_in_a_row_do_not_deadlock(mesh):
     expected = {name: reference(np.asarray(x)) for name, x in arrays.items()}
     for _ in range(5):
         assert checksums.checksums(arrays) == expected
+
+
+def test_a_host_array_has_the_checksum_of_the_same_array_on_devices(mesh):
+    values = np.arange(48, dtype=np.float32).reshape(6, 8)
+    placed = jax.device_put(values, NamedSharding(mesh, P(None, "tensor")))
+    assert checksums.checksums({"x": values}) == checksums.checksums({"x": placed})
