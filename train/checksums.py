@@ -137,11 +137,8 @@ def checksums(arrays: Mapping[str, jax.Array]) -> dict[str, int]:
     names = list(arrays)
     results = [_dispatch(arrays[name]) for name in names]
     counted = [_counted_here(arrays[name], result) for name, result in zip(names, results)]
-    fetched = iter(jax.device_get([piece for pieces in counted for piece in pieces]))
-    local = np.array(
-        [np.sum([next(fetched) for _ in pieces], dtype=np.uint32) for pieces in counted],
-        dtype=np.uint32,
-    )
+    fetched = jax.device_get(counted)
+    local = np.array([np.sum(pieces, dtype=np.uint32) for pieces in fetched], dtype=np.uint32)
     if jax.process_count() > 1:
         local = np.sum(multihost_utils.process_allgather(local), axis=0, dtype=np.uint32)
     return {name: int(value) for name, value in zip(names, local)}
