@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import mmap
 import os
 import re
 import struct
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -41,6 +42,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from train.errors import ZooError, mismatches
+from train.host_memory import page_buffer
 from train.paths import matches
 from train.registry import Family, Rule, families
 from train.sharding import AxisRules
@@ -58,6 +60,7 @@ __all__ = [
 
 CONFIG, WEIGHTS, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
 TOKENIZER = "tokenizer.json"
+NewBuffer = Callable[[tuple[int, ...], Any], np.ndarray]
 FILLED = (nnx.Param, nnx.BatchStat)
 """The variables a checkpoint holds: params and BatchNorm running statistics."""
 
@@ -89,6 +92,17 @@ class Pretrained:
         """The directory's `tokenizer.json`, if it has one."""
         path = os.path.join(self.directory, TOKENIZER)
         return path if os.path.isfile(path) else None
+
+    def loaded_elements(self) -> int:
+        """How many numbers the model's params take from the checkpoint: every tensor's but
+        those of keys its family ignores (from the files' headers)."""
+        headers = {path: _header(path)[1] for path in set(self.files.values())}
+        ignore = [re.compile(pattern) for pattern in self.family.ignore]
+        return sum(
+            math.prod(headers[path][key]["shape"])
+            for key, path in self.files.items()
+            if not any(pattern.fullmatch(key) for pattern in ignore)
+        )
 
     def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
         """(key, array) of every tensor, file by file: each a read-only view of the file's
@@ -243,12 +257,14 @@ def fill(
     skip: Sequence[str] = (),
     mesh: Mesh | None = None,
     rules: AxisRules | None = None,
+    new_buffer: NewBuffer = page_buffer,
 ) -> list[str]:
     """Fill `model`'s params and BatchNorm statistics from the checkpoint, except those `skip`
     patterns match (a new head); returns the dotted paths skipped. Each array takes the
     sharding of the one it replaces; an abstract model (`nnx.eval_shape`) needs `mesh` and
-    `rules`, which give each param the sharding of its logical axes. Nothing changes unless
-    every key maps, every param is filled and every shape agrees."""
+    `rules`, which give each param the sharding of its logical axes. `new_buffer(shape, dtype)`
+    gives the host buffers the devices adopt (`Prefaulted.take`: pages readied beforehand).
+    Nothing changes unless every key maps, every param is filled and every shape agrees."""
     targets = _targets(model)
     skipped = [p for p in targets if any(matches(s, p) for s in skip)]
     table = pretrained.family.rules_for(hparams)
@@ -278,7 +294,9 @@ def fill(
                 differ.append(f"{path} (from {key}: {value.shape}, model {shape})")
                 continue
             if target not in filling:
-                filling[target] = _Filling(variable, _sharding(variable, target, mesh, rules))
+                filling[target] = _Filling(
+                    variable, _sharding(variable, target, mesh, rules), new_buffer
+                )
             filling[target].write(value, layer)
     unfilled = [
         f"{target} (layer(s) {', '.join(map(str, missing))})"
@@ -336,8 +354,9 @@ class _Filling:
     sharding gives a device (one for a replicated param), which jax on CPU adopts as the
     device's buffer, and which layers of a stacked param are in."""
 
-    def __init__(self, variable: Any, sharding: jax.sharding.Sharding):
+    def __init__(self, variable: Any, sharding: jax.sharding.Sharding, new_buffer: NewBuffer):
         self.shape, self.dtype, self.sharding = tuple(variable.shape), variable.dtype, sharding
+        self.new_buffer = new_buffer
         self.slices = {
             _bounds(index, self.shape)
             for index in sharding.addressable_devices_indices_map(self.shape).values()
@@ -353,7 +372,7 @@ class _Filling:
             buffer = self.buffers.get(bounds)
             if buffer is None:
                 shape = tuple(stop - start for start, stop in bounds)
-                buffer = self.buffers[bounds] = _host_buffer(shape, self.dtype)
+                buffer = self.buffers[bounds] = self.new_buffer(shape, self.dtype)
             if layer is None:
                 _copy_slice(buffer, value, bounds)
             elif bounds[0][0] <= layer < bounds[0][1]:
@@ -374,18 +393,6 @@ class _Filling:
 def _bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
     """A device's index into an array of `shape` as hashable (start, stop) per axis."""
     return tuple(part.indices(size)[:2] for part, size in zip(index, shape, strict=True))
-
-
-def _host_buffer(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-    """An array on pages of its own: page-aligned, as jax on CPU needs to adopt it without a
-    copy, and mapped with all its pages at once (`MAP_POPULATE`), which is about twice as fast
-    as the page faults of copying into fresh memory."""
-    count, dtype = int(np.prod(shape)), np.dtype(dtype)
-    if count == 0:
-        return np.empty(shape, dtype)
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-    pages = mmap.mmap(-1, count * dtype.itemsize, flags=flags)
-    return np.frombuffer(pages, dtype, count).reshape(shape)
 
 
 def _copy_slice(buffer: np.ndarray, value: np.ndarray, bounds: tuple[tuple[int, int], ...]):

@@ -25,6 +25,7 @@ from train.build import build_model, build_on_mesh
 from train.config import Config, MeshConfig, checked_dict, checked_params
 from train.console import ConsoleHandler
 from train.errors import ZooError
+from train.host_memory import PAGE, Prefaulted
 from train.loop import RunResult, Trainer, evaluate_batches
 from train.lora import merge_adapters
 from train.saved import read_json
@@ -157,7 +158,7 @@ def is_pretrained_dir(path: str | os.PathLike) -> bool:
 @dataclasses.dataclass
 class PlannedLoad:
     """A pretrained directory's model before its weights: abstract (shapes and shardings, no
-    arrays), with the config, mesh and opened checkpoint that `weights.fill` needs."""
+    arrays), with the config, mesh, opened checkpoint and host pages that `weights.fill` needs."""
 
     model: nnx.Module
     pretrained: weights.Pretrained
@@ -165,18 +166,28 @@ class PlannedLoad:
     hparams: dict[str, Any]
     mesh: jax.sharding.Mesh
     rules: sharding.AxisRules
+    memory: Prefaulted
 
     def fill(self) -> nnx.Module:
         """The model with every param read straight into its sharding, in eval mode."""
         weights.fill(
-            self.model, self.pretrained, hparams=self.hparams, mesh=self.mesh, rules=self.rules
+            self.model,
+            self.pretrained,
+            hparams=self.hparams,
+            mesh=self.mesh,
+            rules=self.rules,
+            new_buffer=self.memory.take,
         )
+        self.memory.release_rest()
         self.model.eval()
         return self.model
 
 
 def plan_pretrained(directory: str, mesh: Mapping[str, Any] | None, devices: Any) -> PlannedLoad:
-    """Everything `zoo.load` of a pretrained directory does before it reads a tensor."""
+    """Everything `zoo.load` of a pretrained directory does before it reads a tensor; the host
+    pages of the params are readied meanwhile, on a thread of their own."""
+    pretrained = weights.open_pretrained(directory)
+    memory = Prefaulted(_param_bytes(pretrained))
     config = compose([f"finetune.init_from={directory}"])
     entry = registry.get_model(config.model.name)
     mesh_cfg = checked_dict(MeshConfig, {"rules": dict(config.mesh.rules), **(mesh or {})}, "mesh")
@@ -184,8 +195,16 @@ def plan_pretrained(directory: str, mesh: Mapping[str, Any] | None, devices: Any
     hparams = resolved_hparams(config)
     with sharding.activate(device_mesh, rules), nnx.use_eager_sharding(False):
         model = nnx.eval_shape(lambda: build_model(entry, hparams, config.seed))
-    pretrained = weights.open_pretrained(directory, entry.name)
-    return PlannedLoad(model, pretrained, config, hparams, device_mesh, rules)
+    return PlannedLoad(model, pretrained, config, hparams, device_mesh, rules, memory)
+
+
+def _param_bytes(pretrained: weights.Pretrained) -> int:
+    """An upper bound of the bytes of a loaded model's host buffers on this process's devices:
+    float32 params, a page of alignment per buffer (a buffer per tensor and device, or three
+    for a fused qkv) and 1% for padded rows. The pages left over are released after the fill."""
+    numbers = 4 * pretrained.loaded_elements()
+    buffers = 3 * len(pretrained.files) * len(jax.local_devices())
+    return numbers + numbers // 100 + buffers * PAGE
 
 
 def _load_pretrained(directory: str, mesh: Mapping[str, Any] | None, devices: Any) -> TrainedModel:
