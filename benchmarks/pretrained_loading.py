@@ -39,8 +39,9 @@ CASES = {
     "zoo.load, 1 device": ("zoo", 1),
     "zoo.load, 8 devices (fsdp=8)": ("zoo", 8),
 }
-"""`fill`: the weights read and placed on the planned model (the loading itself); `zoo`:
-`zoo.load` whole, with Hydra's composition and the abstract model's trace besides."""
+"""`fill`: the weights read and placed on the planned model (the loading itself, into host pages
+that were faulted in while it was planned); `zoo`: `zoo.load` whole, with Hydra's composition
+and the abstract model's trace besides."""
 
 
 def gpt2_small_shapes():

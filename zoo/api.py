@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import logging
 import os
 from collections.abc import Iterator, Mapping, Sequence
@@ -198,6 +199,21 @@ def plan_pretrained(directory: str, mesh: Mapping[str, Any] | None, devices: Any
     return PlannedLoad(model, pretrained, config, hparams, device_mesh, rules, memory)
 
 
+@contextlib.contextmanager
+def _collection_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for a while. A load allocates many short-lived
+    objects and leaves no cycles worth collecting meanwhile, but each collection they set off
+    runs jax's callback that frees XLA's garbage (about 2 ms a collection: 0.1 s of a GPT-2
+    small load)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def _param_bytes(pretrained: weights.Pretrained) -> int:
     """An upper bound of the bytes of a loaded model's host buffers on this process's devices:
     float32 params, a page of alignment per buffer (a buffer per tensor and device, or three
@@ -209,8 +225,9 @@ def _param_bytes(pretrained: weights.Pretrained) -> int:
 
 def _load_pretrained(directory: str, mesh: Mapping[str, Any] | None, devices: Any) -> TrainedModel:
     """The model of a pretrained directory, each param read straight into its sharding."""
-    planned = plan_pretrained(directory, mesh, devices)
-    model = planned.fill()
+    with _collection_paused():
+        planned = plan_pretrained(directory, mesh, devices)
+        model = planned.fill()
     return TrainedModel(model, planned.config, 0, directory, planned.mesh, planned.rules, {})
 
 
