@@ -144,6 +144,7 @@ zoo.fit("xor", *sys.argv[2:], callbacks=[KillAt()])
 
 def test_killed_before_the_stop_and_resumed_it_stops_at_the_same_eval(history, tmp_path):
     stop = loss_stop(history["val/loss"])
+    assert stop is not None
     kill_at = stop - 10
     args = (*RUN, *EARLY_LOSS, "trainer.checkpoint_every=10", f"workdir={tmp_path}")
     killed = subprocess.run(
