@@ -127,19 +127,14 @@ KEPT_PARAMS = {
     "vit": {"class_token", "positions", "blocks.0.attention.query.bias", "norm.scale"},
     "gpt+lora": {"norm.scale", "norm.bias"},
 }
-ADAMW = (
-    "optimizer.name=adamw",
-    "optimizer.learning_rate=0.5",
-    "optimizer.weight_decay=0.1",
-    "optimizer.warmup_steps=0",
-    "trainer.batch_size=16",
-)
+ADAMW = [f"optimizer.{o}" for o in ("name=adamw", "learning_rate=0.5", "weight_decay=0.1")]
 
 
 @pytest.fixture(scope="module", params=list(BUILT))
 def built(request, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("optim")
-    cfg = zoo.compose([*BUILT[request.param], *ADAMW, f"workdir={workdir}"])
+    overrides = [*BUILT[request.param], *ADAMW, "optimizer.warmup_steps=0", "trainer.batch_size=16"]
+    cfg = zoo.compose([*overrides, f"workdir={workdir}"])
     return request.param, Trainer(cfg, jax.devices()[:1])
 
 
