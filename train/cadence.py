@@ -195,6 +195,7 @@ class Cadence:
             self.progress.eval_metrics, self.progress.eval_step = metrics, step
             if self.early_stop is not None and (why := self.early_stop.update(step, metrics)):
                 log.info("%s", why)
+                sums = self._close_last_window(step, sums)
             self.callbacks("on_eval", step, metrics)
         stop = self.stop.due(step // self.every.k)
         halting = self.callbacks.halting
@@ -205,6 +206,16 @@ class Cadence:
             path = self._checkpointer.step_path(step)
             raise Interrupted(stop, step, path) if stop else self.callbacks.halt(step, path)
         self.progress.step = step
+        return sums
+
+    def _close_last_window(self, step: int, sums: Metrics) -> Metrics:
+        """An early stop between two log windows ends the run there: close and report the open
+        window, as the last step of `trainer.steps` does (a SIGTERM instead saves it open, for
+        the resumed run to go on with)."""
+        if self.windows.window_start < step:
+            self.windows.close(step, sums)
+            self.windows.report_pending()
+            sums = self._zeros
         return sums
 
     def save(self, step: int, state: Any, sums: Metrics) -> None:

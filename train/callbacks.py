@@ -10,6 +10,12 @@ saves a checkpoint and raises `CallbackStop`, and running it again resumes, as a
 A hook that raises stops the run the same way with `CallbackFailed`, the callback's own
 exception chained to it (its traceback shows where the callback failed).
 
+`on_end` gets the `RunResult` of each call that returns one: a run that trained to
+`trainer.steps`, one that stopped early (`trainer.early_stop`), one that found the run already
+complete. A call that ends in an exception (`CallbackStop`, `CallbackFailed` of an earlier hook,
+`Interrupted` on a signal, any error) does not call it; the stop exceptions carry the step and
+checkpoint instead. An `on_end` that raises ends the call with `CallbackFailed` after it.
+
 Each window, eval and checkpoint reaches the callbacks once across kills and resumes: a resumed
 run replays the steps after its checkpoint, with the same values, and would deliver their
 windows again, so the run keeps a record of the last step delivered per hook in
@@ -34,7 +40,7 @@ STOP = "stop"
 HOOKS = ("on_train_window", "on_eval", "on_checkpoint", "on_end")
 STEPPED = ("on_train_window", "on_eval", "on_checkpoint")
 """The hooks whose first argument is a step: delivered once per step across resumes
-(`on_end` comes at the end of each call that trains or finds the run complete)."""
+(`on_end` comes once per call that returns a result, never recorded)."""
 RECORD = "callbacks.json"
 
 

@@ -49,8 +49,8 @@ def make_optimizer(
 
 DECAYED = ("kernel", "lora_a", "lora_b")
 """The params AdamW decays by default: the weights of Linear and Conv layers and of LoRA
-adapters. Biases, norm scales and offsets, embedding tables and position embeddings are left
-alone: pulling them toward zero only fights what they encode."""
+adapters. Biases, norm scales and offsets, embedding tables, position embeddings and class
+tokens are left alone: pulling them toward zero only fights what they encode."""
 
 
 def decay_mask(params: Any) -> Any:

@@ -78,20 +78,36 @@ def test_every_window_eval_and_checkpoint_once_with_the_logged_values(finished):
 
 
 def test_a_stop_request_saves_and_the_run_resumes(tmp_path):
+    stopping = Recorder(stop_at_eval=30)
     with pytest.raises(zoo.CallbackStop, match="Recorder.on_eval after step 30"):
-        zoo.fit("mlp", *ARGS, f"workdir={tmp_path}", callbacks=[Recorder(stop_at_eval=30)])
+        zoo.fit("mlp", *ARGS, f"workdir={tmp_path}", callbacks=[stopping])
     assert saved_steps(str(tmp_path / "checkpoints"))[-1] == 30
+    assert steps(stopping, "end") == []  # a call that ends in an exception has no on_end
     again = Recorder()
     result = zoo.fit("mlp", *ARGS, f"workdir={tmp_path}", callbacks=[again])
     assert result.start_step == 30 and steps(again, "window") == [35, 40]
+    assert again.calls[-1][:2] == ("end", 40)
+    complete = Recorder()  # a call that finds the run complete trains nothing and ends
+    zoo.fit("mlp", *ARGS, f"workdir={tmp_path}", callbacks=[complete])
+    assert [call[:2] for call in complete.calls] == [("end", 40)]
 
 
-def test_a_failing_callback_stops_with_a_checkpoint_and_its_traceback(tmp_path):
+def test_a_failing_callback_stops_where_it_failed_and_the_run_resumes_there(tmp_path):
+    # Window 25 reaches the callbacks as window 30 closes, at step 30: neither a checkpoint of
+    # the cadence (20, 40) nor the last step, so only the stop saves there.
+    failing = Recorder(fail_at_window=25)
     with pytest.raises(zoo.CallbackFailed, match="Recorder.on_train_window raised ValueError") as e:
-        zoo.fit("mlp", *ARGS, f"workdir={tmp_path}", callbacks=[Recorder(fail_at_window=15)])
+        zoo.fit("mlp", *ARGS, f"workdir={tmp_path}", callbacks=[failing])
     assert isinstance(e.value.__cause__, ValueError)
     assert e.value.__cause__.__traceback__.tb_frame is not None
-    assert saved_steps(str(tmp_path / "checkpoints"))[-1] == e.value.step
+    assert e.value.step == 30
+    assert e.value.checkpoint == str(tmp_path / "checkpoints" / "30")
+    assert saved_steps(str(tmp_path / "checkpoints")) == [20, 30]
+    assert max(scalar_steps(read_events(tmp_path), "train/loss")) == 30  # nothing trained after
+    assert steps(failing, "window")[-1] == 25 and steps(failing, "end") == []
+    again = Recorder(fail_at_window=25)
+    result = zoo.fit("mlp", *ARGS, f"workdir={tmp_path}", callbacks=[again])
+    assert result.start_step == 30 and steps(again, "window") == [35, 40]
 
 
 SCRIPT = """
