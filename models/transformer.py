@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models.attention_route import current_platform, route
 from models.layers import dense, head_projections, layer_norm
 from train.errors import ZooError
 from train.sharding import logical_spec
@@ -83,14 +84,25 @@ class Attention(nnx.Module):
             k = jax.lax.dynamic_update_slice_in_dim(cache[0], k, start, axis=1)
             v = jax.lax.dynamic_update_slice_in_dim(cache[1], v, start, axis=1)
             cache = (k, v)
+        dropout = bool(self.dropout.rate) and not self.dropout.deterministic
+        path = route(
+            current_platform(),
+            q.dtype,
+            q.shape[-1],
+            causal=self.causal,
+            cached=cache is not None,
+            dropout=dropout,
+        )
         visible = None
-        if self.causal:
+        if path.mask == "positions":
             visible = jnp.arange(k.shape[1])[None, :] <= (start + jnp.arange(q.shape[1]))[:, None]
-        if self.dropout.rate and not self.dropout.deterministic:
+        if path.kernel == "einsum":
             mixed = self._with_dropout(q, k, v, visible, key)
-        else:  # fused: cuDNN flash attention on GPUs, XLA elsewhere
+        else:
             mask = None if visible is None else visible[None, None]
-            mixed = jax.nn.dot_product_attention(q, k, v, mask=mask)
+            mixed = jax.nn.dot_product_attention(
+                q, k, v, mask=mask, is_causal=path.mask == "causal", implementation=path.kernel
+            )
         return self.out(mixed, out_sharding=tokens_spec()), cache
 
     def _with_dropout(self, q, k, v, visible, key) -> jax.Array:
