@@ -4,11 +4,19 @@ GELU MLP, each added back to its input.
 What pretrained checkpoints differ in is an option (`BlockOptions`): biases on the attention
 projections, the LayerNorm epsilon, exact or tanh-approximated GELU, the MLP's width.
 
-Attention is written out (three projections and two einsums) rather than taken from
-`nnx.MultiHeadAttention`, so each contraction can say where its output lives: heads are split
-over the `tensor` mesh axis, and explicit sharding needs the output projection's sum over heads
-placed explicitly. A causal block (`gpt`) masks later positions and can run a few new tokens
-against a fixed-size key/value cache.
+Attention's projections are written out rather than taken from `nnx.MultiHeadAttention`, so
+each contraction can say where its output lives: heads are split over the `tensor` mesh axis,
+and explicit sharding needs the output projection's sum over heads placed explicitly. A causal
+block (`gpt`) masks later positions and can run a few new tokens against a fixed-size key/value
+cache. Between the projections, `models.attention_route` picks how the attention itself runs:
+- fused, `jax.nn.dot_product_attention` with cuDNN's flash attention: on an NVIDIA GPU from
+  Ampere on, in bfloat16 or float16 (`trainer.precision=bf16`), heads of a multiple of 8 up to
+  128 (256 from Hopper on), without a cache; a causal mask is cuDNN's own (`is_causal`);
+- fused with XLA's kernel: everywhere else without attention Dropout in training: CPUs, TPUs,
+  float32, decoding against the cache (with a mask of positions);
+- written out in two einsums: where Dropout on the attention weights is on in training, on
+  every platform. `vit` trains so by default (its `dropout_rate`, 0.1, is also its attention
+  Dropout); its evals and `gpt` (no attention Dropout) take a fused path.
 
 Randomness comes at call time as one key per block, split into one key per Dropout site, so a
 stack of blocks can be scanned over (the keys are a scanned input).
