@@ -28,6 +28,8 @@ queries' and keys' positions."""
 
 @dataclasses.dataclass(frozen=True)
 class Route:
+    """How one attention call runs: which `kernel`, given its causal `mask` which way."""
+
     kernel: Kernel
     mask: Mask
 
