@@ -4,11 +4,19 @@ GELU MLP, each added back to its input.
 What pretrained checkpoints differ in is an option (`BlockOptions`): biases on the attention
 projections, the LayerNorm epsilon, exact or tanh-approximated GELU, the MLP's width.
 
-Attention is written out (three projections and two einsums) rather than taken from
-`nnx.MultiHeadAttention`, so each contraction can say where its output lives: heads are split
-over the `tensor` mesh axis, and explicit sharding needs the output projection's sum over heads
-placed explicitly. A causal block (`gpt`) masks later positions and can run a few new tokens
-against a fixed-size key/value cache.
+Attention's projections are written out rather than taken from `nnx.MultiHeadAttention`, so
+each contraction can say where its output lives: heads are split over the `tensor` mesh axis,
+and explicit sharding needs the output projection's sum over heads placed explicitly. A causal
+block (`gpt`) masks later positions and can run a few new tokens against a fixed-size key/value
+cache. Between the projections, `models.attention_route` picks how the attention itself runs:
+- fused, `jax.nn.dot_product_attention` with cuDNN's flash attention: on an NVIDIA GPU from
+  Ampere on, in bfloat16 or float16 (`trainer.precision=bf16`), heads of a multiple of 8 up to
+  128 (256 from Hopper on), without a cache; a causal mask is cuDNN's own (`is_causal`);
+- fused with XLA's kernel: everywhere else without attention Dropout in training: CPUs, TPUs,
+  float32, decoding against the cache (with a mask of positions);
+- written out in two einsums: where Dropout on the attention weights is on in training, on
+  every platform. `vit` trains so by default (its `dropout_rate`, 0.1, is also its attention
+  Dropout); its evals and `gpt` (no attention Dropout) take a fused path.
 
 Randomness comes at call time as one key per block, split into one key per Dropout site, so a
 stack of blocks can be scanned over (the keys are a scanned input).
@@ -23,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models.attention_route import current_platform, route
 from models.layers import dense, head_projections, layer_norm
 from train.errors import ZooError
 from train.sharding import logical_spec
@@ -83,14 +92,25 @@ class Attention(nnx.Module):
             k = jax.lax.dynamic_update_slice_in_dim(cache[0], k, start, axis=1)
             v = jax.lax.dynamic_update_slice_in_dim(cache[1], v, start, axis=1)
             cache = (k, v)
+        dropout = bool(self.dropout.rate) and not self.dropout.deterministic
+        path = route(
+            current_platform(),
+            q.dtype,
+            q.shape[-1],
+            causal=self.causal,
+            cached=cache is not None,
+            dropout=dropout,
+        )
         visible = None
-        if self.causal:
+        if path.mask == "positions":
             visible = jnp.arange(k.shape[1])[None, :] <= (start + jnp.arange(q.shape[1]))[:, None]
-        if self.dropout.rate and not self.dropout.deterministic:
+        if path.kernel == "einsum":
             mixed = self._with_dropout(q, k, v, visible, key)
-        else:  # fused: cuDNN flash attention on GPUs, XLA elsewhere
+        else:
             mask = None if visible is None else visible[None, None]
-            mixed = jax.nn.dot_product_attention(q, k, v, mask=mask)
+            mixed = jax.nn.dot_product_attention(
+                q, k, v, mask=mask, is_causal=path.mask == "causal", implementation=path.kernel
+            )
         return self.out(mixed, out_sharding=tokens_spec()), cache
 
     def _with_dropout(self, q, k, v, visible, key) -> jax.Array:

@@ -1,6 +1,6 @@
 """The shared block's fused attention (`jax.nn.dot_product_attention`) computes what attention
 written out in einsums does: causal, bidirectional and against a KV cache, on one device and
-with heads split over `tensor`."""
+with heads split over `tensor`; and each call takes the kernel and mask `route` picks for it."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from model_checks import MESH, ONE_DEVICE, Models, outputs
 
+from models.attention_route import Platform, Route, current_platform, route
 from train.sharding import logical_spec
 
 CONTEXT, DIM, HEADS, BATCH = 16, 32, 4, 4
@@ -67,3 +68,78 @@ def test_fused_attention_matches_einsum_attention_against_a_kv_cache(models, mes
     model.eval()
     fused, reference = outputs(model, mesh, lambda m, x, c: both(m, x, c, 5, True), x, cache)
     np.testing.assert_allclose(fused, reference, rtol=1e-5, atol=1e-6)
+
+
+HOPPER = Platform("gpu", cuda=True, compute_capability=(9, 0))
+AMPERE = Platform("gpu", cuda=True, compute_capability=(8, 0))
+TRAINING = {"causal": True, "cached": False, "dropout": False}
+
+
+@pytest.mark.parametrize(
+    ("platform", "dtype", "head_dim", "call", "expected"),
+    [
+        (HOPPER, jnp.bfloat16, 64, TRAINING, Route("cudnn", "causal")),
+        (AMPERE, jnp.float16, 128, {**TRAINING, "causal": False}, Route("cudnn", "none")),
+        (HOPPER, jnp.float32, 64, TRAINING, Route("xla", "causal")),
+        (Platform("cpu"), jnp.bfloat16, 64, TRAINING, Route("xla", "causal")),
+        (Platform("gpu"), jnp.bfloat16, 64, TRAINING, Route("xla", "causal")),
+        (Platform("gpu", True, (7, 5)), jnp.bfloat16, 64, TRAINING, Route("xla", "causal")),
+        (HOPPER, jnp.bfloat16, 64, {**TRAINING, "dropout": True}, Route("einsum", "positions")),
+        (
+            HOPPER,
+            jnp.bfloat16,
+            64,
+            {"causal": False, "cached": False, "dropout": True},
+            Route("einsum", "none"),
+        ),
+        (HOPPER, jnp.bfloat16, 64, {**TRAINING, "cached": True}, Route("xla", "positions")),
+        (HOPPER, jnp.bfloat16, 12, TRAINING, Route("xla", "causal")),
+        (HOPPER, jnp.bfloat16, 264, TRAINING, Route("xla", "causal")),
+        (HOPPER, jnp.bfloat16, 256, TRAINING, Route("cudnn", "causal")),
+        (AMPERE, jnp.bfloat16, 256, TRAINING, Route("xla", "causal")),
+    ],
+    ids=[
+        "gpu-bf16-cudnn",
+        "gpu-fp16-bidirectional-cudnn",
+        "gpu-fp32-xla",
+        "cpu-xla",
+        "rocm-xla",
+        "pre-ampere-xla",
+        "dropout-einsum",
+        "dropout-bidirectional-einsum",
+        "kv-cache-xla-with-mask",
+        "head-dim-not-multiple-of-8-xla",
+        "head-dim-over-256-xla",
+        "head-dim-256-on-hopper-cudnn",
+        "head-dim-256-before-hopper-xla",
+    ],
+)
+def test_route_picks_cudnn_only_where_jax_accepts_it(platform, dtype, head_dim, call, expected):
+    assert route(platform, dtype, head_dim, **call) == expected
+
+
+def test_this_machine_routes_to_xla():
+    """These tests run on CPUs: the block's calls above took XLA's kernel."""
+    assert current_platform().backend == jax.default_backend() != "gpu"
+    assert route(current_platform(), jnp.bfloat16, 64, **TRAINING) == Route("xla", "causal")
+
+
+def causal_both_ways(model, x):
+    """XLA's fused attention of the block's own (sharded) queries, keys and values, made causal
+    by `is_causal` and by a boolean mask of positions."""
+    attention = model.blocks[0].attention
+    heads = logical_spec("batch", None, "heads", None)
+    q, k, v = (p(x, out_sharding=heads) for p in (attention.query, attention.key, attention.value))
+    visible = jnp.tril(jnp.ones((CONTEXT, CONTEXT), bool))[None, None]
+    return (
+        jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla"),
+        jax.nn.dot_product_attention(q, k, v, mask=visible, implementation="xla"),
+    )
+
+
+@pytest.mark.parametrize("mesh", [ONE_DEVICE, MESH], ids=["one-device", "2x2x2"])
+def test_is_causal_computes_what_the_causal_mask_does(models, mesh):
+    x = jax.random.normal(jax.random.key(3), (BATCH, CONTEXT, DIM))
+    model = models.one if mesh is ONE_DEVICE else models.split
+    by_flag, by_mask = outputs(model, mesh, causal_both_ways, x)
+    np.testing.assert_array_equal(by_flag, by_mask)
