@@ -52,8 +52,7 @@ def test_jax_on_cpu_adopts_a_buffer_without_a_copy():
         buffer = new_buffer((64, 128), np.float32)
         buffer[...] = np.arange(buffer.size).reshape(buffer.shape)
         device = jax.devices()[0]
-        array = jax.make_array_from_callback(
-            buffer.shape, jax.sharding.SingleDeviceSharding(device), lambda _: buffer
-        )
+        sharding = jax.sharding.SingleDeviceSharding(device)
+        array = jax.make_array_from_callback(buffer.shape, sharding, lambda _, b=buffer: b)
         assert array.unsafe_buffer_pointer() == buffer.ctypes.data
         np.testing.assert_array_equal(np.asarray(array), buffer)
