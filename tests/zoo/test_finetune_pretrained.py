@@ -40,9 +40,35 @@ def pretrained():
     return params(zoo.load(TINY).model)
 
 
+class Recorder:
+    """Every hook's calls, in order."""
+
+    def __init__(self):
+        self.calls = []
+
+    def on_train_window(self, step, metrics):
+        self.calls.append(("window", step, float(metrics["loss"])))
+
+    def on_eval(self, step, metrics):
+        self.calls.append(("eval", step, float(metrics["loss"])))
+
+    def on_checkpoint(self, step, path):
+        self.calls.append(("checkpoint", step, path))
+
+    def on_end(self, result):
+        self.calls.append(("end", result.step, None))
+
+
 def test_frozen_params_keep_the_checkpoint_s_values(pretrained, tmp_path):
     frozen = r"blocks\.0|embedding|positions"
-    result = zoo.finetune(TINY, *TUNE, f"workdir={tmp_path}", freeze=frozen)
+    recorder = Recorder()
+    args = (*TUNE, "trainer.log_every=1", f"workdir={tmp_path}")
+    result = zoo.finetune(TINY, *args, freeze=frozen, callbacks=[recorder])
+    kinds = [(kind, step) for kind, step, _ in recorder.calls]
+    windows = [("window", 1), ("window", 2), ("window", 3)]
+    assert kinds == [*windows, ("eval", 3), ("checkpoint", 3), ("end", 3)], kinds
+    assert recorder.calls[3][2] == pytest.approx(result.eval_metrics["loss"])
+    assert recorder.calls[4][2] == str(tmp_path / "checkpoints" / "3")
     assert result.config.data.tokenizer == str(TINY / "tokenizer.json")
     assert "bits_per_token" in result.eval_metrics
     tuned = params(result.model)
