@@ -3,9 +3,10 @@
 with numpy and safetensors) against reading its safetensors file into numpy arrays.
 
     python -m benchmarks.pretrained_loading --repeats 3 --json runs/bench/pretrained.json
+    python -m benchmarks.pretrained_loading --size medium   # GPT-2 medium: 355M, 24 x 1,024
 
 Each measurement runs in a fresh interpreter: its wall time (from after the imports to the
-last param on its devices) and its peak host memory (`ru_maxrss`) less that of an interpreter
+last param on its devices) and its peak host memory (`VmHWM`) less that of an interpreter
 that imported the same libraries and did nothing else. zoo loads onto 1 device and onto 8
 (simulated CPU devices, `mesh.fsdp=8`: each device holds an eighth of every sharded param; a
 data-parallel mesh would hold a full copy per device by definition). Goals: at most 1.5x the
@@ -26,8 +27,10 @@ from pathlib import Path
 
 import numpy as np
 
-VOCAB, CONTEXT, DEPTH, WIDTH = 50257, 1024, 12, 768
-CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "zoo-bench" / "gpt2-small"
+VOCAB, CONTEXT = 50257, 1024
+SIZES = {"small": (12, 768, 12), "medium": (24, 1024, 16)}
+"""GPT-2's sizes: layers, width, heads."""
+CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "zoo-bench"
 WEIGHTS = "model.safetensors"
 MESHES = {1: None, 8: {"data": 1, "fsdp": 8}}
 """zoo's mesh on 1 and on 8 devices."""
@@ -44,32 +47,33 @@ that were faulted in while it was planned); `zoo`: `zoo.load` whole, with Hydra'
 and the abstract model's trace besides."""
 
 
-def gpt2_small_shapes():
-    """(key, shape) of every tensor of a GPT-2-small `GPT2Model` checkpoint."""
-    yield "wte.weight", (VOCAB, WIDTH)
-    yield "wpe.weight", (CONTEXT, WIDTH)
-    for i in range(DEPTH):
+def gpt2_shapes(size: str):
+    """(key, shape) of every tensor of a GPT-2 `GPT2Model` checkpoint of `size`."""
+    depth, width, _ = SIZES[size]
+    yield "wte.weight", (VOCAB, width)
+    yield "wpe.weight", (CONTEXT, width)
+    for i in range(depth):
         for name, shape in [
-            ("ln_1.weight", (WIDTH,)),
-            ("ln_1.bias", (WIDTH,)),
-            ("attn.c_attn.weight", (WIDTH, 3 * WIDTH)),
-            ("attn.c_attn.bias", (3 * WIDTH,)),
-            ("attn.c_proj.weight", (WIDTH, WIDTH)),
-            ("attn.c_proj.bias", (WIDTH,)),
-            ("ln_2.weight", (WIDTH,)),
-            ("ln_2.bias", (WIDTH,)),
-            ("mlp.c_fc.weight", (WIDTH, 4 * WIDTH)),
-            ("mlp.c_fc.bias", (4 * WIDTH,)),
-            ("mlp.c_proj.weight", (4 * WIDTH, WIDTH)),
-            ("mlp.c_proj.bias", (WIDTH,)),
+            ("ln_1.weight", (width,)),
+            ("ln_1.bias", (width,)),
+            ("attn.c_attn.weight", (width, 3 * width)),
+            ("attn.c_attn.bias", (3 * width,)),
+            ("attn.c_proj.weight", (width, width)),
+            ("attn.c_proj.bias", (width,)),
+            ("ln_2.weight", (width,)),
+            ("ln_2.bias", (width,)),
+            ("mlp.c_fc.weight", (width, 4 * width)),
+            ("mlp.c_fc.bias", (4 * width,)),
+            ("mlp.c_proj.weight", (4 * width, width)),
+            ("mlp.c_proj.bias", (width,)),
         ]:
             yield f"h.{i}.{name}", shape
-    yield "ln_f.weight", (WIDTH,)
-    yield "ln_f.bias", (WIDTH,)
+    yield "ln_f.weight", (width,)
+    yield "ln_f.bias", (width,)
 
 
-def make_checkpoint(directory: Path) -> Path:
-    """The random GPT-2-small checkpoint in `directory`, written once and reused."""
+def make_checkpoint(directory: Path, size: str) -> Path:
+    """The random GPT-2 checkpoint of `size` in `directory`, written once and reused."""
     from safetensors.numpy import save_file
 
     if (directory / WEIGHTS).is_file():
@@ -78,16 +82,17 @@ def make_checkpoint(directory: Path) -> Path:
     rng = np.random.default_rng(0)
     tensors = {
         key: (0.02 * rng.standard_normal(shape, np.float32)).astype(np.float32)
-        for key, shape in gpt2_small_shapes()
+        for key, shape in gpt2_shapes(size)
     }
+    depth, width, heads = SIZES[size]
     config = {
         "model_type": "gpt2",
         "architectures": ["GPT2LMHeadModel"],
         "vocab_size": VOCAB,
         "n_positions": CONTEXT,
-        "n_embd": WIDTH,
-        "n_layer": DEPTH,
-        "n_head": 12,
+        "n_embd": width,
+        "n_layer": depth,
+        "n_head": heads,
         "activation_function": "gelu_new",
         "layer_norm_epsilon": 1e-5,
     }
@@ -120,8 +125,19 @@ def measure(what: str, directory: str, devices: int) -> dict[str, float]:
     else:  # baseline: the same imports, nothing loaded
         count = 0
     seconds = time.perf_counter() - started
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = peak_resident_bytes()
     return {"seconds": seconds, "peak_bytes": peak, "elements": count}
+
+
+def peak_resident_bytes() -> int:
+    """This process's peak resident memory: Linux's `VmHWM`, the high-water mark of this
+    program's own pages (`ru_maxrss` also keeps that of the process it was forked from, which
+    made a child of the process that had just written the checkpoint look 1 GB larger)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _placed_elements(model) -> int:
@@ -141,11 +157,12 @@ def in_fresh_process(what: str, directory: Path, devices: int) -> dict[str, floa
     return json.loads(out.strip().splitlines()[-1])
 
 
-def run(directory: Path, repeats: int) -> dict:
+def run(directory: Path, size: str, repeats: int) -> dict:
     """Each case `repeats` times, the cases interleaved (round after round), so that a load on
     the machine that comes and goes weighs on each alike."""
-    size = (directory / WEIGHTS).stat().st_size
-    results = {"file_bytes": size, "params": int(sum(np.prod(s) for _, s in gpt2_small_shapes()))}
+    file_bytes = (directory / WEIGHTS).stat().st_size
+    params = int(sum(np.prod(s) for _, s in gpt2_shapes(size)))
+    results = {"size": size, "file_bytes": file_bytes, "params": params}
     runs: dict[str, list[tuple[float, float]]] = {name: [] for name in CASES}
     for _ in range(repeats):
         for name, (what, devices) in CASES.items():
@@ -155,7 +172,7 @@ def run(directory: Path, repeats: int) -> dict:
     for name, measured in runs.items():
         seconds = statistics.median(r[0] for r in measured)
         peak = statistics.median(r[1] for r in measured)
-        results[name] = {"seconds": seconds, "peak_bytes": peak, "peak_x_file": peak / size}
+        results[name] = {"seconds": seconds, "peak_bytes": peak, "peak_x_file": peak / file_bytes}
         print(f"  {name}: {seconds:.2f} s, peak {peak / 2**20:.0f} MiB", flush=True)
     for name in CASES:
         results[name]["time_x_numpy"] = results[name]["seconds"] / results[NUMPY]["seconds"]
@@ -165,7 +182,7 @@ def run(directory: Path, repeats: int) -> dict:
 def table(results: dict) -> str:
     lines = [
         (
-            f"GPT-2-small-sized checkpoint: {results['params']:,} params, "
+            f"GPT-2-{results['size']}-sized checkpoint: {results['params']:,} params, "
             f"{results['file_bytes'] / 2**20:.0f} MiB of float32"
         ),
         "",
@@ -185,7 +202,8 @@ def table(results: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--cache", type=Path, default=CACHE, help="where the checkpoint is kept")
+    parser.add_argument("--size", choices=sorted(SIZES), default="small")
+    parser.add_argument("--cache", type=Path, default=CACHE, help="where checkpoints are kept")
     parser.add_argument("--json", type=Path)
     parser.add_argument(
         "--measure", choices=["baseline", "numpy", "zoo", "fill"], help=argparse.SUPPRESS
@@ -196,8 +214,8 @@ def main() -> None:
     if args.measure:
         print(json.dumps(measure(args.measure, args.dir, args.devices)))
         return
-    directory = make_checkpoint(args.cache)
-    results = run(directory, args.repeats)
+    directory = make_checkpoint(args.cache / f"gpt2-{args.size}", args.size)
+    results = run(directory, args.size, args.repeats)
     print(table(results))
     print(json.dumps(results, indent=2, default=float))
     if args.json:
