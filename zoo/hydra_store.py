@@ -91,27 +91,29 @@ def store_registry() -> None:
     once: registry entries are frozen, so one stored before is stored as it is (converting them
     all again took 40 ms of every composition)."""
     cs = ConfigStore.instance()
-    _store_once(cs, "zoo_schema", Config, Config)
-    _store_once(cs, "hydra/job_logging/zoo", JOB_LOGGING, JOB_LOGGING)
+    _store_once(cs, Config, name="zoo_schema", node=Config)
+    _store_once(cs, JOB_LOGGING, group="hydra/job_logging", name="zoo", node=JOB_LOGGING)
     cs.store(name="config", node=_primary())
     for name in registry.list_models():
-        _store_once(cs, f"model/{name}", registry.get_model(name), _model_node(name))
+        model = registry.get_model(name)
+        _store_once(cs, model, group="model", name=name, node=_model_node(name), package="_global_")
     for name in registry.list_datasets():
         entry = registry.get_data(name)
-        _store_once(cs, f"data/{name}", entry, entry.config)
+        _store_once(cs, entry, group="data", name=name, node=entry.config)
 
 
-_STORED: dict[str, Any] = {}
-"""Config path -> the record it was stored from."""
+_STORED: dict[tuple[str | None, str], Any] = {}
+"""(group, name) -> the record its config was stored from."""
 
 
-def _store_once(cs: ConfigStore, path: str, record: Any, node: Any) -> None:
-    if _STORED.get(path) is record:
+def _store_once(
+    cs: ConfigStore, record: Any, *, name: str, group: str | None = None, **store: Any
+) -> None:
+    """`cs.store(group=group, name=name, **store)` unless `record` is what it was stored from."""
+    if _STORED.get((group, name)) is record:
         return
-    group, _, name = path.rpartition("/")
-    package = "_global_" if group == "model" else None
-    cs.store(group=group or None, name=name, node=node, package=package)
-    _STORED[path] = record
+    cs.store(group=group, name=name, **store)
+    _STORED[(group, name)] = record
 
 
 def _model_node(name: str) -> dict[str, Any]:
