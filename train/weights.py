@@ -8,21 +8,25 @@ it implies, and a table of `Rule`s from checkpoint keys to its params, with the 
 each (transpose, split of a fused qkv, reshape to heads) and its inverse for export.
 
 Reading needs no PyTorch: the `safetensors` library checks each file and lists its keys; each
-tensor is then memory-mapped on its own, one at a time (bf16 as `ml_dtypes.bfloat16`), and the
-rule's transform gives views of it. Every param is planned before it is filled: its sharding
-gives each device a slice, and each distinct slice gets one page-aligned host buffer of the
-param's dtype, into which the views are copied straight from the page cache (the only copy:
-jax on CPU adopts a 64-byte-aligned numpy buffer as a device buffer without copying it, so the
-slices become the devices' arrays through `jax.make_array_from_callback`). No device ever holds a
-full copy of a sharded param, and the host holds the model and one mapped tensor at a time.
+tensor is then memory-mapped on its own (bf16 as `ml_dtypes.bfloat16`), and the rule's
+transform gives views of it. Every param is planned before it is filled: its sharding cuts it
+into one block per distinct device shard, and one host buffer of the param's dtype holds this
+process's blocks, each 64-byte aligned, into which the views are copied straight from the page
+cache, in one copy per tensor through a view of the buffer with the param's axes (the only
+copy: jax on CPU adopts a 64-byte-aligned numpy buffer as a device buffer without copying it, so
+the blocks become the devices' arrays through `jax.make_array_from_callback`). No device ever
+holds a full copy of a sharded param, and the host holds the model and one mapped tensor at a
+time while it copies.
 
-Everything is checked before the model changes: a key that no rule maps, a param no key fills,
-a shape that differs, a directory of no registered family, a missing shard or a truncated file
-each raise a `ZooError` naming what is wrong.
+Everything is checked before the model changes (`plan_fill`): a key that no rule maps, a param
+no key fills, a shape that differs, a directory of no registered family, a missing shard or a
+truncated file each raise a `ZooError` naming what is wrong. The copies then need no model, so
+a caller may run them on a thread while it does other work (`PlannedFill.copied_meanwhile`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -30,7 +34,9 @@ import mmap
 import os
 import re
 import struct
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -49,12 +55,14 @@ from train.sharding import AxisRules
 
 __all__ = [
     "Family",
+    "PlannedFill",
     "Pretrained",
     "Rule",
     "export_tensors",
     "fill",
     "is_pretrained",
     "open_pretrained",
+    "plan_fill",
     "write_pretrained",
 ]
 
@@ -63,6 +71,8 @@ TOKENIZER = "tokenizer.json"
 NewBuffer = Callable[[tuple[int, ...], Any], np.ndarray]
 FILLED = (nnx.Param, nnx.BatchStat)
 """The variables a checkpoint holds: params and BatchNorm running statistics."""
+_SWITCH_INTERVAL = 1e-4
+"""Seconds: how long a thread waits for the GIL before it asks the holder to let go."""
 
 
 def is_pretrained(directory: str | os.PathLike) -> bool:
@@ -265,6 +275,63 @@ def fill(
     `rules`, which give each param the sharding of its logical axes. `new_buffer(shape, dtype)`
     gives the host buffers the devices adopt (`Prefaulted.take`: pages readied beforehand).
     Nothing changes unless every key maps, every param is filled and every shape agrees."""
+    planned = plan_fill(
+        model, pretrained, hparams=hparams, skip=skip, mesh=mesh, rules=rules, new_buffer=new_buffer
+    )
+    planned.copy()
+    return planned.place()
+
+
+@dataclasses.dataclass
+class PlannedFill:
+    """A fill checked and planned: each param's host buffer, and the copies into it. `copy` needs
+    no model and holds the GIL only between copies, so it may run on a thread of its own while
+    the caller does other work; `place` then hands the buffers to the model."""
+
+    targets: dict[str, Any]
+    fillings: dict[str, _Filling]
+    skipped: list[str]
+
+    def copy(self) -> None:
+        """Every planned copy, param by param (each tensor's mapping is let go once the params
+        it fills are copied, so the host holds at most a tensor of the file at a time)."""
+        for filling in self.fillings.values():
+            filling.copy()
+
+    @contextlib.contextmanager
+    def copied_meanwhile(self) -> Iterator[None]:
+        """`copy` on a thread of its own while the body runs (and done when it ends). Python's
+        switch interval is shortened meanwhile: between two copies the thread needs the GIL for a
+        moment, and while the body runs Python it would wait up to the default 5 ms each time."""
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(_SWITCH_INTERVAL)
+        try:
+            with ThreadPoolExecutor(1, thread_name_prefix="zoo-fill") as pool:
+                copied = pool.submit(self.copy)
+                yield
+                copied.result()
+        finally:
+            sys.setswitchinterval(interval)
+
+    def place(self) -> list[str]:
+        """Set each param to its copied buffers; returns the dotted paths skipped."""
+        for path, filling in self.fillings.items():
+            self.targets[path].set_value(filling.placed())
+        return self.skipped
+
+
+def plan_fill(
+    model: nnx.Module,
+    pretrained: Pretrained,
+    *,
+    hparams: Mapping[str, Any],
+    skip: Sequence[str] = (),
+    mesh: Mesh | None = None,
+    rules: AxisRules | None = None,
+    new_buffer: NewBuffer = page_buffer,
+) -> PlannedFill:
+    """`fill` up to its copies: every key matched to its param, every shape checked (a
+    `ZooError` naming each problem), each param's buffer taken and its copies planned."""
     targets = _targets(model)
     skipped = [p for p in targets if any(matches(s, p) for s in skip)]
     table = pretrained.family.rules_for(hparams)
@@ -297,7 +364,7 @@ def fill(
                 filling[target] = _Filling(
                     variable, _sharding(variable, target, mesh, rules), new_buffer
                 )
-            filling[target].write(value, layer)
+            filling[target].plan(value, layer)
     unfilled = [
         f"{target} (layer(s) {', '.join(map(str, missing))})"
         for target, param in filling.items()
@@ -305,9 +372,7 @@ def fill(
     ]
     unfilled += [p for p in targets if p not in filling and p not in skipped]
     _refuse(pretrained, unmapped, absent, differ, unfilled)
-    for path, param in filling.items():
-        targets[path].set_value(param.placed())
-    return skipped
+    return PlannedFill(targets, filling, skipped)
 
 
 def _targets(model: nnx.Module) -> dict[str, nnx.Variable]:
@@ -350,33 +415,49 @@ def _sharding(variable: Any, path: str, mesh: Mesh | None, rules: Any) -> jax.sh
 
 
 class _Filling:
-    """One param while the checkpoint fills it: a host buffer for each distinct slice that its
-    sharding gives a device (one for a replicated param), which jax on CPU adopts as the
-    device's buffer, and which layers of a stacked param are in."""
+    """One param while the checkpoint fills it. Its sharding cuts it into equal blocks, one per
+    distinct device shard (one for a replicated param); one host buffer holds the blocks this
+    process's devices need, each 64-byte aligned, which jax on CPU adopts as those devices'
+    buffers without a copy. When the blocks tile a box of the param (always, on one process),
+    a tensor is copied into all of them at once, through a view of the buffer with the param's
+    axes; otherwise (a layer of a stacked param) block by block."""
 
     def __init__(self, variable: Any, sharding: jax.sharding.Sharding, new_buffer: NewBuffer):
-        self.shape, self.dtype, self.sharding = tuple(variable.shape), variable.dtype, sharding
-        self.new_buffer = new_buffer
-        self.slices = {
-            _bounds(index, self.shape)
-            for index in sharding.addressable_devices_indices_map(self.shape).values()
-        }
-        self.buffers: dict[tuple, np.ndarray] = {}
+        self.shape, self.sharding = tuple(variable.shape), sharding
+        indices = sharding.addressable_devices_indices_map(self.shape).values()
+        self.blocks = sorted({_bounds(index, self.shape) for index in indices})
+        self.position = {bounds: n for n, bounds in enumerate(self.blocks)}
+        self.block_shape = tuple(stop - start for start, stop in self.blocks[0])
+        dtype = np.dtype(variable.dtype)
+        size = math.prod(self.block_shape)
+        stride = -(-size * dtype.itemsize // _ALIGN) * _ALIGN // dtype.itemsize
+        self.buffer = new_buffer((len(self.blocks), stride), dtype)
+        self.grid = _grid(self.blocks, self.block_shape, self.buffer, size)
+        self.copies: list[tuple[Callable[..., Any], tuple]] = []
         self.layers: set[int | None] = set()
 
-    def write(self, value: np.ndarray, layer: int | None) -> None:
-        """Copy `value` (a view of the tensor; slice `layer` of a stacked param) into every
-        device's buffer; rows the param has beyond `value`'s are zero."""
+    def block(self, n: int) -> np.ndarray:
+        return self.buffer[n, : math.prod(self.block_shape)].reshape(self.block_shape)
+
+    def plan(self, value: np.ndarray, layer: int | None) -> None:
+        """Plan the copy of `value` (a view of the tensor; slice `layer` of a stacked param) into
+        every block; rows the param has beyond `value`'s are zero."""
         self.layers.add(layer)
-        for bounds in self.slices:
-            buffer = self.buffers.get(bounds)
-            if buffer is None:
-                shape = tuple(stop - start for start, stop in bounds)
-                buffer = self.buffers[bounds] = self.new_buffer(shape, self.dtype)
+        if layer is None and self.grid is not None:
+            self.copies.append((_copy_box, (*self.grid, value)))
+            return
+        for n, bounds in enumerate(self.blocks):
             if layer is None:
-                _copy_slice(buffer, value, bounds)
+                self.copies.append((_copy_slice, (self.block(n), value, bounds)))
             elif bounds[0][0] <= layer < bounds[0][1]:
-                _copy_slice(buffer[layer - bounds[0][0]], value, bounds[1:])
+                block = self.block(n)[layer - bounds[0][0]]
+                self.copies.append((_copy_slice, (block, value, bounds[1:])))
+
+    def copy(self) -> None:
+        copies, self.copies = self.copies, []
+        while copies:
+            function, args = copies.pop(0)
+            function(*args)
 
     def missing(self) -> list[int]:
         """The layers of a stacked param that no tensor filled."""
@@ -386,13 +467,61 @@ class _Filling:
 
     def placed(self) -> jax.Array:
         return jax.make_array_from_callback(
-            self.shape, self.sharding, lambda index: self.buffers[_bounds(index, self.shape)]
+            self.shape,
+            self.sharding,
+            lambda index: self.block(self.position[_bounds(index, self.shape)]),
         )
+
+
+_ALIGN = 64
+"""The alignment at which jax on CPU adopts a host buffer instead of copying it."""
+
+
+def _grid(blocks, block_shape, buffer, size) -> tuple[np.ndarray, tuple[slice, ...]] | None:
+    """(the buffer viewed with the param's axes, each split into (block, within block), and the
+    box of the param that it holds) when `blocks` tile a box in row-major order and sit
+    unpadded in `buffer`; else None."""
+    if buffer.shape[1] != size:
+        return None
+    starts = [sorted({bounds[axis][0] for bounds in blocks}) for axis in range(len(block_shape))]
+    counts = [len(axis) for axis in starts]
+    if math.prod(counts) != len(blocks) or any(
+        axis != list(range(axis[0], axis[0] + n * step, step))
+        for axis, n, step in zip(starts, counts, block_shape, strict=True)
+    ):
+        return None
+    rank = len(block_shape)
+    view = buffer.reshape(*counts, *block_shape)
+    view = view.transpose([i for axis in range(rank) for i in (axis, rank + axis)])
+    box = tuple(
+        slice(axis[0], axis[0] + n * step)
+        for axis, n, step in zip(starts, counts, block_shape, strict=True)
+    )
+    return view, box
 
 
 def _bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
     """A device's index into an array of `shape` as hashable (start, stop) per axis."""
     return tuple(part.indices(size)[:2] for part, size in zip(index, shape, strict=True))
+
+
+def _copy_box(view: np.ndarray, box: tuple[slice, ...], value: np.ndarray) -> None:
+    """`view` (a `_grid` view) = `value`[box], zero in the rows past `value`'s (padded rows):
+    one copy, or one per block of the first axis when rows are padded."""
+    if not box:
+        np.copyto(view, value, casting="unsafe")
+        return
+    rows, rest = box[0], box[1:]
+    if rows.stop <= len(value):
+        np.copyto(view, value[box].reshape(view.shape), casting="unsafe")
+        return
+    size = view.shape[1]
+    for i, block in enumerate(view):
+        start = rows.start + i * size
+        held = max(0, min(size, len(value) - start))
+        part = value[(slice(start, start + held), *rest)]
+        np.copyto(block[:held], part.reshape(held, *block.shape[1:]), casting="unsafe")
+        block[held:] = 0
 
 
 def _copy_slice(buffer: np.ndarray, value: np.ndarray, bounds: tuple[tuple[int, int], ...]):

@@ -18,6 +18,7 @@ from pretrained_checks import logits as pretrained_logits
 
 import zoo
 from train import weights
+from zoo.api import checkpoint_hparams, plan_pretrained
 from zoo.export import export
 
 FIXTURES = ROOT / "tests" / "fixtures" / "pretrained"
@@ -39,6 +40,22 @@ def test_logits_match_transformers(directory, mesh):
     out = logits(directory, mesh)
     np.testing.assert_allclose(out[..., :VOCAB], REFERENCE["logits"], atol=1e-5, rtol=0)
     assert (out[..., VOCAB:] < -1e29).all()  # the padded rows are masked
+
+
+def test_each_device_holds_the_block_of_the_host_buffer_the_fill_copied_into():
+    """On the 2x2x2 mesh (params sharded one, two and three ways, padded rows among them),
+    jax adopted each param's host buffer block by block: no second copy."""
+    pretrained = weights.open_pretrained(TINY)
+    mesh = {"data": 2, "fsdp": 2, "tensor": 2}
+    planned = plan_pretrained(pretrained, checkpoint_hparams(pretrained), mesh, None)
+    fill = planned.plan_fill()
+    fill.copy()
+    fill.place()
+    for path, filling in fill.fillings.items():
+        blocks = {filling.block(n).ctypes.data for n in range(len(filling.blocks))}
+        shards = fill.targets[path][...].addressable_shards
+        assert {shard.data.unsafe_buffer_pointer() for shard in shards} == blocks, path
+    assert {len(f.blocks) for f in fill.fillings.values()} == {1, 2, 4}
 
 
 def test_references_regenerate_live(tmp_path):
