@@ -108,7 +108,8 @@ def measure(what: str, directory: str, devices: int) -> dict[str, float]:
     from safetensors.numpy import load_file
 
     import zoo
-    from zoo.api import plan_pretrained
+    from train.weights import open_pretrained
+    from zoo.api import checkpoint_hparams, plan_pretrained
 
     jax.devices()  # the backend is up before the clock starts
     started = time.perf_counter()
@@ -119,7 +120,9 @@ def measure(what: str, directory: str, devices: int) -> dict[str, float]:
         loaded = zoo.load(directory, mesh=MESHES[devices], devices=jax.devices()[:devices])
         count = _placed_elements(loaded.model)
     elif what == "fill":  # config, mesh and abstract model made before the clock starts
-        planned = plan_pretrained(directory, MESHES[devices], jax.devices()[:devices])
+        pretrained = open_pretrained(directory)
+        hparams = checkpoint_hparams(pretrained)
+        planned = plan_pretrained(pretrained, hparams, MESHES[devices], jax.devices()[:devices])
         started = time.perf_counter()
         count = _placed_elements(planned.fill())
     else:  # baseline: the same imports, nothing loaded

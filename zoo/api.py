@@ -159,19 +159,18 @@ def is_pretrained_dir(path: str | os.PathLike) -> bool:
 @dataclasses.dataclass
 class PlannedLoad:
     """A pretrained directory's model before its weights: abstract (shapes and shardings, no
-    arrays), with the config, mesh, opened checkpoint and host pages that `weights.fill` needs."""
+    arrays), built from `hparams`, with the opened checkpoint and the host pages that its fill
+    takes its buffers from."""
 
     model: nnx.Module
     pretrained: weights.Pretrained
-    config: DictConfig
     hparams: dict[str, Any]
     mesh: jax.sharding.Mesh
     rules: sharding.AxisRules
     memory: Prefaulted
 
-    def fill(self) -> nnx.Module:
-        """The model with every param read straight into its sharding, in eval mode."""
-        weights.fill(
+    def plan_fill(self) -> weights.PlannedFill:
+        return weights.plan_fill(
             self.model,
             self.pretrained,
             hparams=self.hparams,
@@ -179,24 +178,47 @@ class PlannedLoad:
             rules=self.rules,
             new_buffer=self.memory.take,
         )
+
+    def finish(self, fill: weights.PlannedFill) -> nnx.Module:
+        """The model with the copied buffers as its params, in eval mode."""
+        fill.place()
         self.memory.release_rest()
         self.model.eval()
         return self.model
 
+    def fill(self) -> nnx.Module:
+        """The model with every param read straight into its sharding, in eval mode."""
+        fill = self.plan_fill()
+        fill.copy()
+        return self.finish(fill)
 
-def plan_pretrained(directory: str, mesh: Mapping[str, Any] | None, devices: Any) -> PlannedLoad:
-    """Everything `zoo.load` of a pretrained directory does before it reads a tensor; the host
-    pages of the params are readied meanwhile, on a thread of their own."""
-    pretrained = weights.open_pretrained(directory)
+
+def plan_pretrained(
+    pretrained: weights.Pretrained,
+    hparams: Mapping[str, Any],
+    mesh: Mapping[str, Any] | None,
+    devices: Any,
+) -> PlannedLoad:
+    """Everything `zoo.load` of a pretrained directory does before it reads a tensor, for the
+    model of `hparams`; the host pages of the params are readied meanwhile, on a thread of their
+    own."""
     memory = Prefaulted(_param_bytes(pretrained))
-    config = compose([f"finetune.init_from={directory}"])
-    entry = registry.get_model(config.model.name)
-    mesh_cfg = checked_dict(MeshConfig, {"rules": dict(config.mesh.rules), **(mesh or {})}, "mesh")
+    entry = registry.get_model(hparams["name"])
+    mesh_cfg = checked_dict(MeshConfig, dict(mesh or {}), "mesh")
     device_mesh, rules = sharding.mesh_and_rules(mesh_cfg, devices)
-    hparams = resolved_hparams(config)
     with sharding.activate(device_mesh, rules), nnx.use_eager_sharding(False):
-        model = nnx.eval_shape(lambda: build_model(entry, hparams, config.seed))
-    return PlannedLoad(model, pretrained, config, hparams, device_mesh, rules, memory)
+        model = nnx.eval_shape(lambda: build_model(entry, hparams, Config.seed))
+    return PlannedLoad(model, pretrained, dict(hparams), device_mesh, rules, memory)
+
+
+def checkpoint_hparams(pretrained: weights.Pretrained) -> dict[str, Any]:
+    """The model that a run from `pretrained` composes, from its config.json and the model's
+    defaults alone: Hydra's composition sets the same `model.*` keys from them (see
+    `zoo.pretrained`). Sizes the checkpoint leaves to the data set are those it states without
+    a config (None if it states none); one that decides them from its config may differ."""
+    entry = registry.get_model(pretrained.family.model)
+    hparams = checked_params(f"model '{entry.name}'", entry.config, pretrained.hparams())
+    return entry.resolve(hparams, registry.get_data(entry.default_data))
 
 
 @contextlib.contextmanager
@@ -216,19 +238,46 @@ def _collection_paused() -> Iterator[None]:
 
 def _param_bytes(pretrained: weights.Pretrained) -> int:
     """An upper bound of the bytes of a loaded model's host buffers on this process's devices:
-    float32 params, a page of alignment per buffer (a buffer per tensor and device, or three
-    for a fused qkv) and 1% for padded rows. The pages left over are released after the fill."""
+    float32 params, a page of alignment per buffer (a buffer per param: up to three per tensor,
+    for a fused qkv) and 1% for padded rows and blocks. The pages left over are released after
+    the fill."""
     numbers = 4 * pretrained.loaded_elements()
-    buffers = 3 * len(pretrained.files) * len(jax.local_devices())
-    return numbers + numbers // 100 + buffers * PAGE
+    return numbers + numbers // 100 + 3 * len(pretrained.files) * PAGE
 
 
 def _load_pretrained(directory: str, mesh: Mapping[str, Any] | None, devices: Any) -> TrainedModel:
-    """The model of a pretrained directory, each param read straight into its sharding."""
+    """The model of a pretrained directory, each param read straight into its sharding.
+
+    The model is planned from what its config.json implies (`checkpoint_hparams`), so that its
+    tensors are copied on a thread while Hydra composes the run's config (both take about as
+    long). Where the checkpoint cannot say or the composed config differs, the model is planned
+    from the composed config instead."""
     with _collection_paused():
-        planned = plan_pretrained(directory, mesh, devices)
-        model = planned.fill()
-    return TrainedModel(model, planned.config, 0, directory, planned.mesh, planned.rules, {})
+        pretrained = weights.open_pretrained(directory)
+        planned, fill = _planned_from_checkpoint(pretrained, mesh, devices)
+        with contextlib.nullcontext() if fill is None else fill.copied_meanwhile():
+            config = compose([f"finetune.init_from={directory}"])
+        hparams = resolved_hparams(config)
+        if planned is None or hparams != planned.hparams:
+            planned = plan_pretrained(pretrained, hparams, mesh, devices)
+            fill = planned.plan_fill()
+            fill.copy()
+        model = planned.finish(fill)
+    return TrainedModel(model, config, 0, directory, planned.mesh, planned.rules, {})
+
+
+def _planned_from_checkpoint(
+    pretrained: weights.Pretrained, mesh: Mapping[str, Any] | None, devices: Any
+) -> tuple[PlannedLoad, weights.PlannedFill] | tuple[None, None]:
+    """The load planned from config.json alone, or (None, None) where that fails (a size the
+    checkpoint leaves to the data set, weights that do not fit): the load is then planned after
+    composition, whose errors (a tokenizer that does not fit, a bad value) name such faults
+    better than the fill's."""
+    try:
+        planned = plan_pretrained(pretrained, checkpoint_hparams(pretrained), mesh, devices)
+        return planned, planned.plan_fill()
+    except ZooError:
+        return None, None
 
 
 def _read_model(
