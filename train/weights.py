@@ -259,25 +259,11 @@ def _read_json(path: str) -> dict[str, Any]:
         raise ZooError(f"Cannot read {path} as JSON: {e}.") from None
 
 
-def fill(
-    model: nnx.Module,
-    pretrained: Pretrained,
-    *,
-    hparams: Mapping[str, Any],
-    skip: Sequence[str] = (),
-    mesh: Mesh | None = None,
-    rules: AxisRules | None = None,
-    new_buffer: NewBuffer = page_buffer,
-) -> list[str]:
-    """Fill `model`'s params and BatchNorm statistics from the checkpoint, except those `skip`
-    patterns match (a new head); returns the dotted paths skipped. Each array takes the
-    sharding of the one it replaces; an abstract model (`nnx.eval_shape`) needs `mesh` and
-    `rules`, which give each param the sharding of its logical axes. `new_buffer(shape, dtype)`
-    gives the host buffers the devices adopt (`Prefaulted.take`: pages readied beforehand).
-    Nothing changes unless every key maps, every param is filled and every shape agrees."""
-    planned = plan_fill(
-        model, pretrained, hparams=hparams, skip=skip, mesh=mesh, rules=rules, new_buffer=new_buffer
-    )
+def fill(model: nnx.Module, pretrained: Pretrained, **planning: Any) -> list[str]:
+    """Fill `model`'s params and BatchNorm statistics from the checkpoint (`planning`: the
+    keywords of `plan_fill`); returns the dotted paths skipped. Nothing changes unless every
+    key maps, every param is filled and every shape agrees."""
+    planned = plan_fill(model, pretrained, **planning)
     planned.copy()
     return planned.place()
 
@@ -331,7 +317,12 @@ def plan_fill(
     new_buffer: NewBuffer = page_buffer,
 ) -> PlannedFill:
     """`fill` up to its copies: every key matched to its param, every shape checked (a
-    `ZooError` naming each problem), each param's buffer taken and its copies planned."""
+    `ZooError` naming each problem), each param's buffer taken and its copies planned.
+
+    Params that `skip` patterns match (a new head) are left as they are. Each array takes the
+    sharding of the one it replaces; an abstract model (`nnx.eval_shape`) needs `mesh` and
+    `rules`, which give each param the sharding of its logical axes. `new_buffer(shape, dtype)`
+    gives the host buffers the devices adopt (`Prefaulted.take`: pages readied beforehand)."""
     targets = _targets(model)
     skipped = [p for p in targets if any(matches(s, p) for s in skip)]
     table = pretrained.family.rules_for(hparams)
