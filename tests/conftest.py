@@ -74,3 +74,27 @@ def image_folder(tmp_path_factory):
     root = tmp_path_factory.mktemp("images")
     write_folder(root, per_class=10)
     return root
+
+
+LONGEST_FIRST = (
+    "tests/zoo/test_readme.py",
+    "tests/train/test_resume.py",
+    "tests/train/test_precision.py",
+    "tests/zoo/test_costs_benchmark.py",
+    "tests/train/test_multiprocess.py",
+    "tests/models/test_gpt.py",
+    "tests/zoo/test_cli.py",
+    "tests/zoo/test_finetune_vision.py",
+    "tests/faults/test_disk_full.py",
+    "tests/faults/test_kill_pretrained.py",
+    "tests/zoo/test_finetune_pretrained.py",
+    "tests/models/test_vision_models.py",
+)
+"""The files that take longest (2-core CI), in that order. pytest-xdist hands each worker whole
+files in collection order; these first, so that no long file starts near the end while the
+other worker has run out of files."""
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
