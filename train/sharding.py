@@ -229,3 +229,14 @@ def shard_batch(
         name: jax.make_array_from_process_local_data(sharding, value)
         for name, value in batch.items()
     }
+
+
+def variable_sharding(variable: Any, path: str, mesh: Mesh | None, rules: Any) -> NamedSharding:
+    """The sharding of the array that replaces `variable`'s: its own, or (an abstract variable,
+    from `nnx.eval_shape`) that of its logical axes under `rules` on `mesh`."""
+    current = variable.get_value()
+    if isinstance(current, jax.Array):
+        return current.sharding
+    logical = variable.get_metadata().get("out_sharding")
+    spec = () if logical is None else rules.spec(logical, tuple(variable.shape), mesh, f"'{path}'")
+    return NamedSharding(mesh, P(*spec))

@@ -21,12 +21,14 @@ from typing import Any, TypeVar
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 from train.config import resume_step
 from train.errors import CorruptCheckpoint, ZooError, mismatches
 from train.failures import quiet_storage_noise, reason
 from train.paths import dotted, matches
 from train.saved import SavedPath, read_json, restore_arrays, saved_shapes, saved_steps
+from train.sharding import AxisRules, variable_sharding
 
 MODEL = "0"
 OPTIMIZER = "1"
@@ -139,11 +141,23 @@ def _best(directory: str, steps: list[int]) -> int:
     return best
 
 
-def restore_model(model: nnx.Module, step_path: str) -> None:
+def restore_model(
+    model: nnx.Module, step_path: str, mesh: Mesh | None = None, rules: AxisRules | None = None
+) -> None:
     """Every variable of `model` (params, statistics, RNG streams) from the checkpoint, in place;
-    the model must have the structure of the one saved there."""
+    the model must have the structure of the one saved there. An abstract model
+    (`nnx.eval_shape`, no arrays to initialise only to be overwritten) needs `mesh` and `rules`,
+    which give each variable the sharding of its logical axes."""
     variables = list(nnx.to_flat_state(nnx.state(model)))
-    _restore_into(step_path, [(tuple(map(str, path)), v) for path, v in variables])
+    paths = [tuple(map(str, path)) for path, _ in variables]
+    _restore_into(
+        step_path,
+        [(path, v) for path, (_, v) in zip(paths, variables, strict=True)],
+        shardings=[
+            variable_sharding(v, dotted(path), mesh, rules)
+            for path, (_, v) in zip(paths, variables, strict=True)
+        ],
+    )
 
 
 def restore_averaged(model: nnx.Module, step_path: str, decay: float) -> None:
@@ -221,13 +235,19 @@ def warm_start(
 
 
 def _restore_into(
-    step_path: str, variables: list[tuple[SavedPath, Any]], prefix: bool = True
+    step_path: str,
+    variables: list[tuple[SavedPath, Any]],
+    prefix: bool = True,
+    shardings: Sequence[jax.sharding.Sharding] | None = None,
 ) -> None:
+    """Each variable set to its saved array, restored straight into `shardings` (default: the
+    variable's own)."""
     paths = [(MODEL, *path) if prefix else path for path, _ in variables]
+    shardings = shardings or [v[...].sharding for _, v in variables]
     targets = {
-        path: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v[...].sharding)
-        for path, (_, v) in zip(paths, variables, strict=True)
+        path: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=where)
+        for path, (_, v), where in zip(paths, variables, shardings, strict=True)
     }
     arrays = restore_arrays(step_path, targets)
     for path, (_, variable) in zip(paths, variables, strict=True):
-        variable[...] = arrays[path]
+        variable.set_value(arrays[path])

@@ -43,7 +43,7 @@ import jax
 import ml_dtypes
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
@@ -51,7 +51,7 @@ from train.errors import ZooError, mismatches
 from train.host_memory import page_buffer
 from train.paths import matches
 from train.registry import Family, Rule, families
-from train.sharding import AxisRules
+from train.sharding import AxisRules, variable_sharding
 
 __all__ = [
     "Family",
@@ -353,7 +353,7 @@ def plan_fill(
                 continue
             if target not in filling:
                 filling[target] = _Filling(
-                    variable, _sharding(variable, target, mesh, rules), new_buffer
+                    variable, variable_sharding(variable, target, mesh, rules), new_buffer
                 )
             filling[target].plan(value, layer)
     unfilled = [
@@ -392,17 +392,6 @@ def _rule_for(table: Sequence[Rule], key: str) -> tuple[Rule, list[str]] | None:
         if match:
             return rule, [match.expand(path) for path in rule.params]
     return None
-
-
-def _sharding(variable: Any, path: str, mesh: Mesh | None, rules: Any) -> jax.sharding.Sharding:
-    """The sharding of the array that replaces `variable`'s: its own, or (abstract) that of its
-    logical axes."""
-    current = variable.get_value()
-    if isinstance(current, jax.Array):
-        return current.sharding
-    logical = variable.get_metadata().get("out_sharding")
-    spec = () if logical is None else rules.spec(logical, tuple(variable.shape), mesh, f"'{path}'")
-    return NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
 
 
 class _Filling:

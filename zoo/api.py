@@ -259,6 +259,7 @@ def _load_pretrained(directory: str, mesh: Mapping[str, Any] | None, devices: An
             config = compose([f"finetune.init_from={directory}"])
         hparams = resolved_hparams(config)
         if planned is None or hparams != planned.hparams:
+            planned = fill = None  # its pages are given back before the new plan takes its own
             planned = plan_pretrained(pretrained, hparams, mesh, devices)
             fill = planned.plan_fill()
             fill.copy()
@@ -289,10 +290,10 @@ def _read_model(
     entry = registry.get_model(config.model.name)
     mesh_cfg = checked_dict(MeshConfig, {"rules": dict(config.mesh.rules), **(mesh or {})}, "mesh")
     device_mesh, rules = sharding.mesh_and_rules(mesh_cfg, devices)
-    model = build_on_mesh(
-        entry, resolved_hparams(config), config.seed, device_mesh, rules, finetune=config.finetune
-    ).model
-    restore_model(model, path)
+    hparams = resolved_hparams(config)
+    with sharding.activate(device_mesh, rules), nnx.use_eager_sharding(False):
+        model = nnx.eval_shape(lambda: build_model(entry, hparams, config.seed, config.finetune))
+    restore_model(model, path, device_mesh, rules)
     if decay is not None:
         restore_averaged(model, path, decay)
     model.eval()

@@ -5,6 +5,7 @@ backbone or LoRA adapters, on another mesh; TensorBoard events read back."""
 
 from __future__ import annotations
 
+import logging
 import re
 
 import grain
@@ -64,6 +65,20 @@ def test_a_cli_run_loads_ready_to_call(cli_runs):
     )
     assert zoo.load(cli_runs["cnn"], "30").step == 30
     assert zoo.load(cli_runs["cnn"], "best").step in (30, 60)
+
+
+def test_a_loaded_run_is_restored_into_an_abstract_model_with_no_init_compiled(
+    cli_runs, caplog, fresh_compiles
+):
+    with jax.log_compiles(True), caplog.at_level(logging.WARNING, logger="jax"):
+        loaded = zoo.load(cli_runs["mlp"], mesh={"data": 2, "fsdp": 4})
+    compiled = [
+        r.getMessage() for r in caplog.records if "Finished XLA compilation" in r.getMessage()
+    ]
+    assert compiled and not [line for line in compiled if "jit(create)" in line], compiled
+    kernel = loaded.model.hidden[0].kernel[...]
+    assert kernel.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
+    np.testing.assert_array_equal(kernel, zoo.load(cli_runs["mlp"]).model.hidden[0].kernel[...])
 
 
 def test_missing_runs_and_steps_are_named(cli_runs, tmp_path):
