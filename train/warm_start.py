@@ -148,16 +148,8 @@ def restore_model(
     the model must have the structure of the one saved there. An abstract model
     (`nnx.eval_shape`, no arrays to initialise only to be overwritten) needs `mesh` and `rules`,
     which give each variable the sharding of its logical axes."""
-    variables = list(nnx.to_flat_state(nnx.state(model)))
-    paths = [tuple(map(str, path)) for path, _ in variables]
-    _restore_into(
-        step_path,
-        [(path, v) for path, (_, v) in zip(paths, variables, strict=True)],
-        shardings=[
-            variable_sharding(v, dotted(path), mesh, rules)
-            for path, (_, v) in zip(paths, variables, strict=True)
-        ],
-    )
+    variables = [(tuple(map(str, path)), v) for path, v in nnx.to_flat_state(nnx.state(model))]
+    _restore_into(step_path, variables, mesh=mesh, rules=rules)
 
 
 def restore_averaged(model: nnx.Module, step_path: str, decay: float) -> None:
@@ -238,15 +230,17 @@ def _restore_into(
     step_path: str,
     variables: list[tuple[SavedPath, Any]],
     prefix: bool = True,
-    shardings: Sequence[jax.sharding.Sharding] | None = None,
+    mesh: Mesh | None = None,
+    rules: AxisRules | None = None,
 ) -> None:
-    """Each variable set to its saved array, restored straight into `shardings` (default: the
-    variable's own)."""
+    """Each variable set to its saved array, restored straight into its sharding (an abstract
+    variable's: that of its logical axes, see `variable_sharding`)."""
     paths = [(MODEL, *path) if prefix else path for path, _ in variables]
-    shardings = shardings or [v[...].sharding for _, v in variables]
     targets = {
-        path: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=where)
-        for path, (_, v), where in zip(paths, variables, shardings, strict=True)
+        path: jax.ShapeDtypeStruct(
+            v.shape, v.dtype, sharding=variable_sharding(v, dotted(path), mesh, rules)
+        )
+        for path, (_, v) in zip(paths, variables, strict=True)
     }
     arrays = restore_arrays(step_path, targets)
     for path, (_, variable) in zip(paths, variables, strict=True):
