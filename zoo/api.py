@@ -261,9 +261,9 @@ def _load_pretrained(directory: str, mesh: Mapping[str, Any] | None, devices: An
         if planned is None or hparams != planned.hparams:
             planned = fill = None  # its pages are given back before the new plan takes its own
             planned = plan_pretrained(pretrained, hparams, mesh, devices)
-            fill = planned.plan_fill()
-            fill.copy()
-        model = planned.finish(fill)
+            model = planned.fill()
+        else:
+            model = planned.finish(fill)
     return TrainedModel(model, config, 0, directory, planned.mesh, planned.rules, {})
 
 
