@@ -37,6 +37,7 @@ from models import hparams
 from models.generate import sample_on_eval
 from models.layers import dense, layer_norm
 from models.transformer import Block, BlockOptions, KVCache, dropout_key, tokens_spec
+from train.abstract import partitioned, repeated
 from train.errors import ZooError
 from train.registry import WEIGHT, loss_contract, register_model
 from train.rngs import construction_rngs
@@ -146,12 +147,10 @@ class GPT(nnx.Module):
             raise ZooError(f"gpt: dim={dim} must be a multiple of num_heads={num_heads}.")
         normal = nnx.initializers.normal(0.02)
         self.embedding = nnx.Param(
-            nnx.with_partitioning(normal, ("vocab", "embed"))(
-                rngs.params(), (padded_vocab(vocab_size), dim)
-            )
+            partitioned(normal, ("vocab", "embed"))(rngs.params(), (padded_vocab(vocab_size), dim))
         )
         self.positions = nnx.Param(
-            nnx.with_partitioning(normal, (None, None))(rngs.params(), (context_length, dim))
+            partitioned(normal, (None, None))(rngs.params(), (context_length, dim))
         )
 
         options = BlockOptions(mlp_ratio, attention_bias, norm_epsilon, exact_gelu)
@@ -171,7 +170,7 @@ class GPT(nnx.Module):
         if scan_layers:  # one Block whose params have a leading (unsharded) layer axis
             self.blocks = nnx.vmap(block, transform_metadata={nnx.PARTITION_NAME: None})(layer_keys)
         else:
-            self.blocks = nnx.List([block(key) for key in layer_keys])
+            self.blocks = nnx.List(repeated(lambda i: block(layer_keys[i]), depth))
         self.norm = layer_norm(dim, rngs=rngs, epsilon=norm_epsilon)
         self.unembed = (
             None

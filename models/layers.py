@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 import jax
 from flax import nnx
 
+from train.abstract import partitioned
 from train.sharding import logical_spec
 
 Axes = tuple[str | None, ...]
@@ -36,8 +37,8 @@ def dense(
         din,
         dout,
         use_bias=use_bias,
-        kernel_init=nnx.with_partitioning(_LECUN, axes),
-        bias_init=nnx.with_partitioning(_ZEROS, (bias_axis,)),
+        kernel_init=partitioned(_LECUN, axes),
+        bias_init=partitioned(_ZEROS, (bias_axis,)),
         rngs=rngs,
     )
 
@@ -56,8 +57,8 @@ def head_projections(
             out_features,
             axis=axis,
             use_bias=use_bias,
-            kernel_init=nnx.with_partitioning(_LECUN, axes),
-            bias_init=nnx.with_partitioning(_ZEROS, bias_axes),
+            kernel_init=partitioned(_LECUN, axes),
+            bias_init=partitioned(_ZEROS, bias_axes),
             rngs=rngs,
         )
 
@@ -90,10 +91,8 @@ def conv(
         strides=strides,
         padding=padding,
         use_bias=use_bias,
-        kernel_init=nnx.with_partitioning(
-            nnx.initializers.he_normal(), (None, None, "conv_in", out_axis)
-        ),
-        bias_init=nnx.with_partitioning(_ZEROS, (bias_axis,)),
+        kernel_init=partitioned(nnx.initializers.he_normal(), (None, None, "conv_in", out_axis)),
+        bias_init=partitioned(_ZEROS, (bias_axis,)),
         rngs=rngs,
     )
 
@@ -107,8 +106,8 @@ def batch_norm(
     return nnx.BatchNorm(
         features,
         momentum=0.9,
-        scale_init=nnx.with_partitioning(_ZEROS if zero_scale else _ONES, (axis,)),
-        bias_init=nnx.with_partitioning(_ZEROS, (axis,)),
+        scale_init=partitioned(_ZEROS if zero_scale else _ONES, (axis,)),
+        bias_init=partitioned(_ZEROS, (axis,)),
         rngs=rngs,
     )
 
@@ -118,8 +117,8 @@ def layer_norm(features: int, *, rngs: nnx.Rngs, epsilon: float = 1e-6) -> nnx.L
     return nnx.LayerNorm(
         features,
         epsilon=epsilon,
-        scale_init=nnx.with_partitioning(_ONES, (None,)),
-        bias_init=nnx.with_partitioning(_ZEROS, (None,)),
+        scale_init=partitioned(_ONES, (None,)),
+        bias_init=partitioned(_ZEROS, (None,)),
         rngs=rngs,
     )
 

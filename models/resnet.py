@@ -18,6 +18,8 @@ pixel intensities in [0, 1] (`data.normalize=false`).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -25,6 +27,7 @@ from flax import nnx
 from models import hparams
 from models.classification import classification_loss, report_classifier
 from models.layers import batch_norm, conv, dense
+from train.abstract import repeated
 from train.registry import register_model
 from train.sharding import logical_spec
 
@@ -154,13 +157,16 @@ class ResNet(nnx.Module):
             self.stem = _conv(input_shape[-1], width, 3, stem_strides, padding, rngs)
         self.stem_norm = batch_norm(width, rngs=rngs)
         kind = BasicBlock if block == "basic" else Bottleneck
+        expansion = BOTTLENECK_EXPANSION if block == "bottleneck" else 1
         blocks, cin = [], width
         for stage, size in enumerate(stage_sizes):
             stage_width = width * 2**stage
-            for i in range(size):
-                strides = 2 if stage > 0 and i == 0 else 1
-                blocks.append(kind(cin, stage_width, strides, padding, rngs=rngs))
-                cin = stage_width * (BOTTLENECK_EXPANSION if block == "bottleneck" else 1)
+            # The first block of a stage changes the width (and, after the first stage, strides);
+            # the others are alike.
+            blocks.append(kind(cin, stage_width, 2 if stage else 1, padding, rngs=rngs))
+            cin = stage_width * expansion
+            alike = functools.partial(kind, cin, stage_width, 1, padding, rngs=rngs)
+            blocks += repeated(lambda _, alike=alike: alike(), size - 1)
         self.blocks = nnx.List(blocks)
         self.head = dense(cin, num_classes, ("conv_out", None), rngs=rngs)
 

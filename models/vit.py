@@ -28,6 +28,7 @@ from models import hparams, positions
 from models.classification import classification_loss_with_rngs, report_classifier
 from models.layers import conv, dense, layer_norm
 from models.transformer import Block, BlockOptions, dropout_key
+from train.abstract import partitioned, repeated
 from train.errors import ZooError
 from train.registry import register_model
 from train.sharding import logical_spec
@@ -117,7 +118,7 @@ class ViT(nnx.Module):
             rngs=rngs,
         )
         self.positions = nnx.Param(
-            nnx.with_partitioning(nnx.initializers.normal(0.02), (None, None))(
+            partitioned(nnx.initializers.normal(0.02), (None, None))(
                 rngs.params(), (self.prefix + grid[0] * grid[1], dim)
             )
         )
@@ -126,12 +127,12 @@ class ViT(nnx.Module):
         self.class_token = nnx.data(None)
         if class_token:
             self.class_token = nnx.Param(
-                nnx.with_partitioning(nnx.initializers.normal(0.02), (None,))(rngs.params(), (dim,))
+                partitioned(nnx.initializers.normal(0.02), (None,))(rngs.params(), (dim,))
             )
         options = BlockOptions(mlp_ratio, attention_bias, norm_epsilon, exact_gelu)
         self.blocks = nnx.List(
-            [
-                Block(
+            repeated(
+                lambda _: Block(
                     dim,
                     num_heads,
                     mlp_ratio,
@@ -139,9 +140,9 @@ class ViT(nnx.Module):
                     attention_dropout=dropout_rate,
                     options=options,
                     rngs=rngs,
-                )
-                for _ in range(depth)
-            ]
+                ),
+                depth,
+            )
         )
         self.dropout_rate = dropout_rate
         self.pool, self.norm_after_pool = pool, norm_after_pool

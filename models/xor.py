@@ -7,6 +7,7 @@ import optax
 from flax import nnx
 
 from models import hparams
+from train.abstract import partitioned
 from train.registry import loss_contract, register_model
 from train.sharding import logical_spec
 
@@ -43,15 +44,15 @@ class XorClassifier(nnx.Module):
         self.hidden = nnx.Linear(
             num_inputs,
             num_hidden,
-            kernel_init=nnx.with_partitioning(kernel, (None, "mlp")),
-            bias_init=nnx.with_partitioning(zeros, ("mlp",)),
+            kernel_init=partitioned(kernel, (None, "mlp")),
+            bias_init=partitioned(zeros, ("mlp",)),
             rngs=rngs,
         )
         self.output = nnx.Linear(
             num_hidden,
             num_outputs,
-            kernel_init=nnx.with_partitioning(kernel, ("mlp", None)),
-            bias_init=nnx.with_partitioning(zeros, (None,)),
+            kernel_init=partitioned(kernel, ("mlp", None)),
+            bias_init=partitioned(zeros, (None,)),
             rngs=rngs,
         )
 

@@ -18,6 +18,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from train import rngs, sharding
+from train.abstract import eval_shape
 from train.lora import add_adapters
 from train.plan import ShardingPlan, create_sharded
 from train.registry import ModelEntry
@@ -38,7 +39,21 @@ def check_buildable(entry: ModelEntry, hparams: Mapping[str, Any], finetune: Any
     """Build the model abstractly (shapes only, no arrays, no mesh): a size its constructor
     refuses fails here, in a fraction of a second, before any data is loaded."""
     with nnx.use_eager_sharding(False):
-        nnx.eval_shape(lambda: build_model(entry, hparams, 0, finetune))
+        eval_shape(lambda: build_model(entry, hparams, 0, finetune))
+
+
+def abstract_model(
+    entry: ModelEntry,
+    hparams: Mapping[str, Any],
+    seed: int,
+    mesh: Mesh,
+    rules: sharding.AxisRules,
+    finetune: Any = None,
+) -> nnx.Module:
+    """The model `build_model` makes, abstract (each param a `jax.ShapeDtypeStruct` annotated
+    with its logical axes): what a load fills, with nothing initialised only to be overwritten."""
+    with sharding.activate(mesh, rules), nnx.use_eager_sharding(False):
+        return eval_shape(lambda: build_model(entry, hparams, seed, finetune))
 
 
 @dataclasses.dataclass(frozen=True)

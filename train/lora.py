@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from train.abstract import partitioned
 from train.errors import ZooError
 from train.paths import dotted, matches
 from train.sharding import logical_spec
@@ -56,8 +57,8 @@ def add_adapters(model: nnx.Module, rank: int, layers: str, rngs: nnx.Rngs) -> l
             rank,
             linear.out_features,
             base_module=linear,
-            a_initializer=nnx.with_partitioning(nnx.initializers.he_uniform(), (axis_in, None)),
-            b_initializer=nnx.with_partitioning(nnx.initializers.zeros_init(), (None, axis_out)),
+            a_initializer=partitioned(nnx.initializers.he_uniform(), (axis_in, None)),
+            b_initializer=partitioned(nnx.initializers.zeros_init(), (None, axis_out)),
             rngs=rngs,
         )
         _replace(model, path, adapter)

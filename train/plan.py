@@ -16,6 +16,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from train.abstract import eval_shape
 from train.sharding import AxisRules
 
 
@@ -101,7 +102,7 @@ def create_sharded(
     """Run `create()` (returning `(model, optimizer)`) so every param is born with its planned
     sharding; call under `train.sharding.activate(mesh, rules)`."""
     with nnx.use_eager_sharding(False):
-        abstract = nnx.eval_shape(create)
+        abstract = eval_shape(create)
     plan = plan_state(nnx.state(abstract), mesh, rules)
     return nnx.jit(create)(), plan
 

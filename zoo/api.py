@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from train import pipeline, registry, rundir, sharding, weights
 from train import rngs as zoo_rngs
-from train.build import build_model, build_on_mesh
+from train.build import abstract_model, build_on_mesh
 from train.config import Config, MeshConfig, checked_dict, checked_params
 from train.console import ConsoleHandler
 from train.errors import ZooError
@@ -206,8 +206,7 @@ def plan_pretrained(
     entry = registry.get_model(hparams["name"])
     mesh_cfg = checked_dict(MeshConfig, dict(mesh or {}), "mesh")
     device_mesh, rules = sharding.mesh_and_rules(mesh_cfg, devices)
-    with sharding.activate(device_mesh, rules), nnx.use_eager_sharding(False):
-        model = nnx.eval_shape(lambda: build_model(entry, hparams, Config.seed))
+    model = abstract_model(entry, hparams, Config.seed, device_mesh, rules)
     return PlannedLoad(model, pretrained, dict(hparams), device_mesh, rules, memory)
 
 
@@ -291,8 +290,7 @@ def _read_model(
     mesh_cfg = checked_dict(MeshConfig, {"rules": dict(config.mesh.rules), **(mesh or {})}, "mesh")
     device_mesh, rules = sharding.mesh_and_rules(mesh_cfg, devices)
     hparams = resolved_hparams(config)
-    with sharding.activate(device_mesh, rules), nnx.use_eager_sharding(False):
-        model = nnx.eval_shape(lambda: build_model(entry, hparams, config.seed, config.finetune))
+    model = abstract_model(entry, hparams, config.seed, device_mesh, rules, config.finetune)
     restore_model(model, path, device_mesh, rules)
     if decay is not None:
         restore_averaged(model, path, decay)
