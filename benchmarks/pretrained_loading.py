@@ -43,7 +43,7 @@ CASES = {
     "zoo.load, 8 devices (fsdp=8)": ("zoo", 8),
 }
 """`fill`: the weights read and placed on the planned model (the loading itself, into host pages
-that were faulted in while it was planned); `zoo`: `zoo.load` whole, with Hydra's composition
+faulted in before the clock starts); `zoo`: `zoo.load` whole, with Hydra's composition
 and the abstract model's trace besides."""
 
 
@@ -123,6 +123,7 @@ def measure(what: str, directory: str, devices: int) -> dict[str, float]:
         pretrained = open_pretrained(directory)
         hparams = checkpoint_hparams(pretrained)
         planned = plan_pretrained(pretrained, hparams, MESHES[devices], jax.devices()[:devices])
+        planned.memory.wait()
         started = time.perf_counter()
         count = _placed_elements(planned.fill())
     else:  # baseline: the same imports, nothing loaded

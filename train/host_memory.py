@@ -2,11 +2,11 @@
 them ahead of time.
 
 Most of a checkpoint fill's time is not the copy out of the page cache but taking fresh pages
-from the kernel, which zeroes each on its first touch: for GPT-2 small's 0.5 GB, about 0.19 s
-against 0.04 s for the copy (this 2-core machine). That work needs nothing but a byte count, so
+from the kernel, which zeroes each on its first touch: for GPT-2 small's 0.5 GB, about 0.25 s
+against 0.1 s for the copy (this 2-core machine). That work needs nothing but a byte count, so
 `Prefaulted` does it on a thread of its own (numpy lets go of the GIL while it touches the
-pages) while the caller composes the config and traces the abstract model; the fill then carves
-its buffers out of pages that are already there.
+pages) from the start of a load, while the caller traces the abstract model and plans the fill;
+the copies then go into pages that are already there.
 """
 
 from __future__ import annotations
@@ -36,9 +36,12 @@ def page_buffer(shape: Sequence[int], dtype: Any) -> np.ndarray:
 class Prefaulted:
     """`nbytes` of host memory whose pages a background thread faults in from construction on;
     `take` carves page-aligned buffers out of it, in order, and `page_buffer`s once it is used
-    up. The buffers share one mapping, which lives as long as any of them does: meant for a
-    model whose params all live as long as the model (a loaded model), not for a training run,
-    whose updated params would leave their first buffers held by the others'."""
+    up. A buffer may be taken at once but written only after `wait`: the thread faults a page
+    in by writing to it.
+
+    The buffers share one mapping, which lives as long as any of them does: meant for a model
+    whose params all live as long as the model (a loaded model), not for a training run, whose
+    updated params would leave their first buffers held by the others'."""
 
     def __init__(self, nbytes: int):
         self._pages = mmap.mmap(-1, max(nbytes, PAGE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -51,8 +54,7 @@ class Prefaulted:
         self._bytes[::PAGE] = 0  # one write per page faults it in
 
     def take(self, shape: Sequence[int], dtype: Any) -> np.ndarray:
-        """A zeroed, page-aligned array of `shape` and `dtype`."""
-        self._touching.join()
+        """A zeroed, page-aligned array of `shape` and `dtype`, to be written after `wait`."""
         dtype = np.dtype(dtype)
         nbytes = int(np.prod(shape)) * dtype.itemsize
         end = self._taken + nbytes
@@ -62,8 +64,12 @@ class Prefaulted:
         self._taken = -(-end // PAGE) * PAGE
         return buffer
 
+    def wait(self) -> None:
+        """Until every page is in (and the buffers may be written)."""
+        self._touching.join()
+
     def release_rest(self) -> None:
         """Give the pages that no buffer took back to the kernel."""
-        self._touching.join()
+        self.wait()
         if self._taken < len(self._pages):
             self._pages.madvise(mmap.MADV_DONTNEED, self._taken, len(self._pages) - self._taken)

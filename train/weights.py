@@ -277,10 +277,13 @@ class PlannedFill:
     targets: dict[str, Any]
     fillings: dict[str, _Filling]
     skipped: list[str]
+    ready: Callable[[], None]
 
     def copy(self) -> None:
-        """Every planned copy, param by param (each tensor's mapping is let go once the params
-        it fills are copied, so the host holds at most a tensor of the file at a time)."""
+        """Every planned copy, param by param, once the buffers are `ready` (each tensor's
+        mapping is let go once the params it fills are copied, so the host holds at most a
+        tensor of the file at a time)."""
+        self.ready()
         for filling in self.fillings.values():
             filling.copy()
 
@@ -315,6 +318,7 @@ def plan_fill(
     mesh: Mesh | None = None,
     rules: AxisRules | None = None,
     new_buffer: NewBuffer = page_buffer,
+    ready: Callable[[], None] = lambda: None,
 ) -> PlannedFill:
     """`fill` up to its copies: every key matched to its param, every shape checked (a
     `ZooError` naming each problem), each param's buffer taken and its copies planned.
@@ -322,7 +326,8 @@ def plan_fill(
     Params that `skip` patterns match (a new head) are left as they are. Each array takes the
     sharding of the one it replaces; an abstract model (`nnx.eval_shape`) needs `mesh` and
     `rules`, which give each param the sharding of its logical axes. `new_buffer(shape, dtype)`
-    gives the host buffers the devices adopt (`Prefaulted.take`: pages readied beforehand)."""
+    gives the host buffers the devices adopt, which may be written once `ready()` returns
+    (`Prefaulted.take` and `Prefaulted.wait`: pages faulted in meanwhile)."""
     targets = _targets(model)
     skipped = [p for p in targets if any(matches(s, p) for s in skip)]
     table = pretrained.family.rules_for(hparams)
@@ -363,7 +368,7 @@ def plan_fill(
     ]
     unfilled += [p for p in targets if p not in filling and p not in skipped]
     _refuse(pretrained, unmapped, absent, differ, unfilled)
-    return PlannedFill(targets, filling, skipped)
+    return PlannedFill(targets, filling, skipped, ready)
 
 
 def _targets(model: nnx.Module) -> dict[str, nnx.Variable]:

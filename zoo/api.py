@@ -177,6 +177,7 @@ class PlannedLoad:
             mesh=self.mesh,
             rules=self.rules,
             new_buffer=self.memory.take,
+            ready=self.memory.wait,
         )
 
     def finish(self, fill: weights.PlannedFill) -> nnx.Module:

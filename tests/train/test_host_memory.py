@@ -19,6 +19,7 @@ def test_buffers_are_zeroed_page_aligned_and_apart():
     memory = Prefaulted(4 * MIB)
     shapes = [((3, 5), np.float32), ((1000,), np.int8), ((7, 300), np.float32), ((), np.float32)]
     buffers = [memory.take(shape, dtype) for shape, dtype in shapes]
+    memory.wait()
     for buffer, (shape, dtype) in zip(buffers, shapes, strict=True):
         assert buffer.shape == shape and buffer.dtype == dtype
         assert buffer.ctypes.data % PAGE == 0
@@ -40,7 +41,8 @@ def test_past_its_size_it_gives_buffers_of_their_own():
 def test_the_rest_is_given_back():
     start = resident_bytes()
     memory = Prefaulted(256 * MIB)
-    kept = memory.take((MIB,), np.float32)  # 4 MiB, once every page is in
+    kept = memory.take((MIB,), np.float32)  # 4 MiB
+    memory.wait()
     assert resident_bytes() - start > 200 * MIB
     memory.release_rest()
     assert resident_bytes() - start < 16 * MIB
@@ -48,8 +50,10 @@ def test_the_rest_is_given_back():
 
 
 def test_jax_on_cpu_adopts_a_buffer_without_a_copy():
-    for new_buffer in (Prefaulted(MIB).take, page_buffer):
+    memory = Prefaulted(MIB)
+    for new_buffer in (memory.take, page_buffer):
         buffer = new_buffer((64, 128), np.float32)
+        memory.wait()
         buffer[...] = np.arange(buffer.size).reshape(buffer.shape)
         device = jax.devices()[0]
         sharding = jax.sharding.SingleDeviceSharding(device)

@@ -116,6 +116,28 @@ def test_the_copies_end_with_the_body_and_the_switch_interval_comes_back(tmp_pat
     np.testing.assert_array_equal(model.head.bias[...], tensors["head.bias"])
 
 
+def test_the_copies_wait_until_the_pages_are_in(tmp_path):
+    """The pages of a load's buffers are faulted in by writing to them on a thread of their
+    own: no copy may go into a buffer before that thread is done."""
+    tensors = checkpoint(tmp_path, MODELS["the-config-decides-otherwise"]())
+    pretrained = weights.open_pretrained(tmp_path)
+    planned = plan_pretrained(pretrained, checkpoint_hparams(pretrained), None, jax.devices()[:1])
+    fill = planned.plan_fill()
+    assert fill.ready == planned.memory.wait
+    buffers_when_ready = []
+
+    def ready():
+        planned.memory.wait()
+        buffers_when_ready.append([f.buffer.copy() for f in fill.fillings.values()])
+
+    fill.ready = ready
+    fill.copy()
+    assert len(buffers_when_ready) == 1
+    assert not any(buffer.any() for buffer in buffers_when_ready[0])
+    model = planned.finish(fill)
+    np.testing.assert_array_equal(model.head.kernel[...], tensors["head.weight"].T)
+
+
 def checkpoint(directory, name: str) -> dict[str, np.ndarray]:
     """A checkpoint of model `name` with `CLASSES` classes in `directory`; its tensors."""
     rng = np.random.default_rng(0)
