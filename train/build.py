@@ -35,25 +35,20 @@ def build_model(
     return model
 
 
+def abstract_model(
+    entry: ModelEntry, hparams: Mapping[str, Any], seed: int, finetune: Any = None
+) -> nnx.Module:
+    """The model `build_model` makes, abstract (each param a `jax.ShapeDtypeStruct` with its
+    logical axes; under `sharding.activate`, its sharding on that mesh): what a load fills, with
+    nothing initialised only to be overwritten."""
+    with nnx.use_eager_sharding(False):
+        return eval_shape(lambda: build_model(entry, hparams, seed, finetune))
+
+
 def check_buildable(entry: ModelEntry, hparams: Mapping[str, Any], finetune: Any = None) -> None:
     """Build the model abstractly (shapes only, no arrays, no mesh): a size its constructor
     refuses fails here, in a fraction of a second, before any data is loaded."""
-    with nnx.use_eager_sharding(False):
-        eval_shape(lambda: build_model(entry, hparams, 0, finetune))
-
-
-def abstract_model(
-    entry: ModelEntry,
-    hparams: Mapping[str, Any],
-    seed: int,
-    mesh: Mesh,
-    rules: sharding.AxisRules,
-    finetune: Any = None,
-) -> nnx.Module:
-    """The model `build_model` makes, abstract (each param a `jax.ShapeDtypeStruct` annotated
-    with its logical axes): what a load fills, with nothing initialised only to be overwritten."""
-    with sharding.activate(mesh, rules), nnx.use_eager_sharding(False):
-        return eval_shape(lambda: build_model(entry, hparams, seed, finetune))
+    abstract_model(entry, hparams, 0, finetune)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -207,7 +207,8 @@ def plan_pretrained(
     entry = registry.get_model(hparams["name"])
     mesh_cfg = checked_dict(MeshConfig, dict(mesh or {}), "mesh")
     device_mesh, rules = sharding.mesh_and_rules(mesh_cfg, devices)
-    model = abstract_model(entry, hparams, Config.seed, device_mesh, rules)
+    with sharding.activate(device_mesh, rules):
+        model = abstract_model(entry, hparams, Config.seed)
     return PlannedLoad(model, pretrained, dict(hparams), device_mesh, rules, memory)
 
 
@@ -291,7 +292,8 @@ def _read_model(
     mesh_cfg = checked_dict(MeshConfig, {"rules": dict(config.mesh.rules), **(mesh or {})}, "mesh")
     device_mesh, rules = sharding.mesh_and_rules(mesh_cfg, devices)
     hparams = resolved_hparams(config)
-    model = abstract_model(entry, hparams, config.seed, device_mesh, rules, config.finetune)
+    with sharding.activate(device_mesh, rules):
+        model = abstract_model(entry, hparams, config.seed, config.finetune)
     restore_model(model, path, device_mesh, rules)
     if decay is not None:
         restore_averaged(model, path, decay)
