@@ -38,9 +38,10 @@ def build_model(
 def abstract_model(
     entry: ModelEntry, hparams: Mapping[str, Any], seed: int, finetune: Any = None
 ) -> nnx.Module:
-    """The model `build_model` makes, abstract (each param a `jax.ShapeDtypeStruct` with its
-    logical axes; under `sharding.activate`, its sharding on that mesh): what a load fills, with
-    nothing initialised only to be overwritten."""
+    """The model `build_model` makes, abstract (each param a `jax.ShapeDtypeStruct` annotated
+    with its logical axes, whose sharding on a mesh `train.sharding.variable_sharding` gives):
+    what a load fills, with nothing initialised only to be overwritten. Call it under the mesh,
+    as `build_model`."""
     with nnx.use_eager_sharding(False):
         return eval_shape(lambda: build_model(entry, hparams, seed, finetune))
 

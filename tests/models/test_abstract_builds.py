@@ -43,8 +43,9 @@ def described(model: nnx.Module) -> tuple:
 
 
 @pytest.mark.parametrize("build", BUILDS)
-def test_an_abstract_build_is_the_full_trace_s(build):
-    entry, params = registry.get_model(hparams(build)["name"]), hparams(build)
+def test_an_abstract_build_equals_the_full_trace(build):
+    params = hparams(build)
+    entry = registry.get_model(params["name"])
     with nnx.use_eager_sharding(False):
         full = nnx.eval_shape(lambda: build_model(entry, params, 0))
         fast = abstract.eval_shape(lambda: build_model(entry, params, 0))
