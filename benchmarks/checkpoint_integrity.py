@@ -1,5 +1,5 @@
 """What the checkpoints' checksums cost: the seconds a save blocks the loop and a restore takes,
-against the part of each that computes the checksums (`train.checksums`).
+against the part of each that computes the checksums (`zoo.engine.checksums`).
 
     python -m benchmarks.checkpoint_integrity --repeats 5 --json runs/bench/integrity.json
     JAX_NUM_CPU_DEVICES=8 python -m benchmarks.checkpoint_integrity mesh.data=1 mesh.fsdp=8
@@ -24,10 +24,10 @@ from pathlib import Path
 import jax
 
 import zoo
-from train import checksums, sharding
-from train.checkpoint import Checkpointer
-from train.loop import Trainer
-from train.saved import abstract_like
+from zoo.engine import checksums, sharding
+from zoo.engine.checkpoint import Checkpointer
+from zoo.engine.loop import Trainer
+from zoo.engine.saved import abstract_like
 
 STATES = {
     "mlp": ["model=mlp"],

@@ -33,8 +33,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from data.files import cache_root
-from train import pipeline
+from zoo.data.files import cache_root
+from zoo.engine import pipeline
 
 WORKERS = (0, 1, 2)
 
@@ -101,7 +101,7 @@ def _crop_box(width: int, height: int) -> tuple[int, int, int, int]:
 
 
 def zoo_splits(folder: Path, size: int):
-    from train.registry import get_data
+    from zoo.engine.registry import get_data
 
     return get_data("images").splits(
         {"path": str(folder), "image_size": size, "eval_fraction": 0.01}

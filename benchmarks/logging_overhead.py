@@ -6,7 +6,7 @@ Three loops over the same model, config and data, one step per dispatch, window 
 turn (so that load on the machine hits them alike):
 
 - `bare`: the run's own jitted train step over its own pipeline (batches placed on the devices
-  step by step, the host at most `train.observe.MAX_IN_FLIGHT` dispatches ahead); no clocks, no
+  step by step, the host at most `zoo.engine.observe.MAX_IN_FLIGHT` dispatches ahead); no clocks, no
   log windows, no events.
 - `default`: the trainer's real loop (`Trainer.steps()`) at default settings: the data-wait
   clock around every batch, compile counting, every `trainer.log_every` steps a log window,
@@ -34,9 +34,9 @@ import jax
 
 import zoo
 from benchmarks.loops import zoo_loop
-from train import sharding, steps
-from train.loop import Trainer
-from train.observe import InFlight
+from zoo.engine import sharding, steps
+from zoo.engine.loop import Trainer
+from zoo.engine.observe import InFlight
 
 WARMUP_WINDOWS = 3
 NEVER = 10**9  # trainer.steps of the benchmark's runs: they stop when the benchmark does

@@ -18,9 +18,9 @@ import numpy as np
 from flax import nnx
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from train import registry, sharding
-from train import rngs as zoo_rngs
-from train.loop import Trainer
+from zoo.engine import registry, sharding
+from zoo.engine import rngs as zoo_rngs
+from zoo.engine.loop import Trainer
 
 Advance = Callable[[int], None]
 

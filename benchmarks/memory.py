@@ -18,8 +18,8 @@ from collections.abc import Sequence
 import jax
 
 import zoo
-from train.loop import Trainer
-from train.memory import step_memory
+from zoo.engine.loop import Trainer
+from zoo.engine.memory import step_memory
 
 VARIANTS = {
     "fp32": (),

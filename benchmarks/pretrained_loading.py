@@ -108,7 +108,7 @@ def measure(what: str, directory: str, devices: int) -> dict[str, float]:
     from safetensors.numpy import load_file
 
     import zoo
-    from train.weights import open_pretrained
+    from zoo.engine.weights import open_pretrained
     from zoo.api import checkpoint_hparams, plan_pretrained
 
     jax.devices()  # the backend is up before the clock starts

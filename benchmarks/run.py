@@ -28,8 +28,8 @@ from omegaconf import OmegaConf
 import zoo
 from benchmarks import loops
 from benchmarks.torch_loops import torch_loop
-from train import registry
-from train.loop import Trainer
+from zoo.engine import registry
+from zoo.engine.loop import Trainer
 
 LOOPS = ("zoo", "zoo_dispatch", "bare", "nnx", "torch")
 RATIOS = (

@@ -1,7 +1,7 @@
 """zoo's gpt written in PyTorch, and its training loop compiled by `torch.compile`, for
 `benchmarks.throughput`. This module imports torch: import it where its absence is handled.
 
-The twin has `models.gpt`'s architecture: a tied token embedding (rows padded like zoo's),
+The twin has `zoo.models.gpt`'s architecture: a tied token embedding (rows padded like zoo's),
 learned positions, pre-norm blocks (LayerNorm; causal multi-head attention without biases,
 its query, key and value projections fused into one matmul, mixed by
 `F.scaled_dot_product_attention`, flash attention on GPUs; a tanh-GELU MLP with biases), a final
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from benchmarks.torch_loops import fastest_threads, torch_update
-from models.gpt import padded_vocab
+from zoo.models.gpt import padded_vocab
 
 
 class Block(nn.Module):
@@ -52,7 +52,7 @@ class Block(nn.Module):
 
 
 class GPTLoss(nn.Module):
-    """The twin of `models.gpt.GPT` (hparams as zoo resolves them), called on tokens (batch x
+    """The twin of `zoo.models.gpt.GPT` (hparams as zoo resolves them), called on tokens (batch x
     length + 1) for the mean cross-entropy of each position's prediction of the next."""
 
     def __init__(self, hparams: Mapping[str, Any]):

@@ -17,9 +17,9 @@ from pathlib import Path
 import msgpack
 from array_record.python.array_record_module import ArrayRecordWriter
 
-from data.examples import Files, OnError, readable
-from data.images import class_names, scan
-from train.errors import ZooError
+from zoo.data.examples import Files, OnError, readable
+from zoo.data.images import class_names, scan
+from zoo.engine.errors import ZooError
 
 log = logging.getLogger("zoo")
 

@@ -25,11 +25,11 @@ from typing import Protocol
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from data.files import cache_root
-from data.imaging import Augment, open_image, pixels
-from train.errors import ZooError
-from train.pipeline import ExampleSource
-from train.registry import Batch
+from zoo.data.files import cache_root
+from zoo.data.imaging import Augment, open_image, pixels
+from zoo.engine.errors import ZooError
+from zoo.engine.pipeline import ExampleSource
+from zoo.engine.registry import Batch
 
 log = logging.getLogger("zoo")
 

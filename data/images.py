@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data.examples import (
+from zoo.data.examples import (
     IMAGENET_MEAN,
     IMAGENET_STD,
     Files,
@@ -26,10 +26,10 @@ from data.examples import (
     held_out,
     readable,
 )
-from data.imaging import IMAGE_EXTENSIONS, Augment
-from data.vision import Normalize
-from train.errors import ZooError
-from train.registry import Splits, register_data
+from zoo.data.imaging import IMAGE_EXTENSIONS, Augment
+from zoo.data.vision import Normalize
+from zoo.engine.errors import ZooError
+from zoo.engine.registry import Splits, register_data
 
 
 def _root(path: str | None) -> Path:

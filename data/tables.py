@@ -25,7 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from data.examples import (
+from zoo.data.examples import (
     ImageExamples,
     NormalizeBy,
     OnError,
@@ -35,10 +35,10 @@ from data.examples import (
     held_out,
     readable,
 )
-from data.images import fingerprint, image_splits
-from data.imaging import Augment
-from train.errors import ZooError
-from train.registry import Splits, register_data
+from zoo.data.images import fingerprint, image_splits
+from zoo.data.imaging import Augment
+from zoo.engine.errors import ZooError
+from zoo.engine.registry import Splits, register_data
 
 ARRAY_RECORD, PARQUET = ".array_record", ".parquet"
 

@@ -2,7 +2,7 @@
 Python standard library's own source files (present on every machine, nothing to download).
 With `tokenizer` (a Hugging Face `tokenizer.json`, or a directory holding one), the text is
 encoded into that tokenizer's ids instead (int32), for a model with its vocabulary (GPT-2's);
-in `windows` mode those ids are cached on disk and memory-mapped (`data.tokens`), so a corpus
+in `windows` mode those ids are cached on disk and memory-mapped (`zoo.data.tokens`), so a corpus
 larger than memory trains.
 
 Every split holds `tokens` (uint8 bytes or int32 ids, N x (L + 1)): a sequence whose first L
@@ -30,9 +30,9 @@ from typing import Any
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from data.tokens import Segment, tokenized
-from train.errors import ZooError
-from train.registry import Batch, Splits, register_data
+from zoo.data.tokens import Segment, tokenized
+from zoo.engine.errors import ZooError
+from zoo.engine.registry import Batch, Splits, register_data
 
 TOKENS, LENGTH = "tokens", "length"
 TOKENIZER_FILE = "tokenizer.json"

@@ -8,7 +8,7 @@ computes `(x / max - mean) / std` with the training split's per-channel statisti
 at a random offset, and mirrors it left-right where a mirrored image is still of its class
 (clothes, objects; not digits).
 
-The files of MNIST, Fashion-MNIST and CIFAR-10 are found or fetched by `data.files`; their
+The files of MNIST, Fashion-MNIST and CIFAR-10 are found or fetched by `zoo.data.files`; their
 loaders' `dir` names a directory to look in first, `download=False` forbids downloading, and
 `mirror` is a base URL to download from in place of the published ones.
 """
@@ -26,9 +26,9 @@ from pathlib import Path, PurePosixPath
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from data.files import FileSource, RemoteFile, find_or_fetch
-from train.errors import ZooError
-from train.registry import Batch, Splits, register_data
+from zoo.data.files import FileSource, RemoteFile, find_or_fetch
+from zoo.engine.errors import ZooError
+from zoo.engine.registry import Batch, Splits, register_data
 
 
 @dataclasses.dataclass(frozen=True)

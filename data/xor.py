@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from train.registry import Splits, register_data
+from zoo.engine.registry import Splits, register_data
 
 
 def _continuous_xor(size: int, noise: float, seed: int) -> dict[str, np.ndarray]:

@@ -1,6 +1,6 @@
 """The zoo's models, one module per family; importing registers them."""
 
-from models import (  # noqa: F401
+from zoo.models import (  # noqa: F401
     cnn,
     gpt,
     gpt_params,

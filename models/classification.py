@@ -14,9 +14,9 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 from PIL import Image, ImageDraw, ImageFont
 
-from train.pipeline import MASK
-from train.registry import loss_contract
-from train.report import EvalReport, image_grid
+from zoo.engine.pipeline import MASK
+from zoo.engine.registry import loss_contract
+from zoo.engine.report import EvalReport, image_grid
 
 MISCLASSIFIED = 32
 """How many misclassified eval examples the report shows."""

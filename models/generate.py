@@ -26,8 +26,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from train import sharding
-from train.errors import ZooError
+from zoo.engine import sharding
+from zoo.engine.errors import ZooError
 
 
 def generate(

@@ -6,7 +6,7 @@ attention, GELU MLP) -> final norm -> logits over the vocabulary, through the em
 (tied, the default) or a separate output layer. The embedding's rows are padded to a multiple
 of `VOCAB_MULTIPLE`, so the vocabulary shards over `tensor` whatever its size; the padded rows'
 logits are masked out. `attention_bias`, `norm_epsilon` and `exact_gelu` are the block options
-that pretrained checkpoints differ in (see `models.gpt_params` for GPT-2's).
+that pretrained checkpoints differ in (see `zoo.models.gpt_params` for GPT-2's).
 
 The blocks can be stacked into one module whose params carry a leading layer axis and run with
 `nnx.scan` (`scan_layers`: one compiled block instead of `depth` copies, so compile time does
@@ -20,7 +20,7 @@ Heads and MLP hidden units are on the logical `heads`/`mlp` axes (tensor paralle
 embedding on (`vocab`, `embed`), so FSDP shards it along its width.
 
 `decode(tokens, cache, start)` runs the same blocks on a few new tokens against a fixed-size
-key/value cache (see `models.generate`).
+key/value cache (see `zoo.models.generate`).
 """
 
 from __future__ import annotations
@@ -33,15 +33,15 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from models import hparams
-from models.generate import sample_on_eval
-from models.layers import dense, layer_norm
-from models.transformer import Block, BlockOptions, KVCache, dropout_key, tokens_spec
-from train.abstract import partitioned, repeated
-from train.errors import ZooError
-from train.registry import WEIGHT, loss_contract, register_model
-from train.rngs import construction_rngs
-from train.sharding import logical_spec
+from zoo.models import hparams
+from zoo.models.generate import sample_on_eval
+from zoo.models.layers import dense, layer_norm
+from zoo.models.transformer import Block, BlockOptions, KVCache, dropout_key, tokens_spec
+from zoo.engine.abstract import partitioned, repeated
+from zoo.engine.errors import ZooError
+from zoo.engine.registry import WEIGHT, loss_contract, register_model
+from zoo.engine.rngs import construction_rngs
+from zoo.engine.sharding import logical_spec
 
 VOCAB = 256
 """The byte-level vocabulary, the default."""

@@ -16,10 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from models.gpt import padded_vocab
-from models.hf_config import transformer_config
-from train.errors import ZooError
-from train.registry import Family, Rule, register_family
+from zoo.models.gpt import padded_vocab
+from zoo.models.hf_config import transformer_config
+from zoo.engine.errors import ZooError
+from zoo.engine.registry import Family, Rule, register_family
 
 _PREFIX = r"(?:transformer\.)?"
 _TANH = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")

@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 import jax
 from flax import nnx
 
-from train.abstract import partitioned
-from train.sharding import logical_spec
+from zoo.engine.abstract import partitioned
+from zoo.engine.sharding import logical_spec
 
 Axes = tuple[str | None, ...]
 _ZEROS, _ONES = nnx.initializers.zeros_init(), nnx.initializers.ones_init()

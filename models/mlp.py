@@ -1,6 +1,6 @@
 """A multi-layer perceptron classifier: flattened image -> hidden ReLU layers with Dropout -> logits.
 
-The hidden layers are a `models.layers.dense_stack`: alternately column- and row-parallel, so
+The hidden layers are a `zoo.models.layers.dense_stack`: alternately column- and row-parallel, so
 tensor parallelism needs one reduction per pair of layers and fsdp shards every kernel.
 """
 
@@ -11,11 +11,11 @@ import math
 import jax
 from flax import nnx
 
-from models import hparams
-from models.classification import classification_loss, report_classifier
-from models.layers import dense, dense_stack, run_stack, stack_output_axis
-from train.registry import register_model
-from train.sharding import logical_spec
+from zoo.models import hparams
+from zoo.models.classification import classification_loss, report_classifier
+from zoo.models.layers import dense, dense_stack, run_stack, stack_output_axis
+from zoo.engine.registry import register_model
+from zoo.engine.sharding import logical_spec
 
 
 @register_model(

@@ -6,7 +6,7 @@ Two shapes of it. The default is for small images: a 3x3 stem, no max-pool, basi
 narrower and its stem halves the resolution, so that it trains to its accuracy on a 2-core CPU
 in minutes. `stem=imagenet block=... padding=symmetric` is the ImageNet ResNet of torchvision,
 timm and Hugging Face (7x7 stride-2 stem and 3x3 stride-2 max-pool; `stage_sizes` [2, 2, 2, 2]
-basic is -18, [3, 4, 6, 3] basic -34, [3, 4, 6, 3] bottleneck -50), which `models.resnet_params`
+basic is -18, [3, 4, 6, 3] basic -34, [3, 4, 6, 3] bottleneck -50), which `zoo.models.resnet_params`
 loads pretrained weights into.
 
 `padding=symmetric` pads every convolution by kernel_size // 2 on both sides, as torch does;
@@ -24,12 +24,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import hparams
-from models.classification import classification_loss, report_classifier
-from models.layers import batch_norm, conv, dense
-from train.abstract import repeated
-from train.registry import register_model
-from train.sharding import logical_spec
+from zoo.models import hparams
+from zoo.models.classification import classification_loss, report_classifier
+from zoo.models.layers import batch_norm, conv, dense
+from zoo.engine.abstract import repeated
+from zoo.engine.registry import register_model
+from zoo.engine.sharding import logical_spec
 
 BLOCKS = ("basic", "bottleneck")
 STEMS = ("small", "imagenet")

@@ -8,7 +8,7 @@ Attention's projections are written out rather than taken from `nnx.MultiHeadAtt
 each contraction can say where its output lives: heads are split over the `tensor` mesh axis,
 and explicit sharding needs the output projection's sum over heads placed explicitly. A causal
 block (`gpt`) masks later positions and can run a few new tokens against a fixed-size key/value
-cache. Between the projections, `models.attention_route` picks how the attention itself runs:
+cache. Between the projections, `zoo.models.attention_route` picks how the attention itself runs:
 - fused, `jax.nn.dot_product_attention` with cuDNN's flash attention: on an NVIDIA GPU from
   Ampere on, in bfloat16 or float16 (`trainer.precision=bf16`), heads of a multiple of 8 up to
   128 (256 from Hopper on), without a cache; a causal mask is cuDNN's own (`is_causal`);
@@ -31,10 +31,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.attention_route import current_platform, route
-from models.layers import dense, head_projections, layer_norm
-from train.errors import ZooError
-from train.sharding import logical_spec
+from zoo.models.attention_route import current_platform, route
+from zoo.models.layers import dense, head_projections, layer_norm
+from zoo.engine.errors import ZooError
+from zoo.engine.sharding import logical_spec
 
 KVCache = tuple[jax.Array, jax.Array]
 """Keys and values: two arrays of [layers x] batch x context x heads x head_dim."""

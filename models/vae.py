@@ -29,16 +29,16 @@ import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from models import hparams
-from models.layers import dense, dense_stack, run_stack, stack_output_axis
-from train import sharding
-from train.registry import loss_contract, register_model
-from train.report import image_grid
-from train.sharding import logical_spec
+from zoo.models import hparams
+from zoo.models.layers import dense, dense_stack, run_stack, stack_output_axis
+from zoo.engine import sharding
+from zoo.engine.registry import loss_contract, register_model
+from zoo.engine.report import image_grid
+from zoo.engine.sharding import logical_spec
 
 
 class MLPStack(nnx.Module):
-    """Dense ReLU layers, alternately column- and row-parallel (`models.layers.dense_stack`)."""
+    """Dense ReLU layers, alternately column- and row-parallel (`zoo.models.layers.dense_stack`)."""
 
     def __init__(self, sizes: list[int], *, rngs: nnx.Rngs):
         self.layers = dense_stack(sizes, rngs=rngs)

@@ -1,8 +1,8 @@
 """A small Vision Transformer: non-overlapping patches -> linear embedding + learned positions ->
-pre-norm transformer blocks (`models.transformer`: multi-head self-attention, GELU MLP) -> mean
+pre-norm transformer blocks (`zoo.models.transformer`: multi-head self-attention, GELU MLP) -> mean
 over tokens -> logits.
 
-The options that pretrained ViTs (Hugging Face's, timm's; `models.vit_params`) differ in:
+The options that pretrained ViTs (Hugging Face's, timm's; `zoo.models.vit_params`) differ in:
 `class_token` (a learned token before the patches) and `pool=cls` (its output is the image's),
 or `pool=mean` over the patches; `norm_after_pool` (timm's `fc_norm`: the final LayerNorm of the
 pooled vector instead of every token's); the block's `attention_bias`, `norm_epsilon`,
@@ -24,14 +24,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import hparams, positions
-from models.classification import classification_loss_with_rngs, report_classifier
-from models.layers import conv, dense, layer_norm
-from models.transformer import Block, BlockOptions, dropout_key
-from train.abstract import partitioned, repeated
-from train.errors import ZooError
-from train.registry import register_model
-from train.sharding import logical_spec
+from zoo.models import hparams, positions
+from zoo.models.classification import classification_loss_with_rngs, report_classifier
+from zoo.models.layers import conv, dense, layer_norm
+from zoo.models.transformer import Block, BlockOptions, dropout_key
+from zoo.engine.abstract import partitioned, repeated
+from zoo.engine.errors import ZooError
+from zoo.engine.registry import register_model
+from zoo.engine.sharding import logical_spec
 
 
 @register_model(

@@ -14,7 +14,7 @@ sizes the name implies for tiny/small/base/large) and may carry `model_args` (ti
 `img_size`, `class_token`, `global_pool`, `fc_norm`), `num_classes`, `global_pool` and
 `pretrained_cfg` (`input_size`, `mean`, `std`). The model keeps the checkpoint's position grid
 and resizes it for images of another size as the family's own code does (module docstring of
-`models.vit`). Inputs are normalised by the model: timm's `pretrained_cfg` statistics, else
+`zoo.models.vit`). Inputs are normalised by the model: timm's `pretrained_cfg` statistics, else
 0.5 and 0.5 per channel (`ViTImageProcessor`'s and timm's ViTs' default).
 """
 
@@ -26,10 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from models.hf_config import class_labels, transformer_config
-from models.torch_layout import conv_save, input_conv_load, linear_load, linear_save
-from train.errors import ZooError
-from train.registry import Rule, register_families
+from zoo.models.hf_config import class_labels, transformer_config
+from zoo.models.torch_layout import conv_save, input_conv_load, linear_load, linear_save
+from zoo.engine.errors import ZooError
+from zoo.engine.registry import Rule, register_families
 
 HALF = [0.5, 0.5, 0.5]
 _TIMM_ARCHITECTURE = re.compile(r"vit_(tiny|small|base|large)_patch(\d+)_(\d+)(?:\..+)?")

@@ -6,10 +6,10 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from models import hparams
-from train.abstract import partitioned
-from train.registry import loss_contract, register_model
-from train.sharding import logical_spec
+from zoo.models import hparams
+from zoo.engine.abstract import partitioned
+from zoo.engine.registry import loss_contract, register_model
+from zoo.engine.sharding import logical_spec
 
 
 @loss_contract(columns=("inputs", "label"), metrics=("accuracy",))

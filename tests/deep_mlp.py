@@ -10,7 +10,7 @@ import optax
 from flax import nnx
 
 import zoo
-from train.sharding import logical_spec
+from zoo.engine.sharding import logical_spec
 
 MODEL, DATA = "test_deep_mlp", "test_blobs"
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from flax import nnx
 
 import zoo
-from models.xor import binary_classification_loss
-from train.sharding import logical_spec
+from zoo.models.xor import binary_classification_loss
+from zoo.engine.sharding import logical_spec
 
 NAME = "test_dropout_bn"
 

@@ -3,7 +3,7 @@
 
 The model is the registered constructor's, with the LoRA adapters its run's `finetune` section
 asks for; with an optax transformation it comes with its `nnx.Optimizer`. Both are created inside
-`jax.jit` under the mesh and the rules (`train.plan.create_sharded`): no device ever holds a full
+`jax.jit` under the mesh and the rules (`zoo.engine.plan.create_sharded`): no device ever holds a full
 copy of a param that the plan shards.
 """
 
@@ -17,11 +17,11 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from train import rngs, sharding
-from train.abstract import eval_shape
-from train.lora import add_adapters
-from train.plan import ShardingPlan, create_sharded
-from train.registry import ModelEntry
+from zoo.engine import rngs, sharding
+from zoo.engine.abstract import eval_shape
+from zoo.engine.lora import add_adapters
+from zoo.engine.plan import ShardingPlan, create_sharded
+from zoo.engine.registry import ModelEntry
 
 
 def build_model(
@@ -39,7 +39,7 @@ def abstract_model(
     entry: ModelEntry, hparams: Mapping[str, Any], seed: int, finetune: Any = None
 ) -> nnx.Module:
     """The model `build_model` makes, abstract (each param a `jax.ShapeDtypeStruct` annotated
-    with its logical axes, whose sharding on a mesh `train.sharding.variable_sharding` gives):
+    with its logical axes, whose sharding on a mesh `zoo.engine.sharding.variable_sharding` gives):
     what a load fills, with nothing initialised only to be overwritten. Call it under the mesh,
     as `build_model`."""
     with nnx.use_eager_sharding(False):

@@ -18,15 +18,15 @@ from typing import Any
 import grain
 import jax
 
-from train.callbacks import Callbacks
-from train.checkpoint import Checkpointer
-from train.early_stop import EarlyStop
-from train.errors import NonFiniteLoss
-from train.observe import WindowClock
-from train.report import Reporter
-from train.restore import Progress
-from train.signals import Interrupted, StopRequests
-from train.steps import Metrics, health, means
+from zoo.engine.callbacks import Callbacks
+from zoo.engine.checkpoint import Checkpointer
+from zoo.engine.early_stop import EarlyStop
+from zoo.engine.errors import NonFiniteLoss
+from zoo.engine.observe import WindowClock
+from zoo.engine.report import Reporter
+from zoo.engine.restore import Progress
+from zoo.engine.signals import Interrupted, StopRequests
+from zoo.engine.steps import Metrics, health, means
 
 log = logging.getLogger("zoo")
 _timing_log = logging.getLogger("train.timing")  # train.log only, not the console

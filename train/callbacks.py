@@ -32,7 +32,7 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from train.rundir import replace_file
+from zoo.engine.rundir import replace_file
 
 STOP = "stop"
 """What a hook returns to ask the run to stop (saved and resumable)."""

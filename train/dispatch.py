@@ -16,8 +16,8 @@ from typing import Any
 import grain
 import jax
 
-from train import sharding
-from train.errors import ZooError
+from zoo.engine import sharding
+from zoo.engine.errors import ZooError
 
 CADENCES = ("steps", "log_every", "eval_every", "checkpoint_every")
 """Trainer settings the loop acts on at step boundaries: each a multiple of K (0: off)."""

@@ -11,7 +11,7 @@ from typing import Any
 
 import jax
 
-from train.errors import ZooError
+from zoo.engine.errors import ZooError
 
 log = logging.getLogger("zoo")
 

@@ -12,8 +12,8 @@ from typing import Any
 
 from flax import nnx
 
-from train.errors import ZooError
-from train.paths import BACKBONE, dotted, matching, outside
+from zoo.engine.errors import ZooError
+from zoo.engine.paths import BACKBONE, dotted, matching, outside
 
 Filter = nnx.filterlib.Filter
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from train.steps import Steps
+from zoo.engine.steps import Steps
 
 BUCKETS = 30
 

@@ -1,11 +1,11 @@
 """The generic training loop: any registered model, any registered data set, one config.
 
 `Trainer(cfg)` sets a run up, in order: mesh -> data pipelines -> model and optimizer, born
-sharded under the mesh (`train.build`) -> split once into graphdef + state -> jitted steps.
+sharded under the mesh (`zoo.engine.build`) -> split once into graphdef + state -> jitted steps.
 `fit()` is one linear loop: a batch, a dispatch of K steps, then the cadence actions (log
-window, eval, checkpoint; `train.cadence`). `steps()` is the same loop as a generator, so a
+window, eval, checkpoint; `zoo.engine.cadence`). `steps()` is the same loop as a generator, so a
 caller (a benchmark) can advance it a few steps at a time. Where a run starts (its own
-checkpoint, another run's weights, its seed) is `train.restore`'s job.
+checkpoint, another run's weights, its seed) is `zoo.engine.restore`'s job.
 
 A fine-tune is such a run too: its config's `finetune` section adds LoRA adapters to the built
 model, limits what the optimizer and the gradients see to the trainable params, and (on a fresh
@@ -25,25 +25,25 @@ import jax
 from flax import nnx
 from omegaconf import DictConfig, OmegaConf
 
-from train import distributed, ema, memory, pipeline, precision, registry, restore, rundir, sharding
-from train import rngs as zoo_rngs
-from train.build import build_on_mesh
-from train.cadence import Cadence, Every, LogWindows
-from train.callbacks import Callbacks
-from train.checkpoint import Checkpointer
-from train.dispatch import Dispatcher
-from train.early_stop import EarlyStop
-from train.errors import ZooError
-from train.freeze import Filter, check_frozen, frozen_filter, frozen_norms, trainable_filter
-from train.histograms import make_histogram_step
-from train.norms import make_norms_step
-from train.observe import Deferred, Instruments, ProfileWindow, WindowClock
-from train.optim import make_optimizer
-from train.precision import compute_loss
-from train.report import TRAIN, EvalReport, Reporter, format_metrics, val_tag
-from train.steps import COUNT, Metrics, Trainable, make_steps, means, zero_metrics
-from train.summaries import hparams_summaries, model_summary
-from train.validate import check_data
+from zoo.engine import distributed, ema, memory, pipeline, precision, registry, restore, rundir, sharding
+from zoo.engine import rngs as zoo_rngs
+from zoo.engine.build import build_on_mesh
+from zoo.engine.cadence import Cadence, Every, LogWindows
+from zoo.engine.callbacks import Callbacks
+from zoo.engine.checkpoint import Checkpointer
+from zoo.engine.dispatch import Dispatcher
+from zoo.engine.early_stop import EarlyStop
+from zoo.engine.errors import ZooError
+from zoo.engine.freeze import Filter, check_frozen, frozen_filter, frozen_norms, trainable_filter
+from zoo.engine.histograms import make_histogram_step
+from zoo.engine.norms import make_norms_step
+from zoo.engine.observe import Deferred, Instruments, ProfileWindow, WindowClock
+from zoo.engine.optim import make_optimizer
+from zoo.engine.precision import compute_loss
+from zoo.engine.report import TRAIN, EvalReport, Reporter, format_metrics, val_tag
+from zoo.engine.steps import COUNT, Metrics, Trainable, make_steps, means, zero_metrics
+from zoo.engine.summaries import hparams_summaries, model_summary
+from zoo.engine.validate import check_data
 
 log = logging.getLogger("zoo")
 
@@ -78,7 +78,7 @@ class Trainer:
     `data` replaces the registered data set that `cfg.data` names with the caller's own splits
     (columns of arrays or random-access sources; `cfg.model` must then give every parameter the
     data would have decided). `freeze` is an NNX filter of params to freeze, in place of the
-    pattern `cfg.finetune.freeze`. `callbacks`: see `train.callbacks`."""
+    pattern `cfg.finetune.freeze`. `callbacks`: see `zoo.engine.callbacks`."""
 
     def __init__(
         self,
@@ -254,7 +254,7 @@ class Trainer:
         self, cadence, instruments, iterator, reporter, k, start, sums
     ) -> Iterator[int]:
         """The dispatches themselves, until trainer.steps or an early stop. The first one's
-        compilation is made ahead of it, to report its memory (`train.memory`). The mesh is
+        compilation is made ahead of it, to report its memory (`zoo.engine.memory`). The mesh is
         current only while a dispatch is made: the caller's code between two yields runs
         outside it, and a generator left unfinished leaves no mesh behind."""
         with cadence.stop.installed(), instruments.installed():
@@ -498,7 +498,7 @@ def evaluate_batches(
     rules: sharding.AxisRules,
     key: jax.Array,
 ) -> dict[str, float]:
-    """Mean metrics of `eval_step` over masked eval batches (`train.pipeline.eval_batches`)."""
+    """Mean metrics of `eval_step` over masked eval batches (`zoo.engine.pipeline.eval_batches`)."""
     with sharding.activate(mesh, rules):
         sums: Metrics | None = None
         for host_batch in batches:

@@ -18,10 +18,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from train.abstract import partitioned
-from train.errors import ZooError
-from train.paths import dotted, matches
-from train.sharding import logical_spec
+from zoo.engine.abstract import partitioned
+from zoo.engine.errors import ZooError
+from zoo.engine.paths import dotted, matches
+from zoo.engine.sharding import logical_spec
 
 
 class ShardedLoRA(nnx.LoRA):

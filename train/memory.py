@@ -19,9 +19,9 @@ from typing import Any
 
 import jax
 
-from train import sharding
-from train.plan import readable_size
-from train.report import Reporter
+from zoo.engine import sharding
+from zoo.engine.plan import readable_size
+from zoo.engine.report import Reporter
 
 log = logging.getLogger("zoo")
 

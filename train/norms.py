@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from train.steps import Steps
+from zoo.engine.steps import Steps
 
 
 def global_norm(leaves: Sequence[jax.Array]) -> jax.Array:

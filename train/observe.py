@@ -18,9 +18,9 @@ from typing import Any
 import jax
 from jax import monitoring
 
-from train.memory import device_memory
-from train.report import Reporter
-from train.steps import COUNT
+from zoo.engine.memory import device_memory
+from zoo.engine.report import Reporter
+from zoo.engine.steps import COUNT
 
 log = logging.getLogger("zoo")
 _timing_log = logging.getLogger("train.timing")  # train.log only, not the console

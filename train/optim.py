@@ -7,8 +7,8 @@ from typing import Any
 import jax
 import optax
 
-from train.config import OptimizerName, ScheduleName
-from train.ema import params_ema
+from zoo.engine.config import OptimizerName, ScheduleName
+from zoo.engine.ema import params_ema
 
 
 def learning_rate_schedule(opt: Any, total_steps: int) -> optax.Schedule:

@@ -27,8 +27,8 @@ import grain
 import jax
 import numpy as np
 
-from train.errors import ZooError
-from train.registry import Batch, Splits
+from zoo.engine.errors import ZooError
+from zoo.engine.registry import Batch, Splits
 
 MASK = "mask"
 """Eval batches carry this column: 1.0 for a real example, 0.0 for padding."""

@@ -16,8 +16,8 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from train.abstract import eval_shape
-from train.sharding import AxisRules
+from zoo.engine.abstract import eval_shape
+from zoo.engine.sharding import AxisRules
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +100,7 @@ def create_sharded(
     create: Callable[[], Any], mesh: Mesh, rules: AxisRules
 ) -> tuple[Any, ShardingPlan]:
     """Run `create()` (returning `(model, optimizer)`) so every param is born with its planned
-    sharding; call under `train.sharding.activate(mesh, rules)`."""
+    sharding; call under `zoo.engine.sharding.activate(mesh, rules)`."""
     with nnx.use_eager_sharding(False):
         abstract = eval_shape(create)
     plan = plan_state(nnx.state(abstract), mesh, rules)

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from train.config import Precision
+from zoo.engine.config import Precision
 
 COMPUTE = jnp.bfloat16
 

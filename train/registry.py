@@ -15,7 +15,7 @@ A data set also states what models must know about it (`info`, e.g. `input_shape
 
 A model may also load checkpoints of other libraries: it registers each checkpoint family it
 understands (`Family`: which `config.json` is one of them, the model's hyper-parameters it
-implies, and a table of `Rule`s from checkpoint keys to the model's params); `train.weights` does
+implies, and a table of `Rule`s from checkpoint keys to the model's params); `zoo.engine.weights` does
 the reading, filling and writing back.
 
 Registering has no other effect: the command line builds its Hydra configs from these records
@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
-from train.errors import ZooError
+from zoo.engine.errors import ZooError
 
 LossFn = Callable[[nnx.Module, Mapping[str, Any], nnx.Rngs], tuple[Any, dict[str, Any]]]
 """`loss(model, batch, rngs) -> (loss[B], {metric: value[B]})`: per-example values.
@@ -50,7 +50,7 @@ all the tokens of the batch or of the eval split."""
 
 OnEval = Callable[[nnx.Module, Any], None]
 """`on_eval(model, report)`: called after each eval with the model in eval mode and a
-`train.report.EvalReport` (the step, a key of its own, the first eval batch, every eval batch
+`zoo.engine.report.EvalReport` (the step, a key of its own, the first eval batch, every eval batch
 on demand, and ways to write text and images to TensorBoard and a line to the console)."""
 
 DATA_FACTS = ("input_shape", "num_classes")
@@ -76,7 +76,7 @@ def loss_contract(
 @dataclasses.dataclass(frozen=True)
 class Splits:
     """A data set: per split, column name -> array (the same leading length), a random-access
-    source of records, or a `train.pipeline.ExampleSource` that makes each example itself.
+    source of records, or a `zoo.engine.pipeline.ExampleSource` that makes each example itself.
 
     `transform` runs on every batch of both splits (e.g. uint8 pixels -> normalised float32);
     `augment` on training batches only, before `transform`, with a generator seeded from the run's

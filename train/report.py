@@ -19,8 +19,8 @@ import numpy as np
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from tensorboardX import SummaryWriter
 
-from train import event_files
-from train.console import CONSOLE
+from zoo.engine import event_files
+from zoo.engine.console import CONSOLE
 
 log = logging.getLogger("zoo")
 
@@ -103,7 +103,7 @@ class Reporter:
             writer.add_image(tag, pixels, step, dataformats="HWC")
 
     def histograms(self, step: int, summaries: Mapping[str, Mapping[str, Any]]) -> None:
-        """Histograms computed elsewhere, by tag (see `train.histograms.summarize`)."""
+        """Histograms computed elsewhere, by tag (see `zoo.engine.histograms.summarize`)."""
         if (writer := self._events()) is None:
             return
         for tag, summary in summaries.items():

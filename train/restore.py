@@ -8,7 +8,7 @@ The order, first match wins:
      If none can be read, an error: the run never silently starts over on top of them.
   3. No checkpoint (or `trainer.resume=never` on a workdir without any): a fresh start, its
      params and BatchNorm statistics filled from `finetune.init_from` when that is set (a zoo
-     workdir, or a pretrained checkpoint directory: see `train.weights`).
+     workdir, or a pretrained checkpoint directory: see `zoo.engine.weights`).
   4. Otherwise a fresh start from the seed.
 
 A restored checkpoint gives everything the run's future depends on: the state (resharded onto
@@ -28,14 +28,14 @@ import jax
 from flax import nnx
 from omegaconf import DictConfig
 
-from train import resume, weights
-from train.checkpoint import FORMATS, Checkpointer
-from train.config import resume_step
-from train.errors import ZooError
-from train.failures import reason
-from train.saved import abstract_like, read_json
-from train.steps import Metrics
-from train.warm_start import read_first, warm_start
+from zoo.engine import resume, weights
+from zoo.engine.checkpoint import FORMATS, Checkpointer
+from zoo.engine.config import resume_step
+from zoo.engine.errors import ZooError
+from zoo.engine.failures import reason
+from zoo.engine.saved import abstract_like, read_json
+from zoo.engine.steps import Metrics
+from zoo.engine.warm_start import read_first, warm_start
 
 log = logging.getLogger("zoo")
 _timing_log = logging.getLogger("train.timing")  # train.log only, not the console

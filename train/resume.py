@@ -13,10 +13,10 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from train.checkpoint import Checkpointer
-from train.config import resume_step
-from train.errors import ZooError
-from train.saved import read_json, saved_steps
+from zoo.engine.checkpoint import Checkpointer
+from zoo.engine.config import resume_step
+from zoo.engine.errors import ZooError
+from zoo.engine.saved import read_json, saved_steps
 
 RESUMABLE = (
     "trainer.steps",

@@ -28,7 +28,7 @@ from typing import Self
 
 from omegaconf import DictConfig, OmegaConf
 
-from train.errors import ZooError
+from zoo.engine.errors import ZooError
 
 LOCK = ".zoo.lock"
 LOG = "train.log"

@@ -16,8 +16,8 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from train import checksums
-from train.errors import CorruptCheckpoint
+from zoo.engine import checksums
+from zoo.engine.errors import CorruptCheckpoint
 
 
 def saved_steps(directory: str | os.PathLike) -> list[int]:
@@ -86,7 +86,7 @@ def restore_arrays(
 
 
 def verify(step_path: str | os.PathLike, arrays: Mapping[str, jax.Array]) -> None:
-    """Compare restored arrays (named as in `train.checksums.flat`) with the checksums saved
+    """Compare restored arrays (named as in `zoo.engine.checksums.flat`) with the checksums saved
     with them; checkpoints written before checksums existed have none to compare."""
     expected = read_json(step_path, "meta").get("checksums", {})
     damaged = checksums.mismatches(expected, arrays)

@@ -26,7 +26,7 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from train.errors import ZooError
+from zoo.engine.errors import ZooError
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -171,7 +171,7 @@ NO_MESH = (
     "No sharding rules are active, and the model's explicitly sharded layers need its mesh: "
     "call a model that zoo.load, zoo.fit or zoo.finetune returned inside `with "
     "trained.activate(): trained.model(x)` (or use zoo.predict); a model of your own under "
-    "train.sharding.activate(mesh, rules)."
+    "zoo.engine.sharding.activate(mesh, rules)."
 )
 
 

@@ -18,10 +18,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from train import rngs as zoo_rngs
-from train.freeze import train_mode
-from train.pipeline import MASK
-from train.registry import WEIGHT
+from zoo.engine import rngs as zoo_rngs
+from zoo.engine.freeze import train_mode
+from zoo.engine.pipeline import MASK
+from zoo.engine.registry import WEIGHT
 
 COUNT = "count"
 """The sum of example weights (training: steps) under which the other sums are accumulated."""
@@ -38,7 +38,7 @@ Metrics = dict[str, jax.Array]
 @dataclasses.dataclass(frozen=True)
 class Trainable:
     """What a step trains: the params `params` selects (the rest get no gradient), with the
-    BatchNorm layers at `frozen_norms` kept in eval mode (see `train.freeze`)."""
+    BatchNorm layers at `frozen_norms` kept in eval mode (see `zoo.engine.freeze`)."""
 
     params: nnx.filterlib.Filter = nnx.Param
     frozen_norms: tuple[tuple[Any, ...], ...] = ()
@@ -218,7 +218,7 @@ def make_grad_step(
 def make_eval_step(graphdef: nnx.GraphDef, loss_fn: Callable) -> Callable:
     """`eval_step(state, sums, batch, key) -> sums`: per-example metrics summed under the
     batch's mask, so padding rows count for nothing and every real example counts once (or
-    with the weight the loss function gives it, see `train.registry.WEIGHT`)."""
+    with the weight the loss function gives it, see `zoo.engine.registry.WEIGHT`)."""
 
     @jax.jit
     def eval_step(state, sums: Metrics, batch: Mapping[str, jax.Array], key: jax.Array):

@@ -23,9 +23,9 @@ from tensorboardX.proto.plugin_hparams_pb2 import HParamsPluginData
 from tensorboardX.proto.summary_pb2 import Summary, SummaryMetadata
 from tensorboardX.summary import hparams
 
-from train import registry
-from train.config import Config
-from train.report import val_tag
+from zoo.engine import registry
+from zoo.engine.config import Config
+from zoo.engine.report import val_tag
 
 HParamValue = bool | int | float | str
 

@@ -17,12 +17,12 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from train import registry
-from train.config import Config, resume_step
-from train.dispatch import check_cadences
-from train.errors import ZooError
-from train.pipeline import ExampleSource
-from train.sharding import AxisRules, check_mesh_sizes
+from zoo.engine import registry
+from zoo.engine.config import Config, resume_step
+from zoo.engine.dispatch import check_cadences
+from zoo.engine.errors import ZooError
+from zoo.engine.pipeline import ExampleSource
+from zoo.engine.sharding import AxisRules, check_mesh_sizes
 
 
 def validate(cfg: DictConfig) -> None:
@@ -226,7 +226,7 @@ def _columns(data: Any) -> list[str]:
     if isinstance(data, Mapping):
         return list(data)
     if isinstance(data, ExampleSource):
-        return list(data.examples(np.zeros(1, np.int64), None, 0)) if len(data) else []
+        return list(zoo.data.examples(np.zeros(1, np.int64), None, 0)) if len(data) else []
     return list(data[0]) if len(data) else []
 
 

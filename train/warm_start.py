@@ -23,16 +23,16 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from train.config import resume_step
-from train.errors import CorruptCheckpoint, ZooError, mismatches
-from train.failures import quiet_storage_noise, reason
-from train.paths import dotted, matches
-from train.saved import SavedPath, read_json, restore_arrays, saved_shapes, saved_steps
-from train.sharding import AxisRules, variable_sharding
+from zoo.engine.config import resume_step
+from zoo.engine.errors import CorruptCheckpoint, ZooError, mismatches
+from zoo.engine.failures import quiet_storage_noise, reason
+from zoo.engine.paths import dotted, matches
+from zoo.engine.saved import SavedPath, read_json, restore_arrays, saved_shapes, saved_steps
+from zoo.engine.sharding import AxisRules, variable_sharding
 
 MODEL = "0"
 OPTIMIZER = "1"
-_AVERAGE = (OPTIMIZER, "opt_state", "1", "average")  # `train.ema`: the last link of the chain
+_AVERAGE = (OPTIMIZER, "opt_state", "1", "average")  # `zoo.engine.ema`: the last link of the chain
 """The model's part of a checkpoint's `state` item (the optimizer's is "1")."""
 
 log = logging.getLogger("zoo")

@@ -3,7 +3,7 @@
 A pretrained directory holds `config.json` and the weights, either `model.safetensors` or
 shards `*.safetensors` listed by `model.safetensors.index.json` (Hugging Face's layout, which
 timm and torchvision exports share). Each model says which checkpoint families it loads by
-registering a `train.registry.Family`: which `config.json` belongs to it, the hyper-parameters
+registering a `zoo.engine.registry.Family`: which `config.json` belongs to it, the hyper-parameters
 it implies, and a table of `Rule`s from checkpoint keys to its params, with the transform of
 each (transpose, split of a fused qkv, reshape to heads) and its inverse for export.
 
@@ -47,11 +47,11 @@ from jax.sharding import Mesh
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from train.errors import ZooError, mismatches
-from train.host_memory import page_buffer
-from train.paths import matches
-from train.registry import Family, Rule, families
-from train.sharding import AxisRules, variable_sharding
+from zoo.engine.errors import ZooError, mismatches
+from zoo.engine.host_memory import page_buffer
+from zoo.engine.paths import matches
+from zoo.engine.registry import Family, Rule, families
+from zoo.engine.sharding import AxisRules, variable_sharding
 
 __all__ = [
     "Family",

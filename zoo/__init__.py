@@ -12,16 +12,17 @@ gpt2 = zoo.load("gpt2")                             # a pretrained checkpoint di
 zoo.export(result.workdir, "out", format="hf")      # back to the checkpoint family's layout
 text = zoo.generate(gpt2, "Hello", max_new_tokens=20)  # through the model's tokenizer
 
-The package is the top of three layers: `zoo` (command line, Hydra composition, this API) uses
-the plugins `models` and `data`, which use the engine `train`; nothing below imports upwards.
+zoo is one import name in three layers: the front (command line, Hydra composition, this API)
+uses the plugins `zoo.models` and `zoo.data`, which use the engine `zoo.engine`; nothing below
+imports upwards.
 """
 
-import data  # noqa: F401  (registers the built-in data sets)
-import models  # noqa: F401  (registers the built-in models)
-from train.callbacks import STOP, CallbackFailed, CallbackStop
-from train.errors import NonFiniteLoss, ZooError
-from train.loop import RunResult
-from train.registry import (
+import zoo.data  # noqa: F401  (registers the built-in data sets)
+import zoo.models  # noqa: F401  (registers the built-in models)
+from zoo.engine.callbacks import STOP, CallbackFailed, CallbackStop
+from zoo.engine.errors import NonFiniteLoss, ZooError
+from zoo.engine.loop import RunResult
+from zoo.engine.registry import (
     ModelEntry,
     Splits,
     get_model,
@@ -29,7 +30,7 @@ from train.registry import (
     register_data,
     register_model,
 )
-from train.signals import Interrupted
+from zoo.engine.signals import Interrupted
 from zoo.api import (
     TrainedModel,
     create_model,

@@ -1,8 +1,8 @@
 """The Python API around the trainer: train as the CLI does, build a fresh model, load a
 trained one, predict and evaluate (fine-tuning is `zoo.tuning`).
 
-Everything goes through the one trainer (`train.loop.Trainer`) and the one way to build a model
-on a mesh (`train.build`), so a model loaded here is the one its run trained, on any mesh.
+Everything goes through the one trainer (`zoo.engine.loop.Trainer`) and the one way to build a model
+on a mesh (`zoo.engine.build`), so a model loaded here is the one its run trained, on any mesh.
 """
 
 from __future__ import annotations
@@ -20,19 +20,19 @@ import numpy as np
 from flax import nnx
 from omegaconf import DictConfig, OmegaConf
 
-from train import pipeline, registry, rundir, sharding, weights
-from train import rngs as zoo_rngs
-from train.build import abstract_model, build_on_mesh
-from train.config import Config, MeshConfig, checked_dict, checked_params
-from train.console import ConsoleHandler
-from train.errors import ZooError
-from train.host_memory import PAGE, Prefaulted
-from train.loop import RunResult, Trainer, evaluate_batches
-from train.lora import merge_adapters
-from train.saved import read_json
-from train.steps import make_eval_step
-from train.validate import check_split
-from train.warm_start import read_first, restore_averaged, restore_model
+from zoo.engine import pipeline, registry, rundir, sharding, weights
+from zoo.engine import rngs as zoo_rngs
+from zoo.engine.build import abstract_model, build_on_mesh
+from zoo.engine.config import Config, MeshConfig, checked_dict, checked_params
+from zoo.engine.console import ConsoleHandler
+from zoo.engine.errors import ZooError
+from zoo.engine.host_memory import PAGE, Prefaulted
+from zoo.engine.loop import RunResult, Trainer, evaluate_batches
+from zoo.engine.lora import merge_adapters
+from zoo.engine.saved import read_json
+from zoo.engine.steps import make_eval_step
+from zoo.engine.validate import check_split
+from zoo.engine.warm_start import read_first, restore_averaged, restore_model
 from zoo.overrides import compose
 
 
@@ -448,7 +448,7 @@ def create_model(
     The params are born sharded on a device mesh, as their logical annotations and the rules
     ask; `mesh` takes the keys of the `mesh` config section (default: data parallel over every
     device), `devices` restricts it to some devices. Call the model under
-    `train.sharding.activate(...)` (or use the trainer), since explicit sharding needs a mesh.
+    `zoo.engine.sharding.activate(...)` (or use the trainer), since explicit sharding needs a mesh.
     """
     entry = registry.get_model(name)
     hparams = checked_params(f"model '{name}'", entry.config, overrides)

@@ -19,8 +19,8 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
-from train import registry
-from train.config import Config
+from zoo.engine import registry
+from zoo.engine.config import Config
 from zoo.pretrained import families_help
 
 DEFAULT_MODEL = "xor"
@@ -55,7 +55,7 @@ JOB_LOGGING = {
         "file": {"format": "[%(asctime)s][%(name)s][%(levelname)s] %(message)s"},
     },
     "handlers": {
-        "console": {"class": "train.console.ConsoleHandler", "formatter": "console"},
+        "console": {"class": "zoo.engine.console.ConsoleHandler", "formatter": "console"},
         "file": {
             "class": "logging.FileHandler",
             "formatter": "file",

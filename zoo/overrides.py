@@ -2,7 +2,7 @@
 
 `compose(["model=xor", "trainer.steps=500"])` is what `python -m zoo.train model=xor
 trainer.steps=500` trains: Hydra composes the registered model's and data set's configs with the
-overrides against the typed schema, then `train.validate` checks the values. Every failure is
+overrides against the typed schema, then `zoo.engine.validate` checks the values. Every failure is
 one paragraph naming the bad override and what would be valid.
 """
 
@@ -17,11 +17,11 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from train import registry
-from train.config import reason as config_reason
-from train.dispatch import CADENCES
-from train.errors import ZooError
-from train.validate import validate
+from zoo.engine import registry
+from zoo.engine.config import reason as config_reason
+from zoo.engine.dispatch import CADENCES
+from zoo.engine.errors import ZooError
+from zoo.engine.validate import validate
 from zoo.hydra_store import store_registry
 from zoo.pretrained import check_tokenizer, fit_normalisation, pretrained_args
 

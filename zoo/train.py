@@ -26,12 +26,12 @@ from collections.abc import Sequence
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from train import registry, resume, rundir
-from train.build import check_buildable
-from train.console import CONSOLE
-from train.errors import ZooError
-from train.loop import Trainer
-from train.signals import Interrupted
+from zoo.engine import registry, resume, rundir
+from zoo.engine.build import check_buildable
+from zoo.engine.console import CONSOLE
+from zoo.engine.errors import ZooError
+from zoo.engine.loop import Trainer
+from zoo.engine.signals import Interrupted
 from zoo.hydra_store import store_registry
 from zoo.overrides import check_once, compose, sweep_jobs
 
@@ -42,7 +42,7 @@ EXIT_BAD_INPUT = 2
 CONSOLE_LOGGING = {
     "version": 1,
     "formatters": {"console": {"format": "%(message)s"}},
-    "handlers": {"console": {"class": "train.console.ConsoleHandler", "formatter": "console"}},
+    "handlers": {"console": {"class": "zoo.engine.console.ConsoleHandler", "formatter": "console"}},
     "root": {"level": "INFO", "handlers": ["console"]},
     "disable_existing_loggers": False,
 }

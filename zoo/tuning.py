@@ -17,12 +17,12 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from train import registry, rundir, weights
-from train.errors import ZooError
-from train.freeze import Filter
-from train.loop import RunResult, Trainer
-from train.validate import check_finetune
-from train.warm_start import locate
+from zoo.engine import registry, rundir, weights
+from zoo.engine.errors import ZooError
+from zoo.engine.freeze import Filter
+from zoo.engine.loop import RunResult, Trainer
+from zoo.engine.validate import check_finetune
+from zoo.engine.warm_start import locate
 from zoo.api import (
     Trained,
     TrainedModel,

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from data.files import CACHE_ENV, FileSource, RemoteFile, cache_root, find_or_fetch
-from train.errors import ZooError
-from train.registry import get_data
+from zoo.data.files import CACHE_ENV, FileSource, RemoteFile, cache_root, find_or_fetch
+from zoo.engine.errors import ZooError
+from zoo.engine.registry import get_data
 
 CONTENT = {"a.bin.gz": b"first file " * 1000, "b.bin": b"second file"}
 

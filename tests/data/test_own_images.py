@@ -21,9 +21,9 @@ from omegaconf import OmegaConf
 from PIL import Image
 
 import zoo
-from data.examples import IMAGENET_MEAN
-from train.errors import ZooError
-from train.registry import get_data
+from zoo.data.examples import IMAGENET_MEAN
+from zoo.engine.errors import ZooError
+from zoo.engine.registry import get_data
 
 SMALL = ("model.hidden_sizes=[16]", "trainer.batch_size=16", "optimizer.warmup_steps=0")
 QUICK = ("trainer.steps=6", "trainer.log_every=3", "trainer.eval_every=6")

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from helpers import ROOT
 
-import data.tokens
+from zoo.data import tokens as token_cache
 import zoo
-from data.text import load_tokenizer
-from data.tokens import Segment, tokenized
+from zoo.data.text import load_tokenizer
+from zoo.data.tokens import Segment, tokenized
 
 TINY = ROOT / "tests" / "fixtures" / "pretrained" / "gpt2-tiny"
 TOKENIZER = load_tokenizer(TINY)
@@ -37,7 +37,7 @@ def corpus(tmp_path_factory):
 
 def entries() -> dict[str, int]:
     """Cache entry -> its modification time."""
-    return {p.name: p.stat().st_mtime_ns for p in (data.tokens.cache_root() / "tokens").glob("*")}
+    return {p.name: p.stat().st_mtime_ns for p in (token_cache.cache_root() / "tokens").glob("*")}
 
 
 def untokenized(split: dict[str, np.ndarray]) -> np.ndarray:
@@ -47,7 +47,7 @@ def untokenized(split: dict[str, np.ndarray]) -> np.ndarray:
 
 
 def test_pieces_encode_to_the_ids_of_the_whole_text(corpus, monkeypatch):
-    monkeypatch.setattr(data.tokens, "PIECE", 256)  # many pieces, cut at many line breaks
+    monkeypatch.setattr(zoo.data.tokens, "PIECE", 256)  # many pieces, cut at many line breaks
     files = sorted(corpus.iterdir())
     segments = [Segment(f, 0, f.stat().st_size) for f in files]
     ids = tokenized(segments, TINY / "tokenizer.json", TOKENIZER)
@@ -72,7 +72,7 @@ def test_the_data_set_is_the_cached_ids_made_once_and_reused(corpus, monkeypatch
     def never(*args):
         raise AssertionError("tokenized again")
 
-    monkeypatch.setattr(data.tokens, "_encode", never)
+    monkeypatch.setattr(zoo.data.tokens, "_encode", never)
     again = zoo.load_data("text", path=str(corpus), tokenizer=str(TINY), window=32)
     np.testing.assert_array_equal(again.train["tokens"], splits.train["tokens"])
     np.testing.assert_array_equal(again.eval["tokens"], splits.eval["tokens"])

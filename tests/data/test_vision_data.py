@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data import vision
-from data.files import CACHE_ENV
-from train import pipeline
-from train.errors import ZooError
-from train.registry import get_data
+from zoo.data import vision
+from zoo.data.files import CACHE_ENV
+from zoo.engine import pipeline
+from zoo.engine.errors import ZooError
+from zoo.engine.registry import get_data
 
 DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
 

@@ -98,7 +98,7 @@ def final_arrays(workdir: Path, step: int) -> dict[str, np.ndarray]:
     import orbax.checkpoint as ocp
     from etils import epath
 
-    from train.checksums import flat
+    from zoo.engine.checksums import flat
 
     arrays = {}
     for item in ("state", "window"):

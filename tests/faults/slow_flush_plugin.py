@@ -4,9 +4,9 @@ instead of 8 KiB (a full buffer would otherwise write the events before it as a 
 
 import tensorboardX.record_writer
 
-import train.report
+from zoo.engine import report
 
-train.report.FLUSH_SECS = 3600
+report.FLUSH_SECS = 3600
 
 
 def _open_with_a_large_buffer(path):

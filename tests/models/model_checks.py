@@ -16,10 +16,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zoo
-from train import registry, sharding
-from train import rngs as zoo_rngs
-from train.sharding import DEFAULT_RULES
-from train.steps import make_train_step, means, zero_metrics
+from zoo.engine import registry, sharding
+from zoo.engine import rngs as zoo_rngs
+from zoo.engine.sharding import DEFAULT_RULES
+from zoo.engine.steps import make_train_step, means, zero_metrics
 
 MESH = {"data": 2, "fsdp": 2, "tensor": 2}
 ONE_DEVICE = {"data": 1, "fsdp": 1, "tensor": 1}

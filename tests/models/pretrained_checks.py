@@ -18,8 +18,8 @@ from flax import nnx
 from model_checks import ONE_DEVICE, _mesh, on_mesh
 from safetensors.numpy import load_file
 
-from train import registry, sharding, weights
-from train.sharding import DEFAULT_RULES
+from zoo.engine import registry, sharding, weights
+from zoo.engine.sharding import DEFAULT_RULES
 
 FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "pretrained"
 HAS_REFERENCE = all(importlib.util.find_spec(m) for m in ("torch", "transformers"))

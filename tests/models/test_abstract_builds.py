@@ -1,4 +1,4 @@
-"""An abstract build (`train.abstract.eval_shape`: initialisers not run, alike layers cloned)
+"""An abstract build (`zoo.engine.abstract.eval_shape`: initialisers not run, alike layers cloned)
 gives every zoo model exactly the structure, shapes, dtypes and sharding annotations that
 tracing its constructor in full (`nnx.eval_shape`) gives; a build whose values are kept is left
 as written."""
@@ -10,8 +10,8 @@ import pytest
 from flax import nnx
 
 import zoo
-from train import abstract, registry
-from train.build import build_model
+from zoo.engine import abstract, registry
+from zoo.engine.build import build_model
 from zoo.api import resolved_hparams
 
 BUILDS = {

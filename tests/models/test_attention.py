@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from model_checks import MESH, ONE_DEVICE, Models, outputs
 
-from models.attention_route import Platform, Route, current_platform, route
-from train.sharding import logical_spec
+from zoo.models.attention_route import Platform, Route, current_platform, route
+from zoo.engine.sharding import logical_spec
 
 CONTEXT, DIM, HEADS, BATCH = 16, 32, 4, 4
 

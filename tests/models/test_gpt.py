@@ -24,12 +24,12 @@ from model_checks import (
 )
 
 import zoo
-from data.text import LENGTH, TOKENS
-from models import generate as sampling
-from train import sharding
-from train.loop import Trainer
-from train.registry import get_data
-from train.sharding import DEFAULT_RULES
+from zoo.data.text import LENGTH, TOKENS
+from zoo.models import generate as sampling
+from zoo.engine import sharding
+from zoo.engine.loop import Trainer
+from zoo.engine.registry import get_data
+from zoo.engine.sharding import DEFAULT_RULES
 
 SMALL = [
     "model.context_length=32",
@@ -167,7 +167,7 @@ def test_a_few_steps_lower_the_loss(models):
 
 def test_generation_works_with_remat_and_scanned_layers(models):
     """The same weights in another layout write the same text (greedy, on the same mesh)."""
-    other = zoo.create_model("gpt", mesh=MESH, **models.hparams, scan_layers=True, remat=True)
+    other = zoo.create_model("gpt", mesh=MESH, **zoo.models.hparams, scan_layers=True, remat=True)
     models.split.eval()
     other.eval()
     with _mesh():

@@ -17,7 +17,7 @@ from pretrained_checks import loaded
 from pretrained_checks import logits as pretrained_logits
 
 import zoo
-from train import weights
+from zoo.engine import weights
 from zoo.api import checkpoint_hparams, plan_pretrained
 from zoo.export import export
 

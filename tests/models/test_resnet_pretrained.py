@@ -14,7 +14,7 @@ from model_checks import MESH, ONE_DEVICE
 from pretrained_checks import FIXTURES, exported, loaded, logits, reference, script
 
 import zoo
-from train import weights
+from zoo.engine import weights
 
 CHECKPOINTS = ["resnet18-timm", "resnet50-timm", "resnet-hf-basic", "resnet-hf-bottleneck"]
 

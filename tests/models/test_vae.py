@@ -21,9 +21,9 @@ from model_checks import (
 )
 from PIL import Image
 
-from train.checkpoint import Checkpointer
-from train.loop import Trainer
-from train.saved import abstract_like
+from zoo.engine.checkpoint import Checkpointer
+from zoo.engine.loop import Trainer
+from zoo.engine.saved import abstract_like
 from zoo.overrides import compose
 
 STEPS, EVERY = 160, 40

@@ -13,8 +13,8 @@ from flax import nnx
 from helpers import overriding, read_events, scalar_steps
 
 import zoo
-from train.loop import Trainer
-from train.registry import get_data
+from zoo.engine.loop import Trainer
+from zoo.engine.registry import get_data
 
 # Small versions of each model, so that a few dozen steps on 8 simulated devices take seconds.
 SMALL = {

@@ -17,7 +17,7 @@ from model_checks import (
 )
 
 import zoo
-from train import rngs as zoo_rngs
+from zoo.engine import rngs as zoo_rngs
 
 SMALL = {"patch_size": 2, "dim": 16, "depth": 2, "num_heads": 2}
 

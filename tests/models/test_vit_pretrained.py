@@ -11,7 +11,7 @@ from model_checks import MESH, ONE_DEVICE
 from pretrained_checks import FIXTURES, exported, loaded, logits, reference, script
 
 import zoo
-from train import weights
+from zoo.engine import weights
 
 CHECKPOINTS = ["vit-hf", "vit-timm-token", "vit-timm-avg"]
 

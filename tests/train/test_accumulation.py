@@ -10,8 +10,8 @@ from flax import nnx
 from helpers import one_step, overriding
 
 import zoo
-from train.errors import ZooError
-from train.loop import Trainer
+from zoo.engine.errors import ZooError
+from zoo.engine.loop import Trainer
 
 MODELS = {
     "mlp": ("model=mlp", "data=digits", "model.hidden_sizes=[32,32]", "model.dropout_rate=0"),
@@ -57,7 +57,7 @@ def trainer(model: str, workdir, mesh: dict[str, int], *extra: str) -> Trainer:
 
 def updated_params(t: Trainer) -> list[np.ndarray]:
     """The params after the first train step."""
-    from train import sharding
+    from zoo.engine import sharding
 
     batch = next(iter(t.train_data))
     with sharding.activate(t.mesh, t.rules):

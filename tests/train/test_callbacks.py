@@ -14,7 +14,7 @@ import pytest
 from helpers import ROOT, read_events, scalar_steps
 
 import zoo
-from train.saved import saved_steps
+from zoo.engine.saved import saved_steps
 
 ARGS = (
     "data=digits",

@@ -13,8 +13,8 @@ import pytest
 from helpers import ROOT, overriding
 from image_files import RUN_ARGS as ARGS
 
-from train import pipeline
-from train.resume import config_changes
+from zoo.engine import pipeline
+from zoo.engine.resume import config_changes
 
 
 class RowSource(pipeline.ExampleSource):

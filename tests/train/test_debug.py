@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 import zoo
-from models.xor import XorClassifier, binary_classification_loss
+from zoo.models.xor import XorClassifier, binary_classification_loss
 
 
 class Printing(XorClassifier):

@@ -7,7 +7,7 @@ import stateful_model
 from helpers import assert_same_bits, overriding, read_events, run_cli, scalar_steps
 
 import zoo
-from train.loop import Trainer
+from zoo.engine.loop import Trainer
 
 MODEL = stateful_model.NAME
 

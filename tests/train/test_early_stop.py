@@ -14,8 +14,8 @@ import pytest
 from helpers import ROOT, read_events, run_cli, scalar_steps
 
 import zoo
-from train.errors import ZooError
-from train.saved import saved_steps
+from zoo.engine.errors import ZooError
+from zoo.engine.saved import saved_steps
 
 STEPS, PATIENCE, MIN_DELTA = 200, 2, 0.01
 RUN = (

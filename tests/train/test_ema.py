@@ -10,9 +10,9 @@ from flax import nnx
 from helpers import overriding, read_events
 
 import zoo
-from train import sharding
-from train.errors import ZooError
-from train.loop import Trainer
+from zoo.engine import sharding
+from zoo.engine.errors import ZooError
+from zoo.engine.loop import Trainer
 
 DECAY = 0.8
 MLP = (

@@ -1,11 +1,11 @@
-"""Host buffers for a checkpoint fill (`train.host_memory`): pages readied on a thread, carved
+"""Host buffers for a checkpoint fill (`zoo.engine.host_memory`): pages readied on a thread, carved
 into page-aligned, zeroed buffers that jax on CPU adopts without a copy; what is left over goes
 back to the kernel."""
 
 import jax
 import numpy as np
 
-from train.host_memory import PAGE, Prefaulted, page_buffer
+from zoo.engine.host_memory import PAGE, Prefaulted, page_buffer
 
 MIB = 2**20
 

@@ -1,26 +1,98 @@
-"""The layering: `zoo` on top, the plugins `models` and `data` below it, the engine `train` at the
-bottom, with no import cycles anywhere, so any module can be imported on its own, first."""
+"""One import name and the layering under it: an installed zoo adds `zoo` and no other top-level
+name, works from a project folder with its own `data.py`, `train.py` and `models/`, and keeps
+its layers (the front on top, the plugins `zoo.models` and `zoo.data` below it, the engine
+`zoo.engine` at the bottom) with no import cycles, so any module can be imported on its own,
+first."""
 
 from __future__ import annotations
 
 import os
 import pkgutil
+import shutil
 import subprocess
 import sys
+import zipfile
+from pathlib import Path
 
+import pytest
 from helpers import ROOT
 
-PACKAGES = ("train", "models", "data", "zoo")
 THIRD_PARTY = ("jax", "flax.nnx", "optax", "orbax.checkpoint", "grain", "hydra", "tensorboardX")
+SOURCES = ("pyproject.toml", "README.md", "zoo", "models", "data", "train")
+BUILD_WHEEL = "import sys; from setuptools import build_meta; print(build_meta.build_wheel(sys.argv[1]))"
 
 
-def project_modules() -> list[str]:
-    modules = []
-    for package in PACKAGES:
-        modules.append(package)
-        for info in pkgutil.iter_modules([str(ROOT / package)]):
-            modules.append(f"{package}.{info.name}")
-    return modules
+def run(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        args,
+        cwd=cwd,
+        env={**os.environ, "JAX_PLATFORMS": "cpu", **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """zoo's wheel, built by the project's build backend from a copy of this checkout (the
+    backend leaves `build/` and `zoo.egg-info/` where it runs)."""
+    source, out = tmp_path_factory.mktemp("source"), tmp_path_factory.mktemp("wheel")
+    for name in SOURCES:
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(ROOT / name, source / name)
+    built = run([sys.executable, "-c", BUILD_WHEEL, str(out)], cwd=source)
+    assert built.returncode == 0, built.stderr
+    return out / built.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def installed(wheel, tmp_path_factory) -> Path:
+    """The wheel unpacked as an installer lays it into site-packages."""
+    site = tmp_path_factory.mktemp("site-packages")
+    zipfile.ZipFile(wheel).extractall(site)
+    return site
+
+
+def test_the_wheel_adds_one_top_level_name(wheel):
+    names = {Path(name).parts[0] for name in zipfile.ZipFile(wheel).namelist()}
+    assert {name for name in names if not name.endswith(".dist-info")} == {"zoo"}
+    files = set(zipfile.ZipFile(wheel).namelist())
+    assert {"zoo/engine/loop.py", "zoo/models/gpt.py", "zoo/data/text.py", "zoo/train.py"} <= files
+
+
+USER_PROJECT = {
+    "data.py": "raise SystemExit('the project\\'s own data.py was imported')\n",
+    "train.py": "raise SystemExit('the project\\'s own train.py was imported')\n",
+    "models/__init__.py": "raise SystemExit('the project\\'s own models/ was imported')\n",
+    "script.py": "import zoo\nprint(zoo.list_models())\n",
+}
+
+
+def test_zoo_works_from_a_project_with_its_own_data_train_and_models(installed, tmp_path):
+    """Both the CLI and `import zoo`, from a folder whose own modules have the names that a
+    top-level `data`, `train` or `models` would have had."""
+    for name, text in USER_PROJECT.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{installed}"}
+    script = run([sys.executable, "script.py"], cwd=tmp_path, **env)
+    assert script.returncode == 0, script.stderr
+    assert "'xor'" in script.stdout and "'gpt'" in script.stdout
+    cli = run([sys.executable, "-m", "zoo.train", "model=xor", "trainer.steps=20",
+               f"workdir={tmp_path / 'run'}"], cwd=tmp_path, **env)
+    assert cli.returncode == 0, cli.stderr
+    assert "Final eval @ step 20" in cli.stderr
+    imported = run([sys.executable, "-c", "import zoo.engine.loop, zoo; print(zoo.__file__)"],
+                   cwd=tmp_path, **env)
+    assert imported.stdout.strip() == str(installed / "zoo" / "__init__.py"), imported.stderr
+
+
+def project_modules(site: Path) -> list[str]:
+    return ["zoo"] + [m.name for m in pkgutil.walk_packages([str(site / "zoo")], "zoo.")]
 
 
 # The parent loads the third-party libraries once, then forks one child per module: each child
@@ -30,7 +102,7 @@ FIRST_IMPORTS = """
 import importlib, os, sys
 for library in {third_party!r}:
     importlib.import_module(library)
-assert not any(name.split(".")[0] in {packages!r} for name in sys.modules)
+assert not any(name.split(".")[0] == "zoo" for name in sys.modules)
 failed = []
 for module in {modules!r}:
     pid = os.fork()
@@ -49,32 +121,19 @@ sys.exit(1 if failed else 0)
 """
 
 
-def test_every_module_imports_on_its_own_first():
-    modules = project_modules()
-    assert len(modules) > 40 and "train.loop" in modules and "models.gpt" in modules
-    script = FIRST_IMPORTS.format(third_party=THIRD_PARTY, packages=PACKAGES, modules=modules)
-    result = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=ROOT,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+def test_every_module_imports_on_its_own_first(installed):
+    modules = [m for m in project_modules(installed) if not m.endswith("__main__")]
+    assert len(modules) > 40 and "zoo.engine.loop" in modules and "zoo.models.gpt" in modules
+    script = FIRST_IMPORTS.format(third_party=THIRD_PARTY, modules=modules)
+    result = run([sys.executable, "-c", script], cwd=installed, PYTHONPATH=str(installed))
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_import_contracts_hold():
-    """`lint-imports` checks the contracts in pyproject.toml: the layers zoo > models | data >
-    train, and no cycles between the modules of any package."""
-    result = subprocess.run(
-        [os.path.join(os.path.dirname(sys.executable), "lint-imports")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+def test_import_contracts_hold(installed):
+    """`lint-imports` checks the contracts in pyproject.toml on the installed layout: the layers
+    front > models | data > engine, and no cycles between the modules of any package."""
+    lint = os.path.join(os.path.dirname(sys.executable), "lint-imports")
+    result = run([lint, "--config", str(ROOT / "pyproject.toml")], cwd=installed,
+                 PYTHONPATH=str(installed))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Contracts: 2 kept, 0 broken." in result.stdout

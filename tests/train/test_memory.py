@@ -12,7 +12,7 @@ from flax import nnx
 from helpers import read_events, scalar_steps
 
 import zoo
-from train.memory import device_memory
+from zoo.engine.memory import device_memory
 
 ARGS = (
     "data=digits",

@@ -14,10 +14,10 @@ from flax import nnx
 from omegaconf import OmegaConf
 
 import zoo
-from train import sharding
-from train.freeze import dotted
-from train.loop import Trainer
-from train.optim import learning_rate_schedule, make_optimizer
+from zoo.engine import sharding
+from zoo.engine.freeze import dotted
+from zoo.engine.loop import Trainer
+from zoo.engine.optim import learning_rate_schedule, make_optimizer
 
 
 def optimizer_config(*overrides: str):

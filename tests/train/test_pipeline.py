@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import zoo
-from train import pipeline
-from train.registry import get_data
+from zoo.engine import pipeline
+from zoo.engine.registry import get_data
 
 
 def column(n: int) -> dict[str, np.ndarray]:

@@ -12,11 +12,11 @@ from helpers import overriding
 from jax.extend import core as jcore
 
 import zoo
-from train import pipeline, precision, registry, sharding
-from train import rngs as zoo_rngs
-from train.checkpoint import Checkpointer
-from train.saved import abstract_like
-from train.steps import make_train_step, zero_metrics
+from zoo.engine import pipeline, precision, registry, sharding
+from zoo.engine import rngs as zoo_rngs
+from zoo.engine.checkpoint import Checkpointer
+from zoo.engine.saved import abstract_like
+from zoo.engine.steps import make_train_step, zero_metrics
 
 SMALL = {
     "mlp": ("data=digits", "model.hidden_sizes=[32,32]"),
@@ -49,7 +49,7 @@ COMMON = (
 
 def fit(model: str, workdir, *extra: str) -> zoo.RunResult:
     overrides = overriding(f"model={model}", *SMALL[model], *COMMON, f"workdir={workdir}", *extra)
-    from train.loop import Trainer
+    from zoo.engine.loop import Trainer
 
     return Trainer(zoo.compose(overrides), jax.devices()[:1]).fit()
 
@@ -145,7 +145,7 @@ def test_bf16_train_step_multiplies_in_bf16_and_keeps_float32_where_it_must(tmp_
     The same matmul check fails on the fp32 step."""
     extra = ("model.scan_layers=true", "model.remat=true", "trainer.precision=bf16")
     overrides = overriding("model=gpt", *SMALL["gpt"], *COMMON, *extra, f"workdir={tmp_path}")
-    from train.loop import Trainer
+    from zoo.engine.loop import Trainer
 
     trainer = Trainer(zoo.compose(overrides), jax.devices()[:1])
     with sharding.activate(trainer.mesh, trainer.rules):

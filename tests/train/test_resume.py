@@ -18,11 +18,11 @@ from flax import nnx
 from helpers import ROOT, assert_same_bits, overriding, read_events, run_cli, scalar_steps
 
 import zoo
-from train import pipeline
-from train.checkpoint import Checkpointer
-from train.loop import Trainer
-from train.registry import Splits, get_data
-from train.saved import abstract_like
+from zoo.engine import pipeline
+from zoo.engine.checkpoint import Checkpointer
+from zoo.engine.loop import Trainer
+from zoo.engine.registry import Splits, get_data
+from zoo.engine.saved import abstract_like
 
 PLUGIN_ENV = {"ZOO_PLUGINS": "stateful_model", "PYTHONPATH": str(ROOT / "tests")}
 STEPS, EVERY = 160, 20

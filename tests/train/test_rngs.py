@@ -10,10 +10,10 @@ import pytest
 from flax import nnx
 from helpers import assert_same_bits
 
-from models import gpt
-from train import registry, rngs
-from train.build import build_model
-from train.rngs import construction_rngs
+from zoo.models import gpt
+from zoo.engine import registry, rngs
+from zoo.engine.build import build_model
+from zoo.engine.rngs import construction_rngs
 
 GPT = {
     "vocab_size": 256,

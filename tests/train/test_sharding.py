@@ -12,8 +12,8 @@ from helpers import one_step, overriding, read_events, run_cli
 from jax.sharding import PartitionSpec as P
 
 import zoo
-from train import sharding
-from train.loop import Trainer
+from zoo.engine import sharding
+from zoo.engine.loop import Trainer
 
 MESHES = [
     {"data": 8},

@@ -34,10 +34,10 @@ from PIL import Image
 from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
 
 import zoo
-from train.checkpoint import Checkpointer
-from train.loop import Trainer
-from train.saved import abstract_like
-from train.summaries import DEFAULT_COLUMNS
+from zoo.engine.checkpoint import Checkpointer
+from zoo.engine.loop import Trainer
+from zoo.engine.saved import abstract_like
+from zoo.engine.summaries import DEFAULT_COLUMNS
 
 STEPS, LOG_EVERY, EVAL_EVERY, HISTOGRAM_EVERY, BATCH = 40, 10, 20, 20, 64
 HIDDEN = 32

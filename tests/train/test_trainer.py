@@ -11,13 +11,13 @@ from helpers import assert_same_bits, overriding, read_events, scalar_steps
 from jax.sharding import PartitionSpec as P
 
 import zoo
-from train import pipeline, sharding
-from train.checkpoint import Checkpointer
-from train.loop import Trainer
-from train.norms import global_norm
-from train.registry import get_data
-from train.saved import abstract_like
-from train.steps import make_grad_step
+from zoo.engine import pipeline, sharding
+from zoo.engine.checkpoint import Checkpointer
+from zoo.engine.loop import Trainer
+from zoo.engine.norms import global_norm
+from zoo.engine.registry import get_data
+from zoo.engine.saved import abstract_like
+from zoo.engine.steps import make_grad_step
 
 MODEL = stateful_model.NAME
 

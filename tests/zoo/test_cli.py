@@ -127,7 +127,7 @@ def test_user_model_registered_through_plugin_module(tmp_path):
         textwrap.dedent("""
         from flax import nnx
         import zoo
-        from models.xor import binary_classification_loss
+        from zoo.models.xor import binary_classification_loss
 
         class Wide(nnx.Module):
             def __init__(self, width: int = 32, *, rngs: nnx.Rngs):

@@ -20,7 +20,7 @@ from flax import nnx
 from helpers import ROOT, run_cli
 
 import zoo
-from train import weights
+from zoo.engine import weights
 from zoo.export.token_ids import special_token_ids
 
 zoo_export = importlib.import_module("zoo.export")  # the module (`zoo.export` is the function)
@@ -48,7 +48,7 @@ with np.load(os.path.join(out, "weights.npz")) as npz:
 signature = json.load(open(os.path.join(out, "signature.json")))
 assert list(inputs.shape) == signature["inputs"]["shape"], (inputs.shape, signature)
 np.save(sys.argv[3], np.asarray(function.call(leaves, inputs)))
-print(sorted(m for m in sys.modules if m.split(".")[0] in ("zoo", "models", "train", "data")))
+print(sorted(m for m in sys.modules if m.split(".")[0] == "zoo"))
 """
 
 

@@ -16,7 +16,7 @@ from flax import nnx
 from helpers import assert_same_bits, read_events, run_cli, scalar_steps
 
 import zoo
-from train.lora import ShardedLoRA
+from zoo.engine.lora import ShardedLoRA
 
 COMMON = ("data=digits", "trainer.batch_size=64", "optimizer.warmup_steps=0")
 CNN = ("model=cnn", "model.channels=[8,16,16]", *COMMON)

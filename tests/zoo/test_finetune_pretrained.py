@@ -10,7 +10,7 @@ from flax import nnx
 from helpers import ROOT
 
 import zoo
-from train import weights
+from zoo.engine import weights
 
 FIXTURES = ROOT / "tests" / "fixtures" / "pretrained"
 TINY, TEXT = FIXTURES / "gpt2-tiny", FIXTURES / "tiny.txt"

@@ -16,7 +16,7 @@ from helpers import ROOT, run_cli
 from safetensors.numpy import load_file
 
 import zoo
-from train import weights
+from zoo.engine import weights
 
 FIXTURES = ROOT / "tests" / "fixtures" / "pretrained"
 SHORT = (

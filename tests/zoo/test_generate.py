@@ -18,10 +18,10 @@ from flax import nnx
 from helpers import ROOT, run_cli
 
 import zoo
-from data.text import load_tokenizer
-from models.generate import generate_tokens
-from train.precision import computing
-from train.rngs import on_eval_key
+from zoo.data.text import load_tokenizer
+from zoo.models.generate import generate_tokens
+from zoo.engine.precision import computing
+from zoo.engine.rngs import on_eval_key
 
 FIXTURES = ROOT / "tests" / "fixtures" / "pretrained"
 TINY, TEXT = FIXTURES / "gpt2-tiny", FIXTURES / "tiny.txt"

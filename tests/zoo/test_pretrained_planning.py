@@ -14,9 +14,9 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 import zoo
-from models.xor import binary_classification_loss
-from train import registry, weights
-from train.registry import Family, Rule, register_family
+from zoo.models.xor import binary_classification_loss
+from zoo.engine import registry, weights
+from zoo.engine.registry import Family, Rule, register_family
 from zoo.api import checkpoint_hparams, plan_pretrained
 
 CLASSES, SIZE = 3, 2

@@ -8,8 +8,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import zoo
-from models.xor import XorClassifier, binary_classification_loss
-from train import registry
+from zoo.models.xor import XorClassifier, binary_classification_loss
+from zoo.engine import registry
 from zoo.pretrained import families_help
 
 
@@ -34,7 +34,7 @@ def test_list_models_holds_builtins_and_user_models():
 
 
 def test_list_models_says_which_checkpoint_families_each_model_loads():
-    from train.registry import Family, Rule, register_family
+    from zoo.engine.registry import Family, Rule, register_family
 
     if not any(f.name == "tiny-ckpt" for f in registry.families("tiny")):
         register_family(

@@ -11,7 +11,7 @@ from helpers import read_events, run_cli
 from omegaconf import OmegaConf
 
 import zoo
-from train import resume
+from zoo.engine import resume
 
 
 @pytest.mark.parametrize("model", zoo.list_models())

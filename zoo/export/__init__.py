@@ -4,7 +4,7 @@
 - `hf`: `config.json` + `model.safetensors` (+ `tokenizer.json`) in the layout of the checkpoint
   family the model loads (the one the run started from, else the model's first), which that
   family's reference code reads; LoRA adapters are merged first. Generic over every registered
-  family: the family's key table, run backwards (`train.weights.export_tensors`). A ViT trained
+  family: the family's key table, run backwards (`zoo.engine.weights.export_tensors`). A ViT trained
   at another image size than its checkpoint's is written with its positions resized to the
   images it takes, as each call resizes them, so that the config names that size; a language
   model's config names its end-of-text token (`zoo.export.token_ids`).
@@ -27,10 +27,10 @@ import jax
 import numpy as np
 from flax import nnx
 
-from train import registry
-from train import weights as pretrained
-from train.errors import ZooError
-from train.lora import merge_adapters
+from zoo.engine import registry
+from zoo.engine import weights as pretrained
+from zoo.engine.errors import ZooError
+from zoo.engine.lora import merge_adapters
 from zoo.api import TrainedModel, load, resolved_hparams
 from zoo.export.token_ids import special_token_ids
 

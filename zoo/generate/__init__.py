@@ -7,7 +7,7 @@ module. A run's model is called under its own mesh and speaks its data set's tok
 (`data.tokenizer`, which a run from a pretrained directory takes from it); a bare module is
 byte-level unless `tokenizer` is given, and is called under the mesh the caller activated. A
 run trained with `trainer.precision=bf16` generates in bfloat16, as it trained.
-Sampling itself is `models.generate`.
+Sampling itself is `zoo.models.generate`.
 
 (`zoo.generate` is the function once `import zoo` ran; the package's `__main__` is the CLI.)
 """
@@ -20,11 +20,11 @@ from typing import Any
 
 import jax
 
-from data.text import load_tokenizer
-from models.generate import generate as generate_text
-from train import precision
-from train.errors import ZooError
-from train.loop import RunResult
+from zoo.data.text import load_tokenizer
+from zoo.models.generate import generate as generate_text
+from zoo.engine import precision
+from zoo.engine.errors import ZooError
+from zoo.engine.loop import RunResult
 from zoo.api import TrainedModel, load
 
 OPTIONS = {"prompt": str, "max_new_tokens": int, "temperature": float, "top_k": int, "seed": int}

@@ -1,5 +1,5 @@
 """`python -m zoo.data convert images DIR OUT [--records-per-shard N]`: an image folder into
-ArrayRecord shards (see `data.convert`)."""
+ArrayRecord shards (see `zoo.data.convert`)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from data.convert import RECORDS_PER_SHARD, convert_images
-from train.errors import ZooError
+from zoo.data.convert import RECORDS_PER_SHARD, convert_images
+from zoo.engine.errors import ZooError
 
 
 def main(argv: Sequence[str] | None = None) -> int:
