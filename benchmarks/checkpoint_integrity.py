@@ -1,5 +1,5 @@
 """What the checkpoints' checksums cost: the seconds a save blocks the loop and a restore takes,
-against the part of each that computes the checksums (`zoo.engine.checksums`).
+against the part of each that computes the checksums (`zoo.engine.checkpoints.checksums`).
 
     python -m benchmarks.checkpoint_integrity --repeats 5 --json runs/bench/integrity.json
     JAX_NUM_CPU_DEVICES=8 python -m benchmarks.checkpoint_integrity mesh.data=1 mesh.fsdp=8
@@ -22,12 +22,13 @@ import time
 from pathlib import Path
 
 import jax
+from zoo.engine import sharding
+from zoo.engine.checkpoints import checksums
+from zoo.engine.checkpoints.manager import Checkpointer
+from zoo.engine.checkpoints.reader import abstract_like
+from zoo.engine.loop import Trainer
 
 import zoo
-from zoo.engine import checksums, sharding
-from zoo.engine.checkpoint import Checkpointer
-from zoo.engine.loop import Trainer
-from zoo.engine.saved import abstract_like
 
 STATES = {
     "mlp": ["model=mlp"],

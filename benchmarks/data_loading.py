@@ -32,7 +32,6 @@ from pathlib import Path
 
 import numpy as np
 from PIL import Image
-
 from zoo.data.files import cache_root
 from zoo.engine import pipeline
 

@@ -31,12 +31,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import jax
-
-import zoo
-from benchmarks.loops import zoo_loop
 from zoo.engine import sharding, steps
 from zoo.engine.loop import Trainer
 from zoo.engine.observe import InFlight
+
+import zoo
+from benchmarks.loops import zoo_loop
 
 WARMUP_WINDOWS = 3
 NEVER = 10**9  # trainer.steps of the benchmark's runs: they stop when the benchmark does

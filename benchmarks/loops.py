@@ -17,7 +17,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
 from zoo.engine import registry, sharding
 from zoo.engine import rngs as zoo_rngs
 from zoo.engine.loop import Trainer

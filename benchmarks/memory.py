@@ -16,10 +16,10 @@ import tempfile
 from collections.abc import Sequence
 
 import jax
-
-import zoo
 from zoo.engine.loop import Trainer
 from zoo.engine.memory import step_memory
+
+import zoo
 
 VARIANTS = {
     "fp32": (),

@@ -106,9 +106,9 @@ def measure(what: str, directory: str, devices: int) -> dict[str, float]:
     """In this (fresh) interpreter: seconds and peak resident bytes of `what`."""
     import jax
     from safetensors.numpy import load_file
+    from zoo.engine.weights import open_pretrained
 
     import zoo
-    from zoo.engine.weights import open_pretrained
     from zoo.api import checkpoint_hparams, plan_pretrained
 
     jax.devices()  # the backend is up before the clock starts

@@ -24,12 +24,12 @@ from typing import Any
 
 import jax
 from omegaconf import OmegaConf
+from zoo.engine import registry
+from zoo.engine.loop import Trainer
 
 import zoo
 from benchmarks import loops
 from benchmarks.torch_loops import torch_loop
-from zoo.engine import registry
-from zoo.engine.loop import Trainer
 
 LOOPS = ("zoo", "zoo_dispatch", "bare", "nnx", "torch")
 RATIOS = (

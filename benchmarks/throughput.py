@@ -43,10 +43,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from omegaconf import OmegaConf
+from zoo.engine.loop import Trainer
 
 from benchmarks import loops
 from benchmarks.run import benchmark_trainer, spread
-from zoo.engine.loop import Trainer
 
 GPU_SIZES = {"depth": 12, "dim": 768, "heads": 12, "context": 1024, "vocab": 50257, "batch": 16}
 SMALL_SIZES = {"depth": 4, "dim": 256, "heads": 4, "context": 256, "vocab": 256, "batch": 8}

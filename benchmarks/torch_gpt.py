@@ -25,9 +25,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from zoo.models.gpt import padded_vocab
 
 from benchmarks.torch_loops import fastest_threads, torch_update
-from zoo.models.gpt import padded_vocab
 
 
 class Block(nn.Module):

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import msgpack
 from array_record.python.array_record_module import ArrayRecordWriter
-
 from zoo.data.examples import Files, OnError, readable
 from zoo.data.images import class_names, scan
 from zoo.engine.errors import ZooError

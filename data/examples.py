@@ -24,7 +24,6 @@ from typing import Protocol
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
-
 from zoo.data.files import cache_root
 from zoo.data.imaging import Augment, open_image, pixels
 from zoo.engine.errors import ZooError

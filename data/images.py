@@ -12,7 +12,6 @@ import hashlib
 from pathlib import Path
 
 import numpy as np
-
 from zoo.data.examples import (
     IMAGENET_MEAN,
     IMAGENET_STD,

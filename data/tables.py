@@ -24,7 +24,6 @@ import msgpack
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-
 from zoo.data.examples import (
     ImageExamples,
     NormalizeBy,

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from zoo.data.files import CACHE_ENV, cache_root
 from zoo.engine.errors import ZooError
 

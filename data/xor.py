@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import numpy as np
-
 from zoo.engine.registry import Splits, register_data
 
 

@@ -25,7 +25,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
-
 from zoo.engine import sharding
 from zoo.engine.errors import ZooError
 

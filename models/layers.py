@@ -13,7 +13,6 @@ from collections.abc import Callable, Sequence
 
 import jax
 from flax import nnx
-
 from zoo.engine.abstract import partitioned
 from zoo.engine.sharding import logical_spec
 

@@ -23,13 +23,12 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
-
-from zoo.models import hparams
-from zoo.models.classification import classification_loss, report_classifier
-from zoo.models.layers import batch_norm, conv, dense
 from zoo.engine.abstract import repeated
 from zoo.engine.registry import register_model
 from zoo.engine.sharding import logical_spec
+from zoo.models import hparams
+from zoo.models.classification import classification_loss, report_classifier
+from zoo.models.layers import batch_norm, conv, dense
 
 BLOCKS = ("basic", "bottleneck")
 STEMS = ("small", "imagenet")

@@ -28,13 +28,12 @@ import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
-
-from zoo.models import hparams
-from zoo.models.layers import dense, dense_stack, run_stack, stack_output_axis
 from zoo.engine import sharding
 from zoo.engine.registry import loss_contract, register_model
 from zoo.engine.report import image_grid
 from zoo.engine.sharding import logical_spec
+from zoo.models import hparams
+from zoo.models.layers import dense, dense_stack, run_stack, stack_output_axis
 
 
 class MLPStack(nnx.Module):

@@ -5,11 +5,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 import optax
 from flax import nnx
-
-from zoo.models import hparams
 from zoo.engine.abstract import partitioned
 from zoo.engine.registry import loss_contract, register_model
 from zoo.engine.sharding import logical_spec
+from zoo.models import hparams
 
 
 @loss_contract(columns=("inputs", "label"), metrics=("accuracy",))

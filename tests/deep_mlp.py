@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from zoo.engine.sharding import logical_spec
 
 import zoo
-from zoo.engine.sharding import logical_spec
 
 MODEL, DATA = "test_deep_mlp", "test_blobs"
 

@@ -4,10 +4,10 @@ and a module-bound Dropout stream (RngState)."""
 from __future__ import annotations
 
 from flax import nnx
+from zoo.engine.sharding import logical_spec
+from zoo.models.xor import binary_classification_loss
 
 import zoo
-from zoo.models.xor import binary_classification_loss
-from zoo.engine.sharding import logical_spec
 
 NAME = "test_dropout_bn"
 

@@ -16,7 +16,6 @@ from typing import Any
 import optax
 from flax import nnx
 from jax.sharding import Mesh
-
 from zoo.engine import rngs, sharding
 from zoo.engine.abstract import eval_shape
 from zoo.engine.lora import add_adapters

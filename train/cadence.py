@@ -17,14 +17,13 @@ from typing import Any
 
 import grain
 import jax
-
 from zoo.engine.callbacks import Callbacks
-from zoo.engine.checkpoint import Checkpointer
+from zoo.engine.checkpoints.manager import Checkpointer
+from zoo.engine.checkpoints.start import Progress
 from zoo.engine.early_stop import EarlyStop
 from zoo.engine.errors import NonFiniteLoss
 from zoo.engine.observe import WindowClock
 from zoo.engine.report import Reporter
-from zoo.engine.restore import Progress
 from zoo.engine.signals import Interrupted, StopRequests
 from zoo.engine.steps import Metrics, health, means
 

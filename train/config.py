@@ -14,7 +14,6 @@ from typing import Any
 
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-
 from zoo.engine.errors import ZooError
 from zoo.engine.sharding import DEFAULT_RULES
 

@@ -15,7 +15,6 @@ from typing import Any
 
 import grain
 import jax
-
 from zoo.engine import sharding
 from zoo.engine.errors import ZooError
 

@@ -10,7 +10,6 @@ import os
 from typing import Any
 
 import jax
-
 from zoo.engine.errors import ZooError
 
 log = logging.getLogger("zoo")

@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 from flax import nnx
-
 from zoo.engine.errors import ZooError
 from zoo.engine.paths import BACKBONE, dotted, matching, outside
 

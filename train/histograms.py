@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
-
 from zoo.engine.steps import Steps
 
 BUCKETS = 30

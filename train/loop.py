@@ -5,7 +5,7 @@ sharded under the mesh (`zoo.engine.build`) -> split once into graphdef + state 
 `fit()` is one linear loop: a batch, a dispatch of K steps, then the cadence actions (log
 window, eval, checkpoint; `zoo.engine.cadence`). `steps()` is the same loop as a generator, so a
 caller (a benchmark) can advance it a few steps at a time. Where a run starts (its own
-checkpoint, another run's weights, its seed) is `zoo.engine.restore`'s job.
+checkpoint, another run's weights, its seed) is `zoo.engine.checkpoints.start`'s job.
 
 A fine-tune is such a run too: its config's `finetune` section adds LoRA adapters to the built
 model, limits what the optimizer and the gradients see to the trainable params, and (on a fresh
@@ -24,13 +24,13 @@ from typing import Any
 import jax
 from flax import nnx
 from omegaconf import DictConfig, OmegaConf
-
-from zoo.engine import distributed, ema, memory, pipeline, precision, registry, restore, rundir, sharding
+from zoo.engine import distributed, ema, memory, pipeline, precision, registry, rundir, sharding
 from zoo.engine import rngs as zoo_rngs
 from zoo.engine.build import build_on_mesh
 from zoo.engine.cadence import Cadence, Every, LogWindows
 from zoo.engine.callbacks import Callbacks
-from zoo.engine.checkpoint import Checkpointer
+from zoo.engine.checkpoints.manager import Checkpointer
+from zoo.engine.checkpoints.start import RunStart, start_run
 from zoo.engine.dispatch import Dispatcher
 from zoo.engine.early_stop import EarlyStop
 from zoo.engine.errors import ZooError
@@ -290,7 +290,7 @@ class Trainer:
         with sharding.activate(self.mesh, self.rules):
             example = self.shard(pipeline.peek(self.train_data))
             zeros = zero_metrics(self.train_step, self.state, {}, example, self.step_key)
-            how = restore.RunStart(
+            how = RunStart(
                 self.cfg,
                 saved_config,
                 self.graphdef,
@@ -300,7 +300,7 @@ class Trainer:
                 self.step_key,
                 self.hparams,
             )
-            self.state, self.progress = restore.start(how, checkpointer)
+            self.state, self.progress = start_run(how, checkpointer)
         self.resumed_from = self.progress.step
         self._check_start_step(self.progress.step, checkpointer.directory)
         return zeros

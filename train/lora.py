@@ -17,7 +17,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-
 from zoo.engine.abstract import partitioned
 from zoo.engine.errors import ZooError
 from zoo.engine.paths import dotted, matches

@@ -18,7 +18,6 @@ from collections.abc import Iterable
 from typing import Any
 
 import jax
-
 from zoo.engine import sharding
 from zoo.engine.plan import readable_size
 from zoo.engine.report import Reporter

@@ -16,7 +16,6 @@ from collections.abc import Callable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
-
 from zoo.engine.steps import Steps
 
 

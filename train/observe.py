@@ -17,7 +17,6 @@ from typing import Any
 
 import jax
 from jax import monitoring
-
 from zoo.engine.memory import device_memory
 from zoo.engine.report import Reporter
 from zoo.engine.steps import COUNT

@@ -6,7 +6,6 @@ from typing import Any
 
 import jax
 import optax
-
 from zoo.engine.config import OptimizerName, ScheduleName
 from zoo.engine.ema import params_ema
 

@@ -26,7 +26,6 @@ from typing import Any
 import grain
 import jax
 import numpy as np
-
 from zoo.engine.errors import ZooError
 from zoo.engine.registry import Batch, Splits
 

@@ -15,7 +15,6 @@ from typing import Any
 from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
-
 from zoo.engine.abstract import eval_shape
 from zoo.engine.sharding import AxisRules
 

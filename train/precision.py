@@ -17,7 +17,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-
 from zoo.engine.config import Precision
 
 COMPUTE = jnp.bfloat16

@@ -32,7 +32,6 @@ from typing import Any
 
 import numpy as np
 from flax import nnx
-
 from zoo.engine.errors import ZooError
 
 LossFn = Callable[[nnx.Module, Mapping[str, Any], nnx.Rngs], tuple[Any, dict[str, Any]]]

@@ -18,7 +18,6 @@ import jax
 import numpy as np
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from tensorboardX import SummaryWriter
-
 from zoo.engine import event_files
 from zoo.engine.console import CONSOLE
 

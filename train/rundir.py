@@ -27,7 +27,6 @@ from collections.abc import Iterator, Sequence
 from typing import Self
 
 from omegaconf import DictConfig, OmegaConf
-
 from zoo.engine.errors import ZooError
 
 LOCK = ".zoo.lock"

@@ -25,7 +25,6 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-
 from zoo.engine.errors import ZooError
 
 MESH_AXES = ("data", "fsdp", "tensor")

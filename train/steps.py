@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
-
 from zoo.engine import rngs as zoo_rngs
 from zoo.engine.freeze import train_mode
 from zoo.engine.pipeline import MASK

@@ -22,7 +22,6 @@ from tensorboardX.proto.api_pb2 import DataType, Experiment, HParamInfo, MetricI
 from tensorboardX.proto.plugin_hparams_pb2 import HParamsPluginData
 from tensorboardX.proto.summary_pb2 import Summary, SummaryMetadata
 from tensorboardX.summary import hparams
-
 from zoo.engine import registry
 from zoo.engine.config import Config
 from zoo.engine.report import val_tag

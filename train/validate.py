@@ -16,7 +16,6 @@ from typing import Any
 
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
-
 from zoo.engine import registry
 from zoo.engine.config import Config, resume_step
 from zoo.engine.dispatch import check_cadences
@@ -226,7 +225,7 @@ def _columns(data: Any) -> list[str]:
     if isinstance(data, Mapping):
         return list(data)
     if isinstance(data, ExampleSource):
-        return list(zoo.data.examples(np.zeros(1, np.int64), None, 0)) if len(data) else []
+        return list(data.examples(np.zeros(1, np.int64), None, 0)) if len(data) else []
     return list(data[0]) if len(data) else []
 
 

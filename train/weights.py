@@ -46,7 +46,6 @@ from flax import nnx
 from jax.sharding import Mesh
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
-
 from zoo.engine.errors import ZooError, mismatches
 from zoo.engine.host_memory import page_buffer
 from zoo.engine.paths import matches

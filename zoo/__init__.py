@@ -17,8 +17,19 @@ uses the plugins `zoo.models` and `zoo.data`, which use the engine `zoo.engine`;
 imports upwards.
 """
 
-import zoo.data  # noqa: F401  (registers the built-in data sets)
-import zoo.models  # noqa: F401  (registers the built-in models)
+import zoo.data  # registers the built-in data sets
+import zoo.models  # registers the built-in models
+from zoo.api import (
+    TrainedModel,
+    create_model,
+    evaluate,
+    fit,
+    load,
+    load_data,
+    merge_lora,
+    predict,
+    run,
+)
 from zoo.engine.callbacks import STOP, CallbackFailed, CallbackStop
 from zoo.engine.errors import NonFiniteLoss, ZooError
 from zoo.engine.loop import RunResult
@@ -31,17 +42,6 @@ from zoo.engine.registry import (
     register_model,
 )
 from zoo.engine.signals import Interrupted
-from zoo.api import (
-    TrainedModel,
-    create_model,
-    evaluate,
-    fit,
-    load,
-    load_data,
-    merge_lora,
-    predict,
-    run,
-)
 from zoo.export import export
 from zoo.generate import generate
 from zoo.overrides import compose

@@ -23,16 +23,16 @@ from omegaconf import DictConfig, OmegaConf
 from zoo.engine import pipeline, registry, rundir, sharding, weights
 from zoo.engine import rngs as zoo_rngs
 from zoo.engine.build import abstract_model, build_on_mesh
+from zoo.engine.checkpoints.reader import read_json
+from zoo.engine.checkpoints.warm_start import read_first, restore_averaged, restore_model
 from zoo.engine.config import Config, MeshConfig, checked_dict, checked_params
 from zoo.engine.console import ConsoleHandler
 from zoo.engine.errors import ZooError
 from zoo.engine.host_memory import PAGE, Prefaulted
 from zoo.engine.loop import RunResult, Trainer, evaluate_batches
 from zoo.engine.lora import merge_adapters
-from zoo.engine.saved import read_json
 from zoo.engine.steps import make_eval_step
 from zoo.engine.validate import check_split
-from zoo.engine.warm_start import read_first, restore_averaged, restore_model
 from zoo.overrides import compose
 
 

@@ -26,8 +26,9 @@ from collections.abc import Sequence
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from zoo.engine import registry, resume, rundir
+from zoo.engine import registry, rundir
 from zoo.engine.build import check_buildable
+from zoo.engine.checkpoints import resume
 from zoo.engine.console import CONSOLE
 from zoo.engine.errors import ZooError
 from zoo.engine.loop import Trainer

@@ -17,12 +17,6 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from zoo.engine import registry, rundir, weights
-from zoo.engine.errors import ZooError
-from zoo.engine.freeze import Filter
-from zoo.engine.loop import RunResult, Trainer
-from zoo.engine.validate import check_finetune
-from zoo.engine.warm_start import locate
 from zoo.api import (
     Trained,
     TrainedModel,
@@ -31,6 +25,12 @@ from zoo.api import (
     resolved_hparams,
     saved_config,
 )
+from zoo.engine import registry, rundir, weights
+from zoo.engine.checkpoints.warm_start import locate
+from zoo.engine.errors import ZooError
+from zoo.engine.freeze import Filter
+from zoo.engine.loop import RunResult, Trainer
+from zoo.engine.validate import check_finetune
 from zoo.overrides import compose
 
 USER_DATA = "user"

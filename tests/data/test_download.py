@@ -11,7 +11,6 @@ import threading
 from pathlib import Path
 
 import pytest
-
 from zoo.data.files import CACHE_ENV, FileSource, RemoteFile, cache_root, find_or_fetch
 from zoo.engine.errors import ZooError
 from zoo.engine.registry import get_data

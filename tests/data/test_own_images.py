@@ -19,11 +19,11 @@ from helpers import ROOT, run_cli
 from image_files import CLASSES, picture, write_folder
 from omegaconf import OmegaConf
 from PIL import Image
-
-import zoo
 from zoo.data.examples import IMAGENET_MEAN
 from zoo.engine.errors import ZooError
 from zoo.engine.registry import get_data
+
+import zoo
 
 SMALL = ("model.hidden_sizes=[16]", "trainer.batch_size=16", "optimizer.warmup_steps=0")
 QUICK = ("trainer.steps=6", "trainer.log_every=3", "trainer.eval_every=6")

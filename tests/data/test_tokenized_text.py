@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers import ROOT
-
 from zoo.data import tokens as token_cache
-import zoo
 from zoo.data.text import load_tokenizer
 from zoo.data.tokens import Segment, tokenized
+
+import zoo
 
 TINY = ROOT / "tests" / "fixtures" / "pretrained" / "gpt2-tiny"
 TOKENIZER = load_tokenizer(TINY)
@@ -47,7 +47,7 @@ def untokenized(split: dict[str, np.ndarray]) -> np.ndarray:
 
 
 def test_pieces_encode_to_the_ids_of_the_whole_text(corpus, monkeypatch):
-    monkeypatch.setattr(zoo.data.tokens, "PIECE", 256)  # many pieces, cut at many line breaks
+    monkeypatch.setattr(token_cache, "PIECE", 256)  # many pieces, cut at many line breaks
     files = sorted(corpus.iterdir())
     segments = [Segment(f, 0, f.stat().st_size) for f in files]
     ids = tokenized(segments, TINY / "tokenizer.json", TOKENIZER)
@@ -72,7 +72,7 @@ def test_the_data_set_is_the_cached_ids_made_once_and_reused(corpus, monkeypatch
     def never(*args):
         raise AssertionError("tokenized again")
 
-    monkeypatch.setattr(zoo.data.tokens, "_encode", never)
+    monkeypatch.setattr(token_cache, "_encode", never)
     again = zoo.load_data("text", path=str(corpus), tokenizer=str(TINY), window=32)
     np.testing.assert_array_equal(again.train["tokens"], splits.train["tokens"])
     np.testing.assert_array_equal(again.eval["tokens"], splits.eval["tokens"])

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from zoo.data import vision
 from zoo.data.files import CACHE_ENV
 from zoo.engine import pipeline

@@ -97,8 +97,7 @@ def final_arrays(workdir: Path, step: int) -> dict[str, np.ndarray]:
     import jax
     import orbax.checkpoint as ocp
     from etils import epath
-
-    from zoo.engine.checksums import flat
+    from zoo.engine.checkpoints.checksums import flat
 
     arrays = {}
     for item in ("state", "window"):

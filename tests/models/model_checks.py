@@ -14,12 +14,12 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-
-import zoo
 from zoo.engine import registry, sharding
 from zoo.engine import rngs as zoo_rngs
 from zoo.engine.sharding import DEFAULT_RULES
 from zoo.engine.steps import make_train_step, means, zero_metrics
+
+import zoo
 
 MESH = {"data": 2, "fsdp": 2, "tensor": 2}
 ONE_DEVICE = {"data": 1, "fsdp": 1, "tensor": 1}

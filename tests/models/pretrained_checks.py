@@ -17,7 +17,6 @@ import pytest
 from flax import nnx
 from model_checks import ONE_DEVICE, _mesh, on_mesh
 from safetensors.numpy import load_file
-
 from zoo.engine import registry, sharding, weights
 from zoo.engine.sharding import DEFAULT_RULES
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from flax import nnx
-
-import zoo
 from zoo.engine import abstract, registry
 from zoo.engine.build import build_model
+
+import zoo
 from zoo.api import resolved_hparams
 
 BUILDS = {

@@ -11,9 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from model_checks import MESH, ONE_DEVICE, Models, outputs
-
-from zoo.models.attention_route import Platform, Route, current_platform, route
 from zoo.engine.sharding import logical_spec
+from zoo.models.attention_route import Platform, Route, current_platform, route
 
 CONTEXT, DIM, HEADS, BATCH = 16, 32, 4, 4
 

@@ -22,14 +22,14 @@ from model_checks import (
     assert_same_on_one_device_and_the_mesh,
     outputs,
 )
-
-import zoo
 from zoo.data.text import LENGTH, TOKENS
-from zoo.models import generate as sampling
 from zoo.engine import sharding
 from zoo.engine.loop import Trainer
 from zoo.engine.registry import get_data
 from zoo.engine.sharding import DEFAULT_RULES
+from zoo.models import generate as sampling
+
+import zoo
 
 SMALL = [
     "model.context_length=32",
@@ -167,7 +167,7 @@ def test_a_few_steps_lower_the_loss(models):
 
 def test_generation_works_with_remat_and_scanned_layers(models):
     """The same weights in another layout write the same text (greedy, on the same mesh)."""
-    other = zoo.create_model("gpt", mesh=MESH, **zoo.models.hparams, scan_layers=True, remat=True)
+    other = zoo.create_model("gpt", mesh=MESH, **models.hparams, scan_layers=True, remat=True)
     models.split.eval()
     other.eval()
     with _mesh():

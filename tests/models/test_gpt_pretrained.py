@@ -15,9 +15,9 @@ from helpers import ROOT
 from model_checks import ONE_DEVICE
 from pretrained_checks import loaded
 from pretrained_checks import logits as pretrained_logits
+from zoo.engine import weights
 
 import zoo
-from zoo.engine import weights
 from zoo.api import checkpoint_hparams, plan_pretrained
 from zoo.export import export
 

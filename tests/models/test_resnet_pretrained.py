@@ -12,9 +12,9 @@ import pretrained_checks as checks
 import pytest
 from model_checks import MESH, ONE_DEVICE
 from pretrained_checks import FIXTURES, exported, loaded, logits, reference, script
+from zoo.engine import weights
 
 import zoo
-from zoo.engine import weights
 
 CHECKPOINTS = ["resnet18-timm", "resnet50-timm", "resnet-hf-basic", "resnet-hf-bottleneck"]
 

@@ -20,10 +20,10 @@ from model_checks import (
     digits,
 )
 from PIL import Image
-
-from zoo.engine.checkpoint import Checkpointer
+from zoo.engine.checkpoints.manager import Checkpointer
+from zoo.engine.checkpoints.reader import abstract_like
 from zoo.engine.loop import Trainer
-from zoo.engine.saved import abstract_like
+
 from zoo.overrides import compose
 
 STEPS, EVERY = 160, 40

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from flax import nnx
 from helpers import overriding, read_events, scalar_steps
-
-import zoo
 from zoo.engine.loop import Trainer
 from zoo.engine.registry import get_data
+
+import zoo
 
 # Small versions of each model, so that a few dozen steps on 8 simulated devices take seconds.
 SMALL = {

@@ -15,9 +15,9 @@ from model_checks import (
     digits,
     on_mesh,
 )
+from zoo.engine import rngs as zoo_rngs
 
 import zoo
-from zoo.engine import rngs as zoo_rngs
 
 SMALL = {"patch_size": 2, "dim": 16, "depth": 2, "num_heads": 2}
 

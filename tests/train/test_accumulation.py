@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from flax import nnx
 from helpers import one_step, overriding
-
-import zoo
 from zoo.engine.errors import ZooError
 from zoo.engine.loop import Trainer
+
+import zoo
 
 MODELS = {
     "mlp": ("model=mlp", "data=digits", "model.hidden_sizes=[32,32]", "model.dropout_rate=0"),

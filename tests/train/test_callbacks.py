@@ -12,9 +12,9 @@ import sys
 
 import pytest
 from helpers import ROOT, read_events, scalar_steps
+from zoo.engine.checkpoints.reader import saved_steps
 
 import zoo
-from zoo.engine.saved import saved_steps
 
 ARGS = (
     "data=digits",

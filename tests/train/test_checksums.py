@@ -1,4 +1,4 @@
-"""Checkpoint checksums (`zoo.engine.checksums`): the same number for an array wherever and however
+"""Checkpoint checksums (`zoo.engine.checkpoints.checksums`): the same number for an array wherever and however
 it is sharded, equal to a plain numpy computation of the documented hash; and many of them in a
 row on a 2x2x2 mesh of CPU devices without XLA:CPU's collective deadlock."""
 
@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-
-from zoo.engine import checksums
+from zoo.engine.checkpoints import checksums
 
 MESH_AXES = ("data", "fsdp", "tensor")
 SPECS = [P(), P("fsdp"), P(None, "tensor"), P("fsdp", "tensor"), P(("data", "fsdp"), "tensor")]

@@ -8,9 +8,9 @@ import traceback
 import jax
 import jax.numpy as jnp
 import pytest
+from zoo.models.xor import XorClassifier, binary_classification_loss
 
 import zoo
-from zoo.models.xor import XorClassifier, binary_classification_loss
 
 
 class Printing(XorClassifier):

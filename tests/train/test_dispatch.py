@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import stateful_model
 from helpers import assert_same_bits, overriding, read_events, run_cli, scalar_steps
+from zoo.engine.loop import Trainer
 
 import zoo
-from zoo.engine.loop import Trainer
 
 MODEL = stateful_model.NAME
 

@@ -12,10 +12,10 @@ import sys
 
 import pytest
 from helpers import ROOT, read_events, run_cli, scalar_steps
+from zoo.engine.checkpoints.reader import saved_steps
+from zoo.engine.errors import ZooError
 
 import zoo
-from zoo.engine.errors import ZooError
-from zoo.engine.saved import saved_steps
 
 STEPS, PATIENCE, MIN_DELTA = 200, 2, 0.01
 RUN = (

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from flax import nnx
 from helpers import overriding, read_events
-
-import zoo
 from zoo.engine import sharding
 from zoo.engine.errors import ZooError
 from zoo.engine.loop import Trainer
+
+import zoo
 
 DECAY = 0.8
 MLP = (

@@ -4,7 +4,6 @@ back to the kernel."""
 
 import jax
 import numpy as np
-
 from zoo.engine.host_memory import PAGE, Prefaulted, page_buffer
 
 MIB = 2**20

@@ -10,9 +10,9 @@ import re
 import jax
 from flax import nnx
 from helpers import read_events, scalar_steps
+from zoo.engine.memory import device_memory
 
 import zoo
-from zoo.engine.memory import device_memory
 
 ARGS = (
     "data=digits",

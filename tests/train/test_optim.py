@@ -12,12 +12,12 @@ import optax
 import pytest
 from flax import nnx
 from omegaconf import OmegaConf
-
-import zoo
 from zoo.engine import sharding
 from zoo.engine.freeze import dotted
 from zoo.engine.loop import Trainer
 from zoo.engine.optim import learning_rate_schedule, make_optimizer
+
+import zoo
 
 
 def optimizer_config(*overrides: str):

@@ -5,10 +5,10 @@ from __future__ import annotations
 import grain
 import numpy as np
 import pytest
-
-import zoo
 from zoo.engine import pipeline
 from zoo.engine.registry import get_data
+
+import zoo
 
 
 def column(n: int) -> dict[str, np.ndarray]:

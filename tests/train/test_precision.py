@@ -10,13 +10,13 @@ import pytest
 from flax import nnx
 from helpers import overriding
 from jax.extend import core as jcore
-
-import zoo
 from zoo.engine import pipeline, precision, registry, sharding
 from zoo.engine import rngs as zoo_rngs
-from zoo.engine.checkpoint import Checkpointer
-from zoo.engine.saved import abstract_like
+from zoo.engine.checkpoints.manager import Checkpointer
+from zoo.engine.checkpoints.reader import abstract_like
 from zoo.engine.steps import make_train_step, zero_metrics
+
+import zoo
 
 SMALL = {
     "mlp": ("data=digits", "model.hidden_sizes=[32,32]"),

@@ -16,13 +16,13 @@ import pytest
 import stateful_model
 from flax import nnx
 from helpers import ROOT, assert_same_bits, overriding, read_events, run_cli, scalar_steps
-
-import zoo
 from zoo.engine import pipeline
-from zoo.engine.checkpoint import Checkpointer
+from zoo.engine.checkpoints.manager import Checkpointer
+from zoo.engine.checkpoints.reader import abstract_like
 from zoo.engine.loop import Trainer
 from zoo.engine.registry import Splits, get_data
-from zoo.engine.saved import abstract_like
+
+import zoo
 
 PLUGIN_ENV = {"ZOO_PLUGINS": "stateful_model", "PYTHONPATH": str(ROOT / "tests")}
 STEPS, EVERY = 160, 20

@@ -10,10 +10,10 @@ import pytest
 from flax import nnx
 from helpers import one_step, overriding, read_events, run_cli
 from jax.sharding import PartitionSpec as P
-
-import zoo
 from zoo.engine import sharding
 from zoo.engine.loop import Trainer
+
+import zoo
 
 MESHES = [
     {"data": 8},

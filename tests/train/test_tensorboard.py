@@ -32,12 +32,12 @@ from helpers import (
 )
 from PIL import Image
 from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
+from zoo.engine.checkpoints.manager import Checkpointer
+from zoo.engine.checkpoints.reader import abstract_like
+from zoo.engine.loop import Trainer
+from zoo.engine.summaries import DEFAULT_COLUMNS
 
 import zoo
-from zoo.engine.checkpoint import Checkpointer
-from zoo.engine.loop import Trainer
-from zoo.engine.saved import abstract_like
-from zoo.engine.summaries import DEFAULT_COLUMNS
 
 STEPS, LOG_EVERY, EVAL_EVERY, HISTOGRAM_EVERY, BATCH = 40, 10, 20, 20, 64
 HIDDEN = 32

@@ -9,15 +9,15 @@ import stateful_model
 from flax import nnx
 from helpers import assert_same_bits, overriding, read_events, scalar_steps
 from jax.sharding import PartitionSpec as P
-
-import zoo
 from zoo.engine import pipeline, sharding
-from zoo.engine.checkpoint import Checkpointer
+from zoo.engine.checkpoints.manager import Checkpointer
+from zoo.engine.checkpoints.reader import abstract_like
 from zoo.engine.loop import Trainer
 from zoo.engine.norms import global_norm
 from zoo.engine.registry import get_data
-from zoo.engine.saved import abstract_like
 from zoo.engine.steps import make_grad_step
+
+import zoo
 
 MODEL = stateful_model.NAME
 

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 from flax import nnx
 from helpers import ROOT, run_cli
+from zoo.engine import weights
 
 import zoo
-from zoo.engine import weights
 from zoo.export.token_ids import special_token_ids
 
 zoo_export = importlib.import_module("zoo.export")  # the module (`zoo.export` is the function)

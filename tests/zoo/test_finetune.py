@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from flax import nnx
 from helpers import assert_same_bits, read_events, run_cli, scalar_steps
+from zoo.engine.lora import ShardedLoRA
 
 import zoo
-from zoo.engine.lora import ShardedLoRA
 
 COMMON = ("data=digits", "trainer.batch_size=64", "optimizer.warmup_steps=0")
 CNN = ("model=cnn", "model.channels=[8,16,16]", *COMMON)

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from flax import nnx
 from helpers import ROOT
+from zoo.engine import weights
 
 import zoo
-from zoo.engine import weights
 
 FIXTURES = ROOT / "tests" / "fixtures" / "pretrained"
 TINY, TEXT = FIXTURES / "gpt2-tiny", FIXTURES / "tiny.txt"

@@ -14,9 +14,9 @@ import pytest
 from flax import nnx
 from helpers import ROOT, run_cli
 from safetensors.numpy import load_file
+from zoo.engine import weights
 
 import zoo
-from zoo.engine import weights
 
 FIXTURES = ROOT / "tests" / "fixtures" / "pretrained"
 SHORT = (

@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 from flax import nnx
 from helpers import ROOT, run_cli
-
-import zoo
 from zoo.data.text import load_tokenizer
-from zoo.models.generate import generate_tokens
 from zoo.engine.precision import computing
 from zoo.engine.rngs import on_eval_key
+from zoo.models.generate import generate_tokens
+
+import zoo
 
 FIXTURES = ROOT / "tests" / "fixtures" / "pretrained"
 TINY, TEXT = FIXTURES / "gpt2-tiny", FIXTURES / "tiny.txt"

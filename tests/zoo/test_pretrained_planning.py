@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from flax import nnx
 from safetensors.numpy import save_file
-
-import zoo
-from zoo.models.xor import binary_classification_loss
 from zoo.engine import registry, weights
 from zoo.engine.registry import Family, Rule, register_family
+from zoo.models.xor import binary_classification_loss
+
+import zoo
 from zoo.api import checkpoint_hparams, plan_pretrained
 
 CLASSES, SIZE = 3, 2

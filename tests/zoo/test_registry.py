@@ -6,10 +6,10 @@ import jax
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+from zoo.engine import registry
+from zoo.models.xor import XorClassifier, binary_classification_loss
 
 import zoo
-from zoo.models.xor import XorClassifier, binary_classification_loss
-from zoo.engine import registry
 from zoo.pretrained import families_help
 
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from helpers import read_events, run_cli
 from omegaconf import OmegaConf
+from zoo.engine.checkpoints import resume
 
 import zoo
-from zoo.engine import resume
 
 
 @pytest.mark.parametrize("model", zoo.list_models())

@@ -27,11 +27,11 @@ import jax
 import numpy as np
 from flax import nnx
 
+from zoo.api import TrainedModel, load, resolved_hparams
 from zoo.engine import registry
 from zoo.engine import weights as pretrained
 from zoo.engine.errors import ZooError
 from zoo.engine.lora import merge_adapters
-from zoo.api import TrainedModel, load, resolved_hparams
 from zoo.export.token_ids import special_token_ids
 
 FORMATS = ("hf", "jax")

@@ -20,12 +20,12 @@ from typing import Any
 
 import jax
 
+from zoo.api import TrainedModel, load
 from zoo.data.text import load_tokenizer
-from zoo.models.generate import generate as generate_text
 from zoo.engine import precision
 from zoo.engine.errors import ZooError
 from zoo.engine.loop import RunResult
-from zoo.api import TrainedModel, load
+from zoo.models.generate import generate as generate_text
 
 OPTIONS = {"prompt": str, "max_new_tokens": int, "temperature": float, "top_k": int, "seed": int}
 USAGE = (

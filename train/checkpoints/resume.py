@@ -12,11 +12,10 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
-
-from zoo.engine.checkpoint import Checkpointer
+from zoo.engine.checkpoints.manager import Checkpointer
+from zoo.engine.checkpoints.reader import read_json, saved_steps
 from zoo.engine.config import resume_step
 from zoo.engine.errors import ZooError
-from zoo.engine.saved import read_json, saved_steps
 
 RESUMABLE = (
     "trainer.steps",

@@ -19,7 +19,7 @@ import sys
 import threading
 import types
 
-_note = logging.getLogger("zoo.engine.checkpoint").info
+_note = logging.getLogger("train.checkpoint").info
 _OS_ERROR = re.compile(r"os_error_code='?(\d+)")
 _NOISE = re.compile(r"<bound method [^>]*>|<[\w.]+ object at 0x[0-9a-f]+>")
 

@@ -22,12 +22,17 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
-
+from zoo.engine.checkpoints.failures import quiet_storage_noise, reason
+from zoo.engine.checkpoints.reader import (
+    SavedPath,
+    read_json,
+    restore_arrays,
+    saved_shapes,
+    saved_steps,
+)
 from zoo.engine.config import resume_step
 from zoo.engine.errors import CorruptCheckpoint, ZooError, mismatches
-from zoo.engine.failures import quiet_storage_noise, reason
 from zoo.engine.paths import dotted, matches
-from zoo.engine.saved import SavedPath, read_json, restore_arrays, saved_shapes, saved_steps
 from zoo.engine.sharding import AxisRules, variable_sharding
 
 MODEL = "0"

@@ -27,15 +27,15 @@ import grain
 import jax
 from flax import nnx
 from omegaconf import DictConfig
-
-from zoo.engine import resume, weights
-from zoo.engine.checkpoint import FORMATS, Checkpointer
+from zoo.engine import weights
+from zoo.engine.checkpoints import resume
+from zoo.engine.checkpoints.failures import reason
+from zoo.engine.checkpoints.manager import FORMATS, Checkpointer
+from zoo.engine.checkpoints.reader import abstract_like, read_json
+from zoo.engine.checkpoints.warm_start import read_first, warm_start
 from zoo.engine.config import resume_step
 from zoo.engine.errors import ZooError
-from zoo.engine.failures import reason
-from zoo.engine.saved import abstract_like, read_json
 from zoo.engine.steps import Metrics
-from zoo.engine.warm_start import read_first, warm_start
 
 log = logging.getLogger("zoo")
 _timing_log = logging.getLogger("train.timing")  # train.log only, not the console
@@ -57,7 +57,7 @@ class Progress:
 
 @dataclasses.dataclass(frozen=True)
 class RunStart:
-    """What `start` needs of the run: its config (and that config as saved in checkpoints),
+    """What `start_run` needs of the run: its config (and that config as saved in checkpoints),
     its state and graphdef, a fresh data iterator, zero window sums, its base key, and the
     model's constructor arguments with what the data set decides filled in."""
 
@@ -71,7 +71,7 @@ class RunStart:
     hparams: Mapping[str, Any]
 
 
-def start(run: RunStart, checkpointer: Checkpointer) -> tuple[Any, Progress]:
+def start_run(run: RunStart, checkpointer: Checkpointer) -> tuple[Any, Progress]:
     """The state the run starts from and where it stands, by the order above; the iterator is
     set to the restored position."""
     resumed = _resume(run, checkpointer)

@@ -15,8 +15,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 from etils import epath
-
-from zoo.engine import checksums
+from zoo.engine.checkpoints import checksums
 from zoo.engine.errors import CorruptCheckpoint
 
 
@@ -86,7 +85,7 @@ def restore_arrays(
 
 
 def verify(step_path: str | os.PathLike, arrays: Mapping[str, jax.Array]) -> None:
-    """Compare restored arrays (named as in `zoo.engine.checksums.flat`) with the checksums saved
+    """Compare restored arrays (named as in `zoo.engine.checkpoints.checksums.flat`) with the checksums saved
     with them; checkpoints written before checksums existed have none to compare."""
     expected = read_json(step_path, "meta").get("checksums", {})
     damaged = checksums.mismatches(expected, arrays)

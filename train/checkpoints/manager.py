@@ -7,7 +7,7 @@ A checkpoint `<workdir>/checkpoints/<step>/` holds five items:
   resumed run logs exactly the numbers an uninterrupted one would;
 - `data`: the Grain iterator's position;
 - `meta` (JSON): the step, the base PRNG key, where the log window started, the last eval, the
-  run's XLA compilations so far (so `xla/compile_*` continue after a resume), and a checksum of every array of `state` and `window` (`zoo.engine.checksums`), verified at restore;
+  run's XLA compilations so far (so `xla/compile_*` continue after a resume), and a checksum of every array of `state` and `window` (`zoo.engine.checkpoints.checksums`), verified at restore;
 - `config` (JSON): the resolved config. Nothing is ever pickled or eval'ed.
 
 Saves are asynchronous: the blocking part copies device arrays to host, the write to disk
@@ -35,11 +35,10 @@ from typing import Any
 import grain
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
-
-from zoo.engine import checksums
+from zoo.engine.checkpoints import checksums
+from zoo.engine.checkpoints.failures import cause, quiet_storage_noise
+from zoo.engine.checkpoints.reader import saved_steps, verify
 from zoo.engine.errors import SaveFailed
-from zoo.engine.failures import cause, quiet_storage_noise
-from zoo.engine.saved import saved_steps, verify
 
 FORMAT = 2
 """Version of the checkpoint layout above; 1 is the same without checksums. A checkpoint with
@@ -49,7 +48,7 @@ FORMATS = (1, 2)
 POLL_SECONDS = 1.0
 """How often, at most, `poll()` asks whether a background save failed."""
 
-_details = logging.getLogger("zoo.engine.checkpoint")  # train.log only, not the console
+_details = logging.getLogger("train.checkpoint")  # train.log only, not the console
 
 UNREADABLE_SUFFIX = ".unreadable"
 """A checkpoint that cannot be read is renamed `<step>.unreadable` (kept, never deleted), so the
