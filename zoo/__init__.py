@@ -18,7 +18,7 @@ imports upwards.
 """
 
 import zoo.data  # registers the built-in data sets
-import zoo.models  # registers the built-in models
+import zoo.models  # noqa: F401  (registers the built-in models)
 from zoo.api import (
     TrainedModel,
     create_model,
