@@ -9,7 +9,8 @@ import sys
 from collections.abc import Sequence
 
 from zoo.data.convert import RECORDS_PER_SHARD, convert_images
-from zoo.engine.errors import ZooError
+
+from zoo.plugin import ZooError
 
 
 def main(argv: Sequence[str] | None = None) -> int:

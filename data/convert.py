@@ -18,7 +18,8 @@ import msgpack
 from array_record.python.array_record_module import ArrayRecordWriter
 from zoo.data.examples import Files, OnError, readable
 from zoo.data.images import class_names, scan
-from zoo.engine.errors import ZooError
+
+from zoo.plugin import ZooError
 
 log = logging.getLogger("zoo")
 

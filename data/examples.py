@@ -26,9 +26,8 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 from zoo.data.files import cache_root
 from zoo.data.imaging import Augment, open_image, pixels
-from zoo.engine.errors import ZooError
-from zoo.engine.pipeline import ExampleSource
-from zoo.engine.registry import Batch
+
+from zoo.plugin import Batch, ExampleSource, ZooError
 
 log = logging.getLogger("zoo")
 

@@ -24,7 +24,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from zoo.engine.errors import ZooError
+from zoo.plugin import ZooError
 
 CACHE_ENV = "ZOO_DATA_DIR"
 """Environment variable naming the cache root, in place of `$XDG_CACHE_HOME/zoo/datasets`."""

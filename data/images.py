@@ -27,8 +27,8 @@ from zoo.data.examples import (
 )
 from zoo.data.imaging import IMAGE_EXTENSIONS, Augment
 from zoo.data.vision import Normalize
-from zoo.engine.errors import ZooError
-from zoo.engine.registry import Splits, register_data
+
+from zoo.plugin import Splits, ZooError, register_data
 
 
 def _root(path: str | None) -> Path:

@@ -36,8 +36,8 @@ from zoo.data.examples import (
 )
 from zoo.data.images import fingerprint, image_splits
 from zoo.data.imaging import Augment
-from zoo.engine.errors import ZooError
-from zoo.engine.registry import Splits, register_data
+
+from zoo.plugin import Splits, ZooError, register_data
 
 ARRAY_RECORD, PARQUET = ".array_record", ".parquet"
 

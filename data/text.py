@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 from zoo.data.tokens import Segment, tokenized
-from zoo.engine.errors import ZooError
-from zoo.engine.registry import Batch, Splits, register_data
+
+from zoo.plugin import Batch, Splits, ZooError, register_data
 
 TOKENS, LENGTH = "tokens", "length"
 TOKENIZER_FILE = "tokenizer.json"

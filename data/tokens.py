@@ -24,7 +24,8 @@ from typing import Any
 
 import numpy as np
 from zoo.data.files import CACHE_ENV, cache_root
-from zoo.engine.errors import ZooError
+
+from zoo.plugin import ZooError
 
 PIECE = 1 << 20
 """Bytes read before a piece is cut and encoded."""

@@ -26,8 +26,8 @@ from pathlib import Path, PurePosixPath
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 from zoo.data.files import FileSource, RemoteFile, find_or_fetch
-from zoo.engine.errors import ZooError
-from zoo.engine.registry import Batch, Splits, register_data
+
+from zoo.plugin import Batch, Splits, ZooError, register_data
 
 
 @dataclasses.dataclass(frozen=True)

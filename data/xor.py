@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import numpy as np
-from zoo.engine.registry import Splits, register_data
+
+from zoo.plugin import Splits, register_data
 
 
 def _continuous_xor(size: int, noise: float, seed: int) -> dict[str, np.ndarray]:

@@ -13,9 +13,8 @@ import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 from PIL import Image, ImageDraw, ImageFont
-from zoo.engine.pipeline import MASK
-from zoo.engine.registry import loss_contract
-from zoo.engine.report import EvalReport, image_grid
+
+from zoo.plugin import MASK, EvalReport, image_grid, loss_contract
 
 MISCLASSIFIED = 32
 """How many misclassified eval examples the report shows."""

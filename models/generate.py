@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
-from zoo.engine import sharding
-from zoo.engine.errors import ZooError
+
+from zoo.plugin import ZooError, unsplit_batch
 
 
 def generate(
@@ -94,7 +94,7 @@ def generate_tokens(
     buffer[: len(kept)] = kept
     key = jax.random.key(seed) if isinstance(seed, int) else seed
     graphdef, state = nnx.split(model)
-    with sharding.unsplit_batch():
+    with unsplit_batch():
         out = _generate(
             graphdef, state, buffer, len(kept), max_new_tokens, temperature, top_k, key, bucket
         )

@@ -32,15 +32,21 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
-from zoo.engine.abstract import partitioned, repeated
-from zoo.engine.errors import ZooError
-from zoo.engine.registry import WEIGHT, loss_contract, register_model
-from zoo.engine.rngs import construction_rngs
-from zoo.engine.sharding import logical_spec
 from zoo.models import hparams
 from zoo.models.generate import sample_on_eval
 from zoo.models.layers import dense, layer_norm
 from zoo.models.transformer import Block, BlockOptions, KVCache, dropout_key, tokens_spec
+
+from zoo.plugin import (
+    WEIGHT,
+    ZooError,
+    construction_rngs,
+    logical_spec,
+    loss_contract,
+    partitioned,
+    register_model,
+    repeated,
+)
 
 VOCAB = 256
 """The byte-level vocabulary, the default."""

@@ -15,10 +15,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-from zoo.engine.errors import ZooError
-from zoo.engine.registry import Family, Rule, register_family
 from zoo.models.gpt import padded_vocab
 from zoo.models.hf_config import transformer_config
+
+from zoo.plugin import Family, Rule, ZooError, register_family
 
 _PREFIX = r"(?:transformer\.)?"
 _TANH = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")

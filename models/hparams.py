@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from zoo.engine.errors import ZooError
+from zoo.plugin import ZooError
 
 
 def positive(model: str, **sizes: int | Sequence[int] | None) -> None:

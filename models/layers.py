@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 
 import jax
 from flax import nnx
-from zoo.engine.abstract import partitioned
-from zoo.engine.sharding import logical_spec
+
+from zoo.plugin import logical_spec, partitioned
 
 Axes = tuple[str | None, ...]
 _ZEROS, _ONES = nnx.initializers.zeros_init(), nnx.initializers.ones_init()

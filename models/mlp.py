@@ -10,11 +10,11 @@ import math
 
 import jax
 from flax import nnx
-from zoo.engine.registry import register_model
-from zoo.engine.sharding import logical_spec
 from zoo.models import hparams
 from zoo.models.classification import classification_loss, report_classifier
 from zoo.models.layers import dense, dense_stack, run_stack, stack_output_axis
+
+from zoo.plugin import logical_spec, register_model
 
 
 @register_model(

@@ -23,12 +23,11 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from zoo.engine.abstract import repeated
-from zoo.engine.registry import register_model
-from zoo.engine.sharding import logical_spec
 from zoo.models import hparams
 from zoo.models.classification import classification_loss, report_classifier
 from zoo.models.layers import batch_norm, conv, dense
+
+from zoo.plugin import logical_spec, register_model, repeated
 
 BLOCKS = ("basic", "bottleneck")
 STEMS = ("small", "imagenet")

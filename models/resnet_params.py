@@ -25,11 +25,11 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from zoo.engine.errors import ZooError
-from zoo.engine.registry import Rule, register_families
 from zoo.models.hf_config import class_labels
 from zoo.models.resnet import BOTTLENECK_EXPANSION
 from zoo.models.torch_layout import conv_load, conv_save, input_conv_load, linear_load, linear_save
+
+from zoo.plugin import Rule, ZooError, register_families
 
 IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
 DEPTHS = {

@@ -30,10 +30,10 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from zoo.engine.errors import ZooError
-from zoo.engine.sharding import logical_spec
 from zoo.models.attention_route import current_platform, route
 from zoo.models.layers import dense, head_projections, layer_norm
+
+from zoo.plugin import ZooError, logical_spec
 
 KVCache = tuple[jax.Array, jax.Array]
 """Keys and values: two arrays of [layers x] batch x context x heads x head_dim."""

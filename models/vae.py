@@ -28,12 +28,16 @@ import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
-from zoo.engine import sharding
-from zoo.engine.registry import loss_contract, register_model
-from zoo.engine.report import image_grid
-from zoo.engine.sharding import logical_spec
 from zoo.models import hparams
 from zoo.models.layers import dense, dense_stack, run_stack, stack_output_axis
+
+from zoo.plugin import (
+    image_grid,
+    logical_spec,
+    loss_contract,
+    register_model,
+    unsplit_batch,
+)
 
 
 class MLPStack(nnx.Module):
@@ -65,7 +69,7 @@ def _write_images(model: VAE, report) -> None:
     """Held-out images over their reconstructions, and samples from the prior."""
     images = np.asarray(report.examples["image"][:32], np.float32)
     shape = images.shape[1:]
-    with sharding.unsplit_batch():
+    with unsplit_batch():
         logits, _, _ = model(jax.sharding.reshard(jnp.asarray(images), P()))
         noise = jax.random.normal(report.key, (64, model.latent_dim), out_sharding=P())
         samples = jax.nn.sigmoid(model.decode(noise))

@@ -23,14 +23,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from zoo.engine.abstract import partitioned, repeated
-from zoo.engine.errors import ZooError
-from zoo.engine.registry import register_model
-from zoo.engine.sharding import logical_spec
 from zoo.models import hparams, positions
 from zoo.models.classification import classification_loss_with_rngs, report_classifier
 from zoo.models.layers import conv, dense, layer_norm
 from zoo.models.transformer import Block, BlockOptions, dropout_key
+
+from zoo.plugin import ZooError, logical_spec, partitioned, register_model, repeated
 
 
 @register_model(

@@ -25,10 +25,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-from zoo.engine.errors import ZooError
-from zoo.engine.registry import Rule, register_families
 from zoo.models.hf_config import class_labels, transformer_config
 from zoo.models.torch_layout import conv_save, input_conv_load, linear_load, linear_save
+
+from zoo.plugin import Rule, ZooError, register_families
 
 HALF = [0.5, 0.5, 0.5]
 _TIMM_ARCHITECTURE = re.compile(r"vit_(tiny|small|base|large)_patch(\d+)_(\d+)(?:\..+)?")

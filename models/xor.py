@@ -5,10 +5,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from zoo.engine.abstract import partitioned
-from zoo.engine.registry import loss_contract, register_model
-from zoo.engine.sharding import logical_spec
 from zoo.models import hparams
+
+from zoo.plugin import logical_spec, loss_contract, partitioned, register_model
 
 
 @loss_contract(columns=("inputs", "label"), metrics=("accuracy",))

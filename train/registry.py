@@ -108,6 +108,7 @@ class ModelEntry:
     optimizer: Mapping[str, Any]
     data: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     on_eval: OnEval | None = None
+    tiny: tuple[str, ...] = ()
 
     @property
     def columns(self) -> tuple[str, ...] | None:
@@ -257,12 +258,16 @@ def register_model(
     optimizer: Mapping[str, Any] | None = None,
     data: Mapping[str, Any] | None = None,
     on_eval: OnEval | None = None,
+    tiny: Sequence[str] = (),
 ) -> Any:
     """Register an NNX module constructor under `name`; usable as a class decorator.
 
     `trainer`, `optimizer` and `data` are this model's defaults for those config sections (for
     example `{"steps": 2000}`; `data` applies to whichever data set is chosen); the command
     line still overrides them. `on_eval(model, report)` runs after every eval (see `OnEval`).
+    `tiny`: command-line overrides that make the model and its data small enough to build and
+    train in a second (`("model.depth=1", "model.dim=16")`); zoo's conformance suite runs
+    every registered model, a plugin's too, with them.
     """
 
     def register(ctor: Callable[..., nnx.Module]) -> Callable[..., nnx.Module]:
@@ -279,6 +284,7 @@ def register_model(
             dict(optimizer or {}),
             dict(data or {}),
             on_eval,
+            tuple(tiny),
         )
         return ctor
 

@@ -7,7 +7,6 @@ first."""
 from __future__ import annotations
 
 import os
-import pkgutil
 import shutil
 import subprocess
 import sys
@@ -92,7 +91,12 @@ def test_zoo_works_from_a_project_with_its_own_data_train_and_models(installed, 
 
 
 def project_modules(site: Path) -> list[str]:
-    return ["zoo"] + [m.name for m in pkgutil.walk_packages([str(site / "zoo")], "zoo.")]
+    """Every module of the installed package, found on disk (not by importing it)."""
+    modules = []
+    for path in sorted((site / "zoo").rglob("*.py")):
+        parts = path.relative_to(site).with_suffix("").parts
+        modules.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return modules
 
 
 # The parent loads the third-party libraries once, then forks one child per module: each child
@@ -131,9 +135,10 @@ def test_every_module_imports_on_its_own_first(installed):
 
 def test_import_contracts_hold(installed):
     """`lint-imports` checks the contracts in pyproject.toml on the installed layout: the layers
-    front > models | data > engine, and no cycles between the modules of any package."""
+    front > models | data > plugin > engine, the built-in plugins importing the engine only
+    through `zoo.plugin`, and no cycles between the modules of any package."""
     lint = os.path.join(os.path.dirname(sys.executable), "lint-imports")
     result = run([lint, "--config", str(ROOT / "pyproject.toml")], cwd=installed,
                  PYTHONPATH=str(installed))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "Contracts: 2 kept, 0 broken." in result.stdout
+    assert "Contracts: 3 kept, 0 broken." in result.stdout

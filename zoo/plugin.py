@@ -1,0 +1,71 @@
+"""Everything a plugin imports: a model, a data set or a checkpoint family, inside zoo or outside.
+
+zoo's own models (`zoo.models`) and data sets (`zoo.data`) are plugins written against this
+module alone, as a project's own would be:
+
+    from zoo.plugin import loss_contract, logical_spec, partitioned, register_model
+
+- Registering: `register_model` (a constructor whose keyword parameters are its config),
+  `register_data` (a loader returning `Splits`), `register_family` / `register_families`
+  (checkpoints of another library: a `Family` and its table of `Rule`s).
+- The loss contract: `loss(model, batch, rngs) -> (loss[B], {metric: value[B]})`, per example
+  (`LossFn`), marked with the batch columns it reads by `loss_contract`; a `WEIGHT` entry among
+  the metrics weights the examples (tokens per sequence), and `MASK` is the column that marks
+  an eval batch's padding rows.
+- Sharding by logical axis names (`batch`, `embed`, `mlp`, `heads`, `vocab`, ...), which the
+  run's rules map onto its mesh: `partitioned(init, axes)` annotates a param, `logical_spec`
+  names an activation's axes, `unsplit_batch()` lifts the batch split for calls on a few
+  examples; `repeated(make, count)` builds a stack of like layers (cloned in abstract builds).
+- Evaluation hooks: `EvalReport` (what `on_eval` receives) and `image_grid`.
+- `ZooError`: the one exception for bad input; raise it with a message that names the bad value
+  and what would be valid.
+
+Everything here is re-exported from the engine (`zoo.engine`), whose other modules are not part
+of the plugin surface.
+"""
+
+from zoo.engine.abstract import partitioned, repeated
+from zoo.engine.errors import ZooError
+from zoo.engine.pipeline import MASK, ExampleSource
+from zoo.engine.registry import (
+    WEIGHT,
+    Batch,
+    Family,
+    LossFn,
+    OnEval,
+    Rule,
+    Splits,
+    loss_contract,
+    register_data,
+    register_families,
+    register_family,
+    register_model,
+)
+from zoo.engine.report import EvalReport, image_grid
+from zoo.engine.rngs import construction_rngs
+from zoo.engine.sharding import logical_spec, unsplit_batch
+
+__all__ = [
+    "MASK",
+    "WEIGHT",
+    "Batch",
+    "EvalReport",
+    "ExampleSource",
+    "Family",
+    "LossFn",
+    "OnEval",
+    "Rule",
+    "Splits",
+    "ZooError",
+    "construction_rngs",
+    "image_grid",
+    "logical_spec",
+    "loss_contract",
+    "partitioned",
+    "register_data",
+    "register_families",
+    "register_family",
+    "register_model",
+    "repeated",
+    "unsplit_batch",
+]
