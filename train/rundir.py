@@ -2,7 +2,10 @@
 
 `hold(workdir)` creates the directory if needed and takes an exclusive OS lock on
 `<workdir>/.zoo.lock` (`.zoo.lock.<process>` for the other processes of a multi-process job),
-recording the holder's pid, host and start time in it. The lock is `flock`: the kernel drops it
+recording the holder's pid, host and start time in it. Before anything is written, it checks that
+the run could write everything it writes there (`check_writable`), so that a workdir an earlier
+run left (or one made read-only to keep it) is refused in one line rather than half-written by a
+run that then fails at its first event file. The lock is `flock`: the kernel drops it
 when the process ends, however it ends, so a run killed with SIGKILL leaves no stale lock. A
 second run on the same workdir stops at once, naming the first. Reading a workdir (`zoo.load`,
 fine-tuning from it) takes no lock. Holding is reentrant within a process: the command line
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import fcntl
 import json
 import logging
@@ -32,6 +36,11 @@ from zoo.engine.errors import ZooError
 LOCK = ".zoo.lock"
 LOG = "train.log"
 LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] %(message)s"
+# What a run writes into an existing workdir besides the new files it adds to the directory
+# itself (event files, its lock, the callbacks' record): the directories it adds files to and the
+# files it opens for writing.
+WRITTEN_DIRECTORIES = (".hydra", "checkpoints")
+WRITTEN_FILES = (LOG,)
 
 _held: dict[str, list[int]] = {}  # lock path -> [file descriptor, holds]
 
@@ -42,7 +51,8 @@ def lock_path(workdir: str, process: int = 0) -> str:
 
 @contextlib.contextmanager
 def hold(workdir: str, process: int = 0) -> Iterator[None]:
-    """The workdir, created if needed and locked for this run while the block runs."""
+    """The workdir, checked writable, created if needed and locked for this run while the
+    block runs."""
     path = lock_path(os.path.abspath(workdir), process)
     if path in _held:
         _held[path][1] += 1
@@ -51,7 +61,7 @@ def hold(workdir: str, process: int = 0) -> Iterator[None]:
         finally:
             _held[path][1] -= 1
         return
-    fd = _open_lock(workdir, path)
+    fd = _open_lock(workdir, path, process)
     _held[path] = [fd, 1]
     try:
         yield
@@ -60,9 +70,11 @@ def hold(workdir: str, process: int = 0) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
-def check_free(workdir: str, process: int = 0) -> None:
-    """Refuse a workdir that another run holds, without writing anything (the lock itself is
-    taken by `hold`, when the run starts writing)."""
+def check_usable(workdir: str, process: int = 0) -> None:
+    """Refuse, without writing anything, a workdir that this run could not write or that
+    another run holds (the lock itself is taken by `hold`, when the run starts writing): the
+    command line checks every job's workdir this way before any job runs."""
+    check_writable(workdir, process)
     path = lock_path(os.path.abspath(workdir), process)
     if path in _held or not os.path.exists(path):
         return
@@ -75,6 +87,52 @@ def check_free(workdir: str, process: int = 0) -> None:
         os.close(fd)
 
 
+def check_writable(workdir: str, process: int = 0) -> None:
+    """Refuse a workdir in which this run could not write all it writes: the directory, its
+    lock, `train.log`, `.hydra/` and `checkpoints/` where they exist (an earlier run's), or, for
+    a workdir still to be made, the nearest directory above it. The kernel is asked (`access`:
+    mode bits, ACLs, read-only mounts), so finding out creates nothing."""
+    workdir = os.path.abspath(workdir)
+    if os.path.exists(workdir) and not os.path.isdir(workdir):
+        raise ZooError(f"workdir={workdir} is a file, not a directory: give a directory path.")
+    if not os.path.exists(workdir):
+        above = os.path.dirname(workdir)
+        while not os.path.exists(above):
+            above = os.path.dirname(above)
+        written = [(above, True)]
+    else:
+        written = [
+            (workdir, True),
+            *((os.path.join(workdir, name), True) for name in WRITTEN_DIRECTORIES),
+            (lock_path(workdir, process), False),
+            *((os.path.join(workdir, name), False) for name in WRITTEN_FILES),
+        ]
+    for path, directory in written:
+        cause = _cannot_write(path, directory) if os.path.exists(path) else None
+        if cause is not None:
+            raise _unusable(workdir, cause, path)
+
+
+def _cannot_write(path: str, directory: bool) -> str | None:
+    """Why this process could not write `path` (add files to it, for a directory); None if it
+    can."""
+    if directory != os.path.isdir(path):
+        return os.strerror(errno.ENOTDIR if directory else errno.EISDIR)
+    mode = os.W_OK | (os.X_OK if directory else 0)
+    if os.access(path, mode, effective_ids=os.access in os.supports_effective_ids):
+        return None
+    read_only = os.statvfs(path).f_flag & os.ST_RDONLY
+    return os.strerror(errno.EROFS if read_only else errno.EACCES)
+
+
+def _unusable(workdir: str, cause: str, path: str) -> ZooError:
+    return ZooError(
+        f"Cannot use workdir={workdir}: {cause} ({path}). Nothing was written; give a "
+        "directory that this user can create and write, with all that a run writes in it "
+        f"({LOG}, .hydra/, checkpoints/, event files), or fix its permissions."
+    )
+
+
 def _in_use(workdir: str, fd: int) -> ZooError:
     return ZooError(
         f"workdir={workdir} is in use by another run ({_read_holder(fd)}): two runs on one "
@@ -83,17 +141,13 @@ def _in_use(workdir: str, fd: int) -> ZooError:
     )
 
 
-def _open_lock(workdir: str, path: str) -> int:
-    if os.path.exists(workdir) and not os.path.isdir(workdir):
-        raise ZooError(f"workdir={workdir} is a file, not a directory: give a directory path.")
+def _open_lock(workdir: str, path: str, process: int) -> int:
+    check_writable(workdir, process)
     try:
         os.makedirs(workdir, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:
-        raise ZooError(
-            f"Cannot use workdir={workdir}: {e.strerror or e} ({e.filename or path}). Give a "
-            "directory that this user can create and write."
-        ) from None
+        raise _unusable(workdir, e.strerror or str(e), e.filename or path) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:

@@ -79,7 +79,7 @@ def _checked(job: Job) -> Job:
         data_params = OmegaConf.to_container(cfg.data, enum_to_str=True)
         hparams = model.resolve(OmegaConf.to_container(cfg.model), data, data_params)
         check_buildable(model, hparams, cfg.finetune)
-        rundir.check_free(cfg.workdir, cfg.distributed.process_id or 0)
+        rundir.check_usable(cfg.workdir, cfg.distributed.process_id or 0)
         resume.precheck(cfg)
         job.config = cfg
     except ZooError as e:
