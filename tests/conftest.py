@@ -77,7 +77,7 @@ def image_folder(tmp_path_factory):
 
 
 LONGEST_FIRST = (
-    "tests/zoo/test_readme.py",
+    "tests/docs/test_doc_examples.py",
     "tests/train/test_resume.py",
     "tests/train/test_precision.py",
     "tests/zoo/test_costs_benchmark.py",
