@@ -8,9 +8,10 @@ import re
 import subprocess
 import sys
 
+from helpers import ROOT
+
 import zoo
 import zoo.plugin
-from helpers import ROOT
 
 
 def test_the_site_builds_strictly_and_documents_every_public_name(tmp_path):
