@@ -223,18 +223,38 @@ def held_out(labels: np.ndarray, fraction: float) -> tuple[np.ndarray, np.ndarra
     return np.sort(np.concatenate(train)), np.sort(np.concatenate(test))
 
 
-def check_fraction(eval_fraction: float) -> None:
+def check_image_keys(
+    *,
+    image_size: int = 32,
+    channels: int = 3,
+    workers: int = 0,
+    eval_fraction: float = 0.1,
+    num_classes: int | None = None,
+    **_: object,
+) -> None:
+    """The keys that `data=images`, `arrayrecord` and `parquet` share (given as their config
+    is, the others ignored), each refused by name. Their `describe` runs this first: a model
+    sized from a bad `image_size` would otherwise be refused under its own key
+    (`model.input_shape`)."""
+    if image_size < 1:
+        raise ZooError(
+            f"data.image_size={image_size} must be at least 1: the side, in pixels, of the "
+            "square that every image is resized to (e.g. 32)."
+        )
+    if channels not in (1, 3):
+        raise ZooError(f"data.channels={channels} must be 1 (grey) or 3 (RGB).")
+    if workers < 0:
+        raise ZooError(
+            f"data.workers={workers} must be 0 (decode in the training process) or a number "
+            "of worker processes."
+        )
     if not 0 < eval_fraction < 1:
         raise ZooError(
             f"data.eval_fraction={eval_fraction} must be between 0 and 1 (exclusive): the share "
             "of each class held out for evaluation when there is no val/ split."
         )
-
-
-def check_shape(image_size: int, channels: int, workers: int) -> None:
-    if image_size < 1 or channels not in (1, 3) or workers < 0:
+    if num_classes is not None and num_classes < 1:
         raise ZooError(
-            f"data.image_size={image_size}, data.channels={channels}, data.workers={workers}: "
-            "the size must be at least 1, the channels 1 (grey) or 3 (RGB), the workers 0 "
-            "(decode in the training process) or more."
+            f"data.num_classes={num_classes} must be at least 1, or null: the number of class "
+            "names, or the largest label + 1."
         )

@@ -20,8 +20,7 @@ from zoo.data.examples import (
     NormalizeBy,
     OnError,
     Subset,
-    check_fraction,
-    check_shape,
+    check_image_keys,
     held_out,
     readable,
 )
@@ -113,7 +112,10 @@ def image_splits(
     return Splits(train=train, eval=test, transform=Normalize(255, mean, std), workers=workers)
 
 
-def describe_images(path: str | None = None, image_size: int = 32, channels: int = 3, **_) -> dict:
+def describe_images(
+    path: str | None = None, image_size: int = 32, channels: int = 3, **keys
+) -> dict:
+    check_image_keys(image_size=image_size, channels=channels, **keys)
     train, _val = _split_dirs(_root(path))
     return {
         "input_shape": (image_size, image_size, channels),
@@ -137,8 +139,9 @@ def images(
     images' per-channel statistics (`dataset`), ImageNet's (`imagenet`), or only scaled to
     [0, 1] (`none`: for a model that normalises its inputs itself, as pretrained ones do);
     `workers` processes decode and augment the training batches."""
-    check_shape(image_size, channels, workers)
-    check_fraction(eval_fraction)
+    check_image_keys(
+        image_size=image_size, channels=channels, workers=workers, eval_fraction=eval_fraction
+    )
     train_dir, val_dir = _split_dirs(_root(path))
     classes = class_names(train_dir)
     paths, labels = scan(train_dir, classes)

@@ -29,8 +29,7 @@ from zoo.data.examples import (
     NormalizeBy,
     OnError,
     Subset,
-    check_fraction,
-    check_shape,
+    check_image_keys,
     held_out,
     readable,
 )
@@ -187,8 +186,7 @@ def _labelled(fmt: str, files: list[str], image_column: str, label_column: str):
 
 
 def _tables(fmt: str, suffix: str, params: dict[str, Any]) -> Splits:
-    check_shape(params["image_size"], params["channels"], params["workers"])
-    check_fraction(params["eval_fraction"])
+    check_image_keys(**params)
     columns = params["image_column"], params["label_column"]
     train_files, val_files = split_files(params["path"], suffix, fmt)
     payloads, values = _labelled(fmt, train_files, *columns)
@@ -196,7 +194,9 @@ def _tables(fmt: str, suffix: str, params: dict[str, Any]) -> Splits:
         raise ZooError(f"data.path={params['path']} holds no {fmt} examples.")
     classes = class_list(values)
     labels = label_array(values, classes, f"data.path={params['path']}")
-    num_classes = params["num_classes"] or (len(classes) if classes else int(labels.max()) + 1)
+    num_classes = params["num_classes"]
+    if num_classes is None:
+        num_classes = len(classes) if classes else int(labels.max()) + 1
     check_labels(labels, num_classes, f"data.path={params['path']}", columns[1])
     if val_files is not None:
         test_payloads, test_values = _labelled(fmt, val_files, *columns)
@@ -229,6 +229,7 @@ def _tables(fmt: str, suffix: str, params: dict[str, Any]) -> Splits:
 
 def _describe(fmt: str, suffix: str):
     def describe(**params: Any) -> dict[str, Any]:
+        check_image_keys(**params)
         size, channels = params.get("image_size", 32), params.get("channels", 3)
         num_classes = params.get("num_classes")
         if num_classes is None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
-from zoo.plugin import Splits, register_data
+from zoo.plugin import Splits, ZooError, register_data
 
 
 def _continuous_xor(size: int, noise: float, seed: int) -> dict[str, np.ndarray]:
@@ -23,6 +25,14 @@ def xor(
     train_seed: int = 42,
     eval_seed: int = 123,
 ) -> Splits:
+    for key, size in (("train_size", train_size), ("eval_size", eval_size)):
+        if size < 1:
+            raise ZooError(f"data.{key}={size} must be at least 1: a number of points.")
+    if not 0 <= noise < math.inf:
+        raise ZooError(
+            f"data.noise={noise} must be 0 or more: the standard deviation of the points "
+            "around their corner."
+        )
     return Splits(
         train=_continuous_xor(train_size, noise, train_seed),
         eval=_continuous_xor(eval_size, noise, eval_seed),

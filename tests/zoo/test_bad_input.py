@@ -85,6 +85,7 @@ def test_a_bad_job_of_a_sweep_fails_alone_and_the_sweep_exits_2(tmp_path):
         (["mesh.cpu_devices=-1"], ["mesh.cpu_devices=-1"]),
         (["model.num_hidden=0"], ["model.num_hidden=0", "at least 1"]),
         (["model.num_hidden=-3"], ["model.num_hidden=-3", "at least 1"]),
+        (["model=xor", "data.train_size=0"], ["data.train_size=0", "at least 1"]),
         (["trainer.batch_size=100000000000"], ["batch_size=100000000000", "GiB", "available"]),
         (["trainer.steps=100", "trainer.steps=150"], ["trainer.steps is given twice", "-m"]),
     ],
