@@ -1,16 +1,16 @@
 """zoo: a Flax NNX model zoo.
 
-import zoo
-zoo.list_models()                      # ['cnn', 'gpt', 'mlp', 'resnet', 'vae', 'vit', 'xor']
-zoo.list_models(families=True)         # {'gpt': ['gpt2: GPT-2, ...'], ...}: checkpoints loaded
-model = zoo.create_model("xor", num_hidden=16)
-result = zoo.fit("cnn", "data=digits")              # the CLI's job, from Python
-trained = zoo.load(result.workdir)                  # a run's model, weights and config
-tuned = zoo.finetune(trained, data=zoo.Splits(train=..., eval=...), num_classes=5,
-                     replace_head=True, freeze="backbone")   # a new head on a frozen backbone
-gpt2 = zoo.load("gpt2")                             # a pretrained checkpoint directory
-zoo.export(result.workdir, "out", format="hf")      # back to the checkpoint family's layout
-text = zoo.generate(gpt2, "Hello", max_new_tokens=20)  # through the model's tokenizer
+    import zoo
+    zoo.list_models()                      # ['cnn', 'gpt', 'mlp', 'resnet', 'vae', 'vit', 'xor']
+    zoo.list_models(families=True)         # {'gpt': ['gpt2: GPT-2, ...'], ...}: checkpoints loaded
+    model = zoo.create_model("xor", num_hidden=16)
+    result = zoo.fit("cnn", "data=digits")              # the CLI's job, from Python
+    trained = zoo.load(result.workdir)                  # a run's model, weights and config
+    tuned = zoo.finetune(trained, data=zoo.Splits(train=..., eval=...), num_classes=5,
+                         replace_head=True, freeze="backbone")   # a new head on a frozen backbone
+    gpt2 = zoo.load("gpt2")                             # a pretrained checkpoint directory
+    zoo.export(result.workdir, "out", format="hf")      # back to the checkpoint family's layout
+    text = zoo.generate(gpt2, "Hello", max_new_tokens=20)  # through the model's tokenizer
 
 zoo is one import name in three layers: the front (command line, Hydra composition, this API)
 uses the plugins `zoo.models` and `zoo.data`, which use the engine `zoo.engine`; nothing below
