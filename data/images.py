@@ -99,9 +99,10 @@ def image_splits(
     normalize: NormalizeBy,
     workers: int,
     fingerprint: str,
+    class_names: list[str] | None,
 ) -> Splits:
     """The splits, normalised by the training images' statistics or ImageNet's, or only
-    scaled to [0, 1]."""
+    scaled to [0, 1]; `class_names`: of labels 0, 1, ..., where the data names them."""
     if normalize == NormalizeBy.imagenet:
         mean, std = IMAGENET_MEAN, IMAGENET_STD
         mean, std = (mean, std) if train.channels == 3 else ((np.mean(mean),), (np.mean(std),))
@@ -109,7 +110,13 @@ def image_splits(
         mean, std = (0.0,) * train.channels, (1.0,) * train.channels
     else:
         mean, std = train.statistics(fingerprint)
-    return Splits(train=train, eval=test, transform=Normalize(255, mean, std), workers=workers)
+    return Splits(
+        train=train,
+        eval=test,
+        transform=Normalize(255, mean, std),
+        workers=workers,
+        class_names=class_names,
+    )
 
 
 def describe_images(
@@ -163,4 +170,4 @@ def images(
 
     train = examples(train_files, labels, kept, augment)
     test = examples(test_files, val_labels, kept_test, Augment.none)
-    return image_splits(train, test, normalize, workers, fingerprint(paths))
+    return image_splits(train, test, normalize, workers, fingerprint(paths), classes)

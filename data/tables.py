@@ -10,11 +10,18 @@ seed, as for image folders).
   msgpack map of the columns, as `python -m zoo.data convert images DIR OUT` writes them. The
   records stay on disk and are read as batches need them; their labels are read once up front.
 - Parquet (`*.parquet`, read with pyarrow): the two columns are read into memory (encoded
-  images are small); for data larger than memory, convert it to ArrayRecord.
+  images are small); for data larger than memory, convert it to ArrayRecord. The layout of
+  Hugging Face `datasets` is read too: an image column of `Image()` structs of `bytes` and
+  `path` (the bytes read where they are set; where they are null, the image file at `path`,
+  absolute or relative to the Parquet file's folder, a missing one refused by row and path),
+  and a `ClassLabel` label column, whose class names (from the schema's `huggingface`
+  metadata) name labels 0, 1, ... and count the classes.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -23,6 +30,7 @@ import grain
 import msgpack
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from zoo.data.examples import (
     ImageExamples,
@@ -139,15 +147,18 @@ class Records:
 
 
 class Rows:
-    """The image column of Parquet files, in memory."""
+    """The image column of Parquet files, in memory: each row's encoded bytes or uint8 pixels,
+    or, for a Hugging Face image without its bytes, the path of its file (`paths`)."""
 
-    def __init__(self, column: pa.ChunkedArray, files: list[str]):
-        self.column, self.files = column.combine_chunks(), files
+    def __init__(self, column: pa.ChunkedArray, paths: dict[int, str], files: list[str]):
+        self.column, self.paths, self.files = column.combine_chunks(), paths, files
 
     def __len__(self) -> int:
         return len(self.column)
 
-    def read(self, index: int) -> bytes | np.ndarray:
+    def read(self, index: int) -> bytes | np.ndarray | str:
+        if index in self.paths:
+            return self.paths[index]
         return _pixels_or_bytes(self.column[index].as_py())
 
     def name(self, index: int) -> str:
@@ -155,53 +166,153 @@ class Rows:
 
 
 def _pixels_or_bytes(value: Any) -> bytes | np.ndarray:
+    """A cell as an image payload; a null one as no bytes, which `data.on_error` handles as
+    any image that cannot be decoded."""
+    if value is None:
+        return b""
     return value if isinstance(value, bytes) else np.asarray(value, np.uint8)
 
 
-def read_parquet(files: list[str], columns: list[str], where: str) -> pa.Table:
-    tables = []
-    for file in files:
-        names = pq.read_schema(file).names
-        missing = [c for c in columns if c not in names]
+def read_parquet(
+    files: list[str], columns: Sequence[str], where: str
+) -> tuple[Rows, list[Any], list[str] | None]:
+    """(the image column, the label values, the label column's class names or None) of the
+    Parquet files, in order."""
+    image_column, label_column = columns
+    cells, paths, values, names = [], {}, [], None
+    for i, file in enumerate(files):
+        schema = pq.read_schema(file)
+        missing = [c for c in columns if c not in schema.names]
         if missing:
             raise ZooError(
                 f"{where}: {file} has no column(s) {', '.join(missing)}; its columns are "
-                f"{', '.join(names)}. Set data.image_column and data.label_column to them."
+                f"{', '.join(schema.names)}. Set data.image_column and data.label_column to them."
             )
-        tables.append(pq.read_table(file, columns=columns))
-    return pa.concat_tables(tables)
+        table = pq.read_table(file, columns=list(columns))
+        images = table[image_column]
+        if pa.types.is_struct(images.type):
+            images, found = _image_structs(images, file, image_column)
+            paths.update({len(values) + row: path for row, path in found.items()})
+        cells += images.chunks
+        values += table[label_column].to_pylist()
+        file_names = class_label_names(schema, label_column)
+        if i and file_names != names:
+            raise ZooError(
+                f"{where}: {file} names the classes of '{label_column}' {file_names}, but "
+                f"{files[0]} names them {names}. Give files of one data set."
+            )
+        names = file_names
+    try:
+        column = pa.chunked_array(cells, type=cells[0].type if cells else pa.binary())
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        raise ZooError(
+            f"{where}: the column '{image_column}' has different types in {', '.join(files)}. "
+            "Give files of one layout."
+        ) from None
+    return Rows(column, paths, files), values, names
+
+
+def _image_structs(
+    column: pa.ChunkedArray, file: str, name: str
+) -> tuple[pa.ChunkedArray, dict[int, str]]:
+    """A Hugging Face `Image()` column: its `bytes`, and the image files of the rows whose
+    bytes are null and whose `path` is set (absolute, or relative to the Parquet file's
+    folder)."""
+    fields = [column.type.field(i).name for i in range(column.type.num_fields)]
+    if "bytes" not in fields:
+        raise ZooError(
+            f"{file}: data.image_column='{name}' holds structs of {', '.join(fields)}. zoo reads "
+            "encoded image bytes, arrays of uint8 pixels, or the struct of bytes and path that "
+            "Hugging Face datasets' Image() feature writes. Set data.image_column to such a "
+            "column."
+        )
+    data = pc.struct_field(column, "bytes")
+    if "path" not in fields or not data.null_count:
+        return data, {}
+    written = pc.struct_field(column, "path").to_pylist()
+    folder = os.path.dirname(os.path.abspath(file))
+    found, missing = {}, []
+    for row in np.flatnonzero(data.is_null().to_numpy(zero_copy_only=False)):
+        if written[row] is None:
+            continue  # no image at all: as a cell that cannot be decoded
+        path = os.path.join(folder, written[row])
+        if os.path.isfile(path):
+            found[int(row)] = path
+        else:
+            missing.append(row)
+    if missing:
+        rows = ", ".join(f"{row} ({written[row]})" for row in missing[:5])
+        raise ZooError(
+            f"{file}: {len(missing)} row(s) of data.image_column='{name}' hold no image bytes, "
+            f"only the path of a file that does not exist, e.g. rows {rows}; a relative path is "
+            f"read from the Parquet file's folder, {folder}. Put the images there, or write "
+            "the file with the images' bytes in it."
+        )
+    return data, found
+
+
+def class_label_names(schema: pa.Schema, column: str) -> list[str] | None:
+    """The class names of a Hugging Face `ClassLabel` column, from the schema's `huggingface`
+    metadata; None where the column is not one."""
+    try:
+        info = json.loads((schema.metadata or {})[b"huggingface"])
+        feature = info["info"]["features"][column]
+    except (KeyError, TypeError, ValueError):
+        return None
+    if not isinstance(feature, dict) or feature.get("_type") != "ClassLabel":
+        return None
+    names = feature.get("names")
+    return [str(name) for name in names] if isinstance(names, list) else None
 
 
 # ---- The data sets ----
 
 
-def _labelled(fmt: str, files: list[str], image_column: str, label_column: str):
-    """(payloads, raw label values) of some files of format `fmt`."""
-    where = f"data={fmt} data.path"
+def _labelled(
+    fmt: str, files: list[str], columns: Sequence[str], where: str, known: list[str] | None = None
+) -> tuple[Records | Rows, np.ndarray, list[str] | None]:
+    """(payloads, integer labels, class names or None) of some files of format `fmt`. Labels
+    that are names are numbered in the sorted order of the names, or of `known` (the training
+    split's classes, for its eval split); a Hugging Face ClassLabel's integers are named by
+    its metadata."""
+    image_column, label_column = columns
     if fmt == "arrayrecord":
-        records = Records(files, image_column)
-        return records, records.columns(label_column, where)
-    table = read_parquet(files, [image_column, label_column], where)
-    return Rows(table[image_column], files), table[label_column].to_pylist()
+        payloads = Records(files, image_column)
+        values, names = payloads.columns(label_column, f"data={fmt} data.path"), None
+    else:
+        payloads, values, names = read_parquet(files, columns, f"data={fmt} data.path")
+    named = class_list(values)
+    if named is not None:
+        classes = known if known is not None else named
+        return payloads, label_array(values, classes, where), classes
+    if known is not None and names is not None and names != known:
+        raise ZooError(
+            f"{where} names the classes of '{label_column}' {names}, but the training files "
+            f"name them {known}. Give the splits of one data set."
+        )
+    return payloads, label_array(values, None, where), names
+
+
+def _num_classes(given: int | None, labels: np.ndarray, classes: list[str] | None) -> int:
+    """`data.num_classes`; unset: the number of class names, or the largest label + 1."""
+    if given is not None:
+        return given
+    return len(classes) if classes else int(labels.max()) + 1 if len(labels) else 0
 
 
 def _tables(fmt: str, suffix: str, params: dict[str, Any]) -> Splits:
     check_image_keys(**params)
-    columns = params["image_column"], params["label_column"]
+    columns, where = (params["image_column"], params["label_column"]), f"data.path={params['path']}"
     train_files, val_files = split_files(params["path"], suffix, fmt)
-    payloads, values = _labelled(fmt, train_files, *columns)
+    payloads, labels, classes = _labelled(fmt, train_files, columns, where)
     if not len(payloads):
         raise ZooError(f"data.path={params['path']} holds no {fmt} examples.")
-    classes = class_list(values)
-    labels = label_array(values, classes, f"data.path={params['path']}")
-    num_classes = params["num_classes"]
-    if num_classes is None:
-        num_classes = len(classes) if classes else int(labels.max()) + 1
-    check_labels(labels, num_classes, f"data.path={params['path']}", columns[1])
+    num_classes = _num_classes(params["num_classes"], labels, classes)
+    check_labels(labels, num_classes, where, columns[1])
     if val_files is not None:
-        test_payloads, test_values = _labelled(fmt, val_files, *columns)
-        test_labels = label_array(test_values, classes, ", ".join(val_files))
-        check_labels(test_labels, num_classes, ", ".join(val_files), columns[1])
+        val_where = ", ".join(val_files)
+        test_payloads, test_labels, _ = _labelled(fmt, val_files, columns, val_where, classes)
+        check_labels(test_labels, num_classes, val_where, columns[1])
         train_rows, test_rows = np.arange(len(labels)), np.arange(len(test_labels))
     else:
         train_rows, test_rows = held_out(labels, params["eval_fraction"])
@@ -213,7 +324,7 @@ def _tables(fmt: str, suffix: str, params: dict[str, Any]) -> Splits:
         (test_payloads, test_labels, test_rows, Augment.none),
     ):
         subset = Subset(source, rows)
-        kept = readable(subset, on_error, f"data.path={params['path']}")
+        kept = readable(subset, on_error, where)
         splits.append(
             ImageExamples(
                 Subset(subset, kept),
@@ -224,7 +335,9 @@ def _tables(fmt: str, suffix: str, params: dict[str, Any]) -> Splits:
             )
         )
     files = train_files + (val_files or [])
-    return image_splits(*splits, params["normalize"], params["workers"], fingerprint(files))
+    return image_splits(
+        *splits, params["normalize"], params["workers"], fingerprint(files), classes
+    )
 
 
 def _describe(fmt: str, suffix: str):
@@ -235,10 +348,9 @@ def _describe(fmt: str, suffix: str):
         if num_classes is None:
             train_files, _ = split_files(params.get("path"), suffix, fmt)
             columns = params.get("image_column", "image"), params.get("label_column", "label")
-            _, values = _labelled(fmt, train_files, *columns)
-            classes = class_list(values)
-            labels = label_array(values, classes, f"data.path={params.get('path')}")
-            num_classes = len(classes) if classes else int(labels.max()) + 1 if len(labels) else 0
+            where = f"data.path={params.get('path')}"
+            _, labels, classes = _labelled(fmt, train_files, columns, where)
+            num_classes = _num_classes(None, labels, classes)
         return {"input_shape": (size, size, channels), "num_classes": num_classes}
 
     return describe
@@ -266,7 +378,8 @@ def _loader(fmt: str, suffix: str, what: str):
     load.__name__ = load.__qualname__ = fmt
     load.__doc__ = (
         f"Labelled images in {what} (see the module's doc); the other keys are those of "
-        "`data=images`. `num_classes` unset: the number of class names, or the largest label + 1."
+        "`data=images`. `num_classes` unset: the number of class names (a ClassLabel's, or "
+        "those the labels are), or the largest label + 1."
     )
     return register_data(fmt, describe=_describe(fmt, suffix))(load)
 

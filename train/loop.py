@@ -140,7 +140,7 @@ class Trainer:
         self.averaged = jax.jit(
             lambda state: ema.averaged(self.graphdef, state, trainable, self.ema_decay)
         )
-        self.class_names = (
+        self.class_names = splits.class_names or (
             registry.get_data(cfg.data.name).class_names
             if cfg.data.name in registry.list_datasets()
             else None

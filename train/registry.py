@@ -93,6 +93,9 @@ class Splits:
     workers: int = 0
     """Processes that make the training batches (decode, augment, transform); 0: the training
     process itself. Worth it only when making a batch costs more than starting them (seconds)."""
+    class_names: Sequence[str] | None = None
+    """The names of labels 0, 1, ... where the data decides them (a folder's classes, a
+    table's); None: the registered data set's `class_names`, or the numbers."""
 
 
 @dataclasses.dataclass(frozen=True)
