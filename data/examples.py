@@ -255,6 +255,6 @@ def check_image_keys(
         )
     if num_classes is not None and num_classes < 1:
         raise ZooError(
-            f"data.num_classes={num_classes} must be at least 1, or null: the number of class "
-            "names, or the largest label + 1."
+            f"data.num_classes={num_classes} must be at least 1, or null to count the classes "
+            "(the class names, or the largest label + 1)."
         )

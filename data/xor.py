@@ -25,13 +25,16 @@ def xor(
     train_seed: int = 42,
     eval_seed: int = 123,
 ) -> Splits:
-    for key, size in (("train_size", train_size), ("eval_size", eval_size)):
+    for key, size, split in (
+        ("train_size", train_size, "training"),
+        ("eval_size", eval_size, "eval"),
+    ):
         if size < 1:
-            raise ZooError(f"data.{key}={size} must be at least 1: a number of points.")
+            raise ZooError(f"data.{key}={size} must be at least 1: the number of {split} points.")
     if not 0 <= noise < math.inf:
         raise ZooError(
-            f"data.noise={noise} must be 0 or more: the standard deviation of the points "
-            "around their corner."
+            f"data.noise={noise} must be finite and 0 or more: the standard deviation of the "
+            "points around their corner."
         )
     return Splits(
         train=_continuous_xor(train_size, noise, train_seed),
