@@ -41,19 +41,30 @@ def summarize(values: jax.Array, buckets: int = BUCKETS) -> Summary:
     }
 
 
+GROUP = "weights"
+"""The tag group of the histograms. TensorBoard's Time Series orders groups by name and opens
+the first two: `weights` sorts after `train` and `val`, so the curves come first."""
+
+
+def tag(path: tuple, grad: bool = False) -> str:
+    """`weights/hidden/0/kernel` for a param, `weights/hidden/0/kernel/grad` for its gradient:
+    the two cards side by side. (A param is a leaf, so `<param>/grad` is never another
+    param's path.)"""
+    return "/".join([GROUP, *map(str, path), *(["grad"] if grad else [])])
+
+
 def make_histogram_step(graphdef: nnx.GraphDef, steps: Steps) -> Callable:
-    """`histogram_step(state, batch, key) -> {tag: Summary}` with tags `params/<path>` (every
-    param) and `grads/<path>` (those the run trains), e.g. `params/hidden/0/kernel`."""
+    """`histogram_step(state, batch, key) -> {tag: Summary}`: every param, and the gradient of
+    each that the run trains, tagged as `tag` says."""
 
     @jax.jit
     def histogram_step(state, batch: Mapping[str, jax.Array], key: jax.Array):
         _, grads = steps.grad(state, batch, key)
         model, _ = nnx.merge(graphdef, state)
         summaries = {}
-        for kind, tree in (("params", nnx.state(model, nnx.Param)), ("grads", grads)):
+        for grad, tree in ((False, nnx.state(model, nnx.Param)), (True, grads)):
             for path, variable in nnx.to_flat_state(tree):
-                tag = f"{kind}/{'/'.join(map(str, path))}"
-                summaries[tag] = summarize(variable[...])
+                summaries[tag(path, grad)] = summarize(variable[...])
         return summaries
 
     return histogram_step

@@ -25,8 +25,9 @@ log = logging.getLogger("zoo")
 
 # Seconds between flushes of the event file: short, so a running job shows up in TensorBoard.
 FLUSH_SECS = 2
-# The two tag groups TensorBoard opens first (it sorts groups by name): the loss and the model's
-# metrics of each log window, then the evals. Every other group sorts after them.
+# The two tag groups TensorBoard opens first (its Time Series sorts groups by name and expands
+# the first two): the loss and the model's metrics of each log window, then the evals. Every
+# other group (`visuals`, `vitals`, `weights` for histograms, `xla`) sorts after them.
 TRAIN, VAL = "train", "val"
 
 

@@ -5,8 +5,8 @@ its HParams tab compares runs by their config against their latest eval metrics.
 
 TensorBoard's HParams tab takes the experiment description (every key and metric it offers)
 from one run of the logdir, whichever it reads first, and drops the others'. So every run
-writes the same description: the keys and metrics of every registered model and data set, not
-only its own, with the five keys that tell runs apart first (the tab's default columns).
+writes the same description: a few keys that tell runs apart (`COLUMNS`, model first), and the
+eval metrics of every registered model, not only its own.
 """
 
 from __future__ import annotations
@@ -68,27 +68,58 @@ def flat_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, HParam
     return flat
 
 
-DEFAULT_COLUMNS = ("model.name", "data.name", "seed", "optimizer.learning_rate", "trainer.steps")
-"""The HParams tab's columns at first: it shows the first five keys, those marked `differs`
-first."""
+COLUMNS = (
+    "model.name",
+    "data.name",
+    "seed",
+    "optimizer.learning_rate",
+    "trainer.steps",
+    "trainer.batch_size",
+    "optimizer.name",
+    "optimizer.schedule",
+    "optimizer.weight_decay",
+    "trainer.precision",
+    "finetune.init_from",
+)
+"""The HParams tab's columns, in this order (it shows the first five at first): what tells runs
+apart. The whole config is in the Text tab (`config`)."""
 EXPERIMENT_TAG = "_hparams_/experiment"
 
 
+def column_name(key: str) -> str:
+    """The HParams name of a column (`01 model.name`). The tab sorts columns by name and shows
+    each by its display name, the key itself: the number keeps them in `COLUMNS` order."""
+    return f"{COLUMNS.index(key) + 1:02d} {key}"
+
+
 def hparams_summaries(config: Mapping[str, Any], metric_tags: Sequence[str]) -> list[Any]:
-    """The HParams plugin's experiment and session-start summaries for this run: its flattened
-    config, and the scalar tags (e.g. `val/accuracy`) whose latest values are its metrics."""
-    values = flat_config(config)
+    """The HParams plugin's experiment and session-start summaries for this run: the `COLUMNS`
+    of its config, and the scalar tags (e.g. `val/accuracy`) whose latest values are its
+    metrics."""
+    flat = flat_config(config)
+    values = {column_name(key): column_value(flat[key]) for key in COLUMNS}
     _, session_start, _ = hparams(values, {})
-    return [experiment_summary(values, metric_tags), session_start]
+    return [experiment_summary(metric_tags), session_start]
 
 
-def experiment_summary(values: Mapping[str, HParamValue], metric_tags: Sequence[str]) -> Any:
-    """The experiment description: every registered model's and data set's keys and eval
-    metrics, the common sections' keys, and this run's own, with `DEFAULT_COLUMNS` first."""
-    types = {**_key_types(Config), **_registered_key_types()}
-    for name, value in values.items():  # keys that no schema names (e.g. `mesh.rules.*`)
-        types.setdefault(name, _data_type(type(value)))
-    infos = [_hparam_info(name, data_type) for name, data_type in sorted(types.items())]
+def column_value(value: HParamValue) -> HParamValue:
+    """A whole number as its text (`60`): the tab writes every number with five significant
+    digits (`60.000`). Other values as they are."""
+    return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
+def experiment_summary(metric_tags: Sequence[str]) -> Any:
+    """The experiment description: the `COLUMNS` and every registered model's eval metrics (the
+    same in every run, whichever run the tab takes it from)."""
+    types = _key_types(Config)
+    infos = [
+        HParamInfo(
+            name=column_name(key),
+            display_name=key,
+            type=types.get(key, DataType.DATA_TYPE_STRING),
+        )
+        for key in COLUMNS
+    ]
     metrics = sorted({*metric_tags, *_registered_metric_tags()})
     experiment = Experiment(
         hparam_infos=infos, metric_infos=[MetricInfo(name=MetricName(tag=t)) for t in metrics]
@@ -100,25 +131,6 @@ def experiment_summary(values: Mapping[str, HParamValue], metric_tags: Sequence[
     return Summary(value=[Summary.Value(tag=EXPERIMENT_TAG, metadata=metadata)])
 
 
-DIFFERS = b"\x38\x01"
-"""`differs: true`: field 7 of TensorBoard's HParamInfo, which tensorboardX's copy of the proto
-lacks; the parser keeps it as an unknown field and writes it back as it is."""
-
-
-def _hparam_info(name: str, data_type: int) -> HParamInfo:
-    info = HParamInfo(name=name, type=data_type).SerializeToString()
-    return HParamInfo.FromString(info + DIFFERS if name in DEFAULT_COLUMNS else info)
-
-
-def _registered_key_types() -> dict[str, int]:
-    types: dict[str, int] = {}
-    for name in registry.list_models():
-        types.update(_key_types(registry.get_model(name).config, "model."))
-    for name in registry.list_datasets():
-        types.update(_key_types(registry.get_data(name).config, "data."))
-    return types
-
-
 def _registered_metric_tags() -> set[str]:
     tags = {"train/loss", val_tag("loss")}
     for name in registry.list_models():
@@ -127,25 +139,24 @@ def _registered_metric_tags() -> set[str]:
 
 
 def _key_types(schema: type, prefix: str = "") -> dict[str, int]:
-    """`{"trainer.steps": FLOAT64, ...}` for the fields of a config dataclass, nested ones
-    flattened (`model` and `data`, typed `Any` in `Config`, come from the registry)."""
+    """`{"optimizer.learning_rate": FLOAT64, ...}` for the fields of a config dataclass, nested
+    ones flattened."""
     hints = typing.get_type_hints(schema)
     types: dict[str, int] = {}
     for field in dataclasses.fields(schema):
         hint = hints[field.name]
         if dataclasses.is_dataclass(hint):
             types.update(_key_types(hint, f"{prefix}{field.name}."))
-        elif hint is not Any and typing.get_origin(hint) is not dict:
+        else:
             types[f"{prefix}{field.name}"] = _data_type(hint)
     return types
 
 
 def _data_type(hint: Any) -> int:
-    """How HParams shows a key: a number (`int`, `float`, or None), a boolean, else text (lists,
-    enums, strings)."""
-    kinds = set(typing.get_args(hint) or (hint,)) - {type(None)}
-    if kinds == {bool}:
+    """How HParams shows a key: a boolean, a number (a `float` that is never None: one scale,
+    a range filter), else text (whole numbers, as `column_value` writes them; names, lists)."""
+    if hint is bool:
         return DataType.DATA_TYPE_BOOL
-    if kinds and kinds <= {int, float}:
+    if hint is float:
         return DataType.DATA_TYPE_FLOAT64
     return DataType.DATA_TYPE_STRING

@@ -4,19 +4,15 @@ trains and complete after SIGTERM; and histograms that leave a run's bits alone.
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import io
-import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -35,9 +31,10 @@ from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
 from zoo.engine.checkpoints.manager import Checkpointer
 from zoo.engine.checkpoints.reader import abstract_like
 from zoo.engine.loop import Trainer
-from zoo.engine.summaries import DEFAULT_COLUMNS
+from zoo.engine.summaries import COLUMNS, column_name
 
 import zoo
+from benchmarks.tensorboard_screens import fetch_json, tensorboard, wait_for_tags
 
 STEPS, LOG_EVERY, EVAL_EVERY, HISTOGRAM_EVERY, BATCH = 40, 10, 20, 20, 64
 HIDDEN = 32
@@ -73,64 +70,16 @@ def observed(tmp_path_factory):
     return logdir, workdir, result
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def tensorboard_server(logdir) -> Iterator[str]:
-    """A real `tensorboard` process serving `logdir` on 127.0.0.1; stopped by its pid."""
-    port = free_port()
-    process = subprocess.Popen(
-        [
-            os.path.join(os.path.dirname(sys.executable), "tensorboard"),
-            f"--logdir={logdir}",
-            "--host=127.0.0.1",
-            f"--port={port}",
-            "--reload_interval=1",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        os.kill(process.pid, signal.SIGTERM)
-        process.wait(timeout=30)
-
-
-def fetch(url: str, body: dict | None = None) -> bytes:
-    data = None if body is None else json.dumps(body).encode()
-    headers = {"Content-Type": "application/json"} if body is not None else {}
-    with urllib.request.urlopen(urllib.request.Request(url, data, headers), timeout=30) as r:
-        return r.read()
-
-
-def fetch_json(url: str, body: dict | None = None):
-    return json.loads(fetch(url, body))
-
-
-def wait_for_tags(base: str, plugin: str, expected: set[str], limit_s: float = 120) -> None:
-    """Until the server has loaded every expected tag of `plugin` (it reloads every second)."""
-    deadline = time.monotonic() + limit_s
-    while True:
-        try:
-            tags = set(fetch_json(f"{base}/data/plugin/{plugin}/tags").get(RUN, {}))
-        except OSError:  # not listening yet
-            tags = set()
-        if expected <= tags:
-            return
-        assert time.monotonic() < deadline, f"{plugin} tags {expected - tags} never appeared"
-        time.sleep(0.5)
+def fetch(url: str) -> bytes:
+    with urllib.request.urlopen(url, timeout=30) as response:
+        return response.read()
 
 
 def test_tensorboard_server_shows_every_tab(observed):
     logdir, _, _ = observed
     windows = list(range(LOG_EVERY, STEPS + 1, LOG_EVERY))
     evals = [EVAL_EVERY, STEPS]
-    with tensorboard_server(logdir) as base:
+    with tensorboard(logdir) as base:
         scalar_tags = {
             *(f"train/{name}" for name in ("loss", "accuracy")),
             *(f"vitals/{name}" for name in ("learning_rate", "grad_norm", "param_norm")),
@@ -142,10 +91,12 @@ def test_tensorboard_server_shows_every_tab(observed):
             "val/loss",
             "val/accuracy",
         }
-        wait_for_tags(base, "scalars", scalar_tags)
-        wait_for_tags(base, "histograms", {"params/head/kernel", "grads/hidden/0/kernel"})
-        wait_for_tags(base, "images", {"visuals/confusion_matrix", "visuals/misclassified"})
-        wait_for_tags(base, "text", {f"{t}/text_summary" for t in ("config", "model_summary")})
+        wait_for_tags(base, "scalars", {RUN: scalar_tags})
+        histograms = {"weights/head/kernel", "weights/hidden/0/kernel/grad"}
+        wait_for_tags(base, "histograms", {RUN: histograms})
+        wait_for_tags(base, "images", {RUN: {"visuals/confusion_matrix", "visuals/misclassified"}})
+        texts = {f"{t}/text_summary" for t in ("config", "model_summary")}
+        wait_for_tags(base, "text", {RUN: texts})
 
         def scalars(tag: str) -> dict[int, float]:
             rows = fetch_json(f"{base}/data/plugin/scalars/scalars?run={RUN}&tag={tag}")
@@ -167,9 +118,10 @@ def test_tensorboard_server_shows_every_tab(observed):
         assert scalars("xla/compile_count")[30] > scalars("xla/compile_count")[20]
         assert all(s > 0 for s in scalars("xla/compile_seconds").values())
 
-        # Histograms: at the first step and every HISTOGRAM_EVERY steps, each over every value of its array.
+        # Histograms: at the first step and every HISTOGRAM_EVERY steps, each over every value
+        # of its array (a param's, and its gradient's beside it).
         histogram_steps = [1, *range(HISTOGRAM_EVERY, STEPS + 1, HISTOGRAM_EVERY)]
-        for tag, size in (("params/hidden/0/kernel", 64 * HIDDEN), ("grads/head/bias", 10)):
+        for tag, size in (("weights/hidden/0/kernel", 64 * HIDDEN), ("weights/head/bias/grad", 10)):
             rows = fetch_json(f"{base}/data/plugin/histograms/histograms?run={RUN}&tag={tag}")
             assert [step for _, step, _ in rows] == histogram_steps
             for _, _, buckets in rows:
@@ -198,16 +150,18 @@ def test_tensorboard_server_shows_every_tab(observed):
         cells = re.findall(r"<td>(\d+)</td>", text("visuals/confusion_matrix"))
         assert sum(map(int, cells)) == 360  # every eval digit once (row labels are bold)
 
-        # HParams: the flattened config, and the run's final metrics as its session's values.
+        # HParams: the key columns of the config, model first, whole numbers as written, and
+        # the run's final metrics as its session's values.
         experiment = fetch_json(f"{base}/data/plugin/hparams/experiment", {"experimentName": ""})
-        names = {info["name"] for info in experiment["hparamInfos"]}
-        assert {"trainer.steps", "model.hidden_sizes", "optimizer.learning_rate"} <= names
-        # every model's keys and metrics, whichever run TensorBoard takes the description from
-        assert {"model.context_length", "model.latent_dim", "data.window"} <= names
+        infos = experiment["hparamInfos"]
+        assert [info["displayName"] for info in infos] == list(COLUMNS)  # in the tab's order
+        assert [info["name"] for info in infos] == sorted(info["name"] for info in infos)
+        types = {info["displayName"]: info["type"] for info in infos}
+        assert types["optimizer.learning_rate"] == "DATA_TYPE_FLOAT64"
+        assert types["trainer.steps"] == types["seed"] == "DATA_TYPE_STRING"
+        # every model's metrics, whichever run TensorBoard takes the description from
         metrics = {info["name"]["tag"] for info in experiment["metricInfos"]}
         assert {"val/accuracy", "val/bits_per_byte", "val/kl", "train/loss"} <= metrics
-        first = [info["name"] for info in experiment["hparamInfos"][:5]]  # the default columns
-        assert first == sorted(DEFAULT_COLUMNS)
         request = {
             "experimentName": "",
             "allowedStatuses": ["STATUS_UNKNOWN", "STATUS_SUCCESS", "STATUS_RUNNING"],
@@ -216,18 +170,24 @@ def test_tensorboard_server_shows_every_tab(observed):
         }
         groups = fetch_json(f"{base}/data/plugin/hparams/session_groups", request)
         (group,) = groups["sessionGroups"]
-        assert group["hparams"]["trainer.steps"] == STEPS
+        values = group["hparams"]
+        assert values[column_name("model.name")] == "mlp"
+        assert values[column_name("trainer.steps")] == str(STEPS)  # shown as 40, not 40.000
+        assert values[column_name("seed")] == "0"
+        assert values[column_name("optimizer.learning_rate")] == pytest.approx(1e-3)
         final = {m["name"]["tag"]: m["value"] for m in group["metricValues"]}
         assert final["val/accuracy"] == pytest.approx(scalars("val/accuracy")[STEPS])
 
 
 def test_the_first_groups_are_train_and_val(observed):
     """TensorBoard orders tag groups alphabetically and opens the first two: the train and eval
-    curves come before the images, the speed and norm curves and the compilation counts."""
+    curves come before the images, the speed and norm curves, the histograms and the compilation
+    counts (`test_tensorboard_screen` looks at them in a browser)."""
     _, workdir, _ = observed
     tags = read_events(workdir).Tags()
-    groups = sorted({tag.split("/")[0] for kind in ("scalars", "images") for tag in tags[kind]})
-    assert groups == ["train", "val", "visuals", "vitals", "xla"]
+    kinds = ("scalars", "images", "histograms")
+    groups = sorted({tag.split("/")[0] for kind in kinds for tag in tags[kind]})
+    assert groups == ["train", "val", "visuals", "vitals", "weights", "xla"]
 
 
 def test_profile_steps_write_a_trace_and_console_lines_reach_train_log(observed):
@@ -308,7 +268,7 @@ def test_compile_counts_and_hparams_follow_a_resume(tmp_path):
     assert count[30] > count[20] and seconds[30] > seconds[20]  # the second process's added
     content = events.PluginTagToContent("hparams")["_hparams_/session_start_info"]
     session = HParamsPluginData.FromString(content).session_start_info
-    assert session.hparams["trainer.steps"].number_value == 40
+    assert session.hparams[column_name("trainer.steps")].string_value == "40"
 
 
 def test_gpt_text_sample_is_markdown_not_a_repr(tmp_path):
