@@ -21,6 +21,8 @@ MISCLASSIFIED = 32
 CELL = 36
 """Pixels per cell of the confusion matrix image."""
 FONT_SIZE = 12
+MARGIN = 8
+"""Pixels of white around the confusion matrix image's labels."""
 DIAGONAL = (8, 48, 107)  # dark blue: every example of the class predicted right
 ERROR = (165, 15, 21)  # dark red: the most frequent confusion
 
@@ -101,17 +103,31 @@ def class_labels(names: Sequence[str] | None, classes: int, numbered: bool = Tru
 def confusion_image(counts: np.ndarray, names: Sequence[str] | None = None) -> np.ndarray:
     """The matrix as a labelled RGB image: true classes down (with their names), predicted
     classes across, each cell's count written in it. The diagonal is shaded blue by the share
-    of its class's examples; the errors red, the most frequent confusion darkest (by square root, so that a
-    few errors stay visible at high accuracy)."""
+    of its class's examples; the errors red, the most frequent confusion darkest (by square
+    root, so that a few errors stay visible at high accuracy). The axis titles ("true" turned
+    along the rows, "predicted" over the columns) sit `MARGIN` pixels in from the edges, so a
+    card that scales the image down keeps them whole."""
     classes = counts.shape[0]
     rows = class_labels(names, classes)
     font = ImageFont.load_default(size=FONT_SIZE)
-    left = int(max(font.getlength(text) for text in [*rows, "true"])) + CELL // 2
-    top = 2 * FONT_SIZE + CELL // 2
-    image = Image.new("RGB", (left + classes * CELL + 1, top + classes * CELL + 1), "white")
+    line = FONT_SIZE + MARGIN // 2  # the height of a line of text, with room under it
+    left = MARGIN + line + int(max(font.getlength(text) for text in rows)) + MARGIN
+    top = MARGIN + 2 * line
+    size = classes * CELL
+    image = Image.new("RGB", (left + size + MARGIN, top + size + MARGIN), "white")
     draw = ImageDraw.Draw(image)
-    draw.text((left, 2), "predicted", fill="black", font=font)
-    draw.text((2, 2), "true", fill="black", font=font)
+    draw.text((left + size // 2, MARGIN), "predicted", fill="black", font=font, anchor="mt")
+    title = Image.new("RGB", (int(font.getlength("true")) + 2, line), "white")
+    ImageDraw.Draw(title).text((0, 0), "true", fill="black", font=font)
+    title = title.rotate(90, expand=True)
+    image.paste(title, (MARGIN, top + (size - title.height) // 2))
+    _draw_cells(draw, font, counts, rows, left, top)
+    return np.asarray(image, np.float32) / 255.0
+
+
+def _draw_cells(draw, font, counts: np.ndarray, rows: Sequence[str], left: int, top: int) -> None:
+    """The column numbers, the row labels and the shaded cells with their counts."""
+    classes = counts.shape[0]
     shares = counts / np.maximum(counts.sum(axis=1, keepdims=True), 1)
     errors = counts * (1 - np.eye(classes))
     worst = max(float(errors.max()), 1.0)
@@ -131,7 +147,6 @@ def confusion_image(counts: np.ndarray, names: Sequence[str] | None = None) -> n
                 ink = "white" if strength > 0.5 else "black"
                 middle = (x + CELL // 2, y + CELL // 2)
                 draw.text(middle, str(int(counts[i, j])), fill=ink, font=font, anchor="mm")
-    return np.asarray(image, np.float32) / 255.0
 
 
 def confusion_table(counts: np.ndarray, names: Sequence[str] | None = None) -> str:
