@@ -51,16 +51,22 @@ class EarlyStopConfig:
     # `min_delta` for `patience` evals in a row; null: train to trainer.steps.
     metric: str | None = None
     mode: BestMode = BestMode.min  # `min` for a loss, `max` for an accuracy
-    patience: int = 3
+    patience: int = 3  # evals in a row without an improvement before the run stops
+    # An improvement is a change in the right direction larger than this, in the metric's units.
     min_delta: float = 0.0
 
 
 @dataclasses.dataclass
 class TrainerConfig:
+    # Optimizer updates to train in all, counted across resumes: a resumed run continues to this
+    # step (raise it to train longer); the learning-rate schedule spans it.
     steps: int = 1000
+    # Examples per step in all devices and processes together, split over the mesh axes of the
+    # `batch` rule (`data` and `fsdp`): a multiple of their product.
     batch_size: int = 128
     # Eval (over the whole eval split) every N steps and always after the last step; 0: only then.
     eval_every: int = 0
+    # Steps per log window: TensorBoard's `train/` curves and the console show means over each.
     log_every: int = 50
     # Checkpoint every N steps and always after the last step; 0: only then.
     checkpoint_every: int = 0
@@ -109,18 +115,21 @@ class LoggingConfig:
 
 @dataclasses.dataclass
 class OptimizerConfig:
+    # optax's `sgd` (with `momentum`), `adam`, or `adamw` (with `weight_decay`).
     name: OptimizerName = OptimizerName.adam
-    learning_rate: float = 1e-3
+    learning_rate: float = 1e-3  # the peak learning rate, reached after the warm-up
     # The peak learning rate is reached after `warmup_steps` of linear warm-up, then `schedule`
     # decays it to `learning_rate * final_lr_fraction` at the last step.
     schedule: ScheduleName = ScheduleName.constant
-    warmup_steps: int = 0
+    warmup_steps: int = 0  # steps of linear warm-up from 0 to `learning_rate`; 0: none
+    # Where `cosine` and `linear` end at the last step, as a fraction of `learning_rate` (0 to 1).
     final_lr_fraction: float = 0.0
     momentum: float = 0.0  # sgd only; 0 is plain SGD
     weight_decay: float = 1e-4  # adamw only
     # adamw: decay every param, instead of only the Linear, Conv and LoRA weights (the default
     # leaves biases, norm scales and embeddings alone).
     decay_all: bool = False
+    # Clip the gradients to this global norm before the update; null: no clipping.
     grad_clip_norm: float | None = None
     # Keep an exponential moving average of the trained params with this decay (e.g. 0.999),
     # evaluated beside them (val_ema/*) and loadable with zoo.load(..., weights="ema"); costs
@@ -130,10 +139,19 @@ class OptimizerConfig:
 
 @dataclasses.dataclass
 class MeshConfig:
-    # Devices along each mesh axis; one may be -1: all the remaining devices.
+    # Devices along the mesh's `data` axis (data parallel: each holds a share of the batch).
+    # The three axes' product is the device count; one of them may be -1: all the devices the
+    # others leave.
     data: int = -1
+    # Devices along the `fsdp` axis: the batch and the params' `embed` dimension are split over
+    # them (fully sharded data parallel); -1: all the devices the others leave.
     fsdp: int = 1
+    # Devices along the `tensor` axis: attention heads, MLP units, the vocabulary and conv output
+    # channels are split over them (tensor parallel); -1: all the devices the others leave.
     tensor: int = 1
+    # Logical axis name (of a param or activation dimension) -> the mesh axis that splits it, a
+    # list of them, or null (replicated); `mesh.rules.embed=null` changes one,
+    # `+mesh.rules.NAME=AXIS` adds one. A name a model uses without a rule stops the run.
     rules: dict[str, Any] = dataclasses.field(default_factory=lambda: dict(DEFAULT_RULES))
     # Simulated CPU devices for this process (0: what the platform has); must be set before
     # JAX starts, so it works from the command line, not after JAX is already in use.
@@ -142,13 +160,16 @@ class MeshConfig:
 
 @dataclasses.dataclass
 class DistributedConfig:
-    # Several processes (one per host, typically): set these, or let JAX read them from the
-    # environment (JAX_COORDINATOR_ADDRESS, SLURM, Open MPI, Kubernetes).
-    coordinator: str | None = None  # host:port of process 0
+    # Several processes (one per host, typically): `host:port` of process 0, which they all
+    # join; null: read from the environment where it names a job (JAX_COORDINATOR_ADDRESS,
+    # SLURM, Open MPI), else this process runs alone.
+    coordinator: str | None = None
+    # Processes in the job; null: read from the environment.
     num_processes: int | None = None
+    # This process's rank, 0 to num_processes - 1; null: read from the environment.
     process_id: int | None = None
-    # A process that has not been heard from for this long is dead: the others stop with an
-    # error instead of waiting for it forever.
+    # Seconds: a process that has not been heard from for this long is dead, and the others stop
+    # with an error instead of waiting for it forever.
     heartbeat_timeout: int = 100
 
 
@@ -172,6 +193,8 @@ class FinetuneConfig:
     # Add LoRA adapters of this rank to the Linear layers that `lora_layers` matches and train
     # only them (and the params in `reinit`); 0: no adapters.
     lora_rank: int = 0
+    # The Linear layers that get adapters: a path pattern (a regex naming a module by its dotted
+    # path or a leading part of it, e.g. `hidden`); `.*`: every Linear layer.
     lora_layers: str = ".*"
 
 
@@ -185,7 +208,11 @@ class Config:
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     finetune: FinetuneConfig = dataclasses.field(default_factory=FinetuneConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    # The directory that everything the run writes goes into (TensorBoard events, checkpoints,
+    # train.log, the composed config); a run started again in it resumes (trainer.resume).
     workdir: str = "runs/${model.name}/${now:%Y%m%d-%H%M%S}"
+    # Every random key (initialisation, Dropout, shuffling, augmentation) is derived from it: the
+    # same config and seed give the same bits.
     seed: int = 0
 
 
