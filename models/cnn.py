@@ -46,10 +46,11 @@ class ConvBlock(nnx.Module):
 class CNN(nnx.Module):
     def __init__(
         self,
-        input_shape: list[int] | None = None,
-        num_classes: int | None = None,
+        input_shape: list[int] | None = None,  # `[height, width, channels]`; null: the data set's
+        num_classes: int | None = None,  # classes: the head's outputs; null: the data set's
+        # Output channels per conv stage; the first keeps the resolution, each later one halves it.
         channels: list[int] = [16, 32, 64],  # noqa: B006  (a config default, never mutated)
-        dropout_rate: float = 0.3,
+        dropout_rate: float = 0.3,  # Dropout on the flattened features before the head
         *,
         rngs: nnx.Rngs,
     ):

@@ -120,19 +120,27 @@ def language_model_loss(model: GPT, batch: Mapping[str, jax.Array], rngs: nnx.Rn
 class GPT(nnx.Module):
     def __init__(
         self,
-        context_length: int = 128,
-        dim: int = 128,
-        depth: int = 4,
-        num_heads: int = 4,
-        mlp_ratio: int = 4,
-        dropout_rate: float = 0.0,
+        context_length: int = 128,  # positions the model has: sequences may not be longer
+        dim: int = 128,  # width of the token embeddings and every block
+        depth: int = 4,  # transformer blocks
+        num_heads: int = 4,  # attention heads: they must divide `dim`
+        mlp_ratio: int = 4,  # each block's MLP hidden width, as a multiple of `dim`
+        dropout_rate: float = 0.0,  # Dropout on each block's attention and MLP outputs
+        # Logits through the input embedding; false: a separate output layer.
         tie_embeddings: bool = True,
+        # Store the blocks stacked (a leading layer axis) and run them with `nnx.scan`: compile time
+        # no longer grows with depth; the same weights, another checkpoint layout.
         scan_layers: bool = False,
+        # Recompute each block's activations in the backward pass (`nnx.remat`) instead of keeping
+        # them: less memory, more compute.
         remat: bool = False,
+        # Tokens in the vocabulary: 256 bytes without a tokenizer; with data.tokenizer, at least its
+        # ids (GPT-2's: 50257).
         vocab_size: int = VOCAB,
+        # Biases on attention's query, key, value and output projections.
         attention_bias: bool = False,
-        norm_epsilon: float = 1e-6,
-        exact_gelu: bool = False,
+        norm_epsilon: float = 1e-6,  # epsilon of every LayerNorm
+        exact_gelu: bool = False,  # the MLP's exact (erf) GELU instead of its tanh approximation
         *,
         rngs: nnx.Rngs,
     ):

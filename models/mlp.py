@@ -28,10 +28,11 @@ from zoo.plugin import logical_spec, register_model
 class MLP(nnx.Module):
     def __init__(
         self,
-        input_shape: list[int] | None = None,
-        num_classes: int | None = None,
+        input_shape: list[int] | None = None,  # shape of one input, flattened; null: the data set's
+        num_classes: int | None = None,  # classes: the head's outputs; null: the data set's
+        # Units of each hidden ReLU layer, first to last.
         hidden_sizes: list[int] = [256, 256, 256],  # noqa: B006  (a config default, never mutated)
-        dropout_rate: float = 0.2,
+        dropout_rate: float = 0.2,  # Dropout after each hidden layer
         *,
         rngs: nnx.Rngs,
     ):

@@ -121,15 +121,27 @@ def _shortcut(block: BasicBlock | Bottleneck, x: jax.Array) -> jax.Array:
 class ResNet(nnx.Module):
     def __init__(
         self,
-        input_shape: list[int] | None = None,
-        num_classes: int | None = None,
-        width: int = 16,
+        input_shape: list[int] | None = None,  # `[height, width, channels]`; null: the data set's
+        num_classes: int | None = None,  # classes: the head's outputs; null: the data set's
+        width: int = 16,  # channels of the stem and the first stage; each later stage doubles them
+        # Residual blocks per stage, one entry per stage, each stage after the first halving the
+        # resolution: [2, 2, 2, 2] is ResNet-18's, [3, 4, 6, 3] -34's (-50's with bottleneck
+        # blocks).
         stage_sizes: list[int] = [2, 2, 2, 2],  # noqa: B006  (a config default, never mutated)
-        stem_strides: int = 2,
+        stem_strides: int = 2,  # stride of the `small` stem: 2 halves the resolution, 1 keeps it
+        # `basic`: two 3x3 convolutions; `bottleneck`: 1x1, 3x3, 1x1, 4 x the width out.
         block: str = "basic",
+        # `small`: a 3x3 convolution, no max-pool; `imagenet`: a 7x7 stride-2 convolution and a 3x3
+        # stride-2 max-pool, as ImageNet ResNets (and their checkpoints) have.
         stem: str = "small",
+        # `same`: SAME, a strided convolution padded (0, 1); `symmetric`: kernel_size // 2 on every
+        # side, as torch pads (what weights trained in torch need).
         padding: str = "same",
+        # Per-channel mean that the model subtracts from its inputs itself, `(x - mean) / std`, as
+        # pretrained weights expect (give it pixels in [0, 1]); null (with pixel_std): inputs as
+        # they come.
         pixel_mean: list[float] | None = None,
+        # Per-channel std it divides by: one value per input channel, as pixel_mean.
         pixel_std: list[float] | None = None,
         *,
         rngs: nnx.Rngs,

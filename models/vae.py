@@ -93,9 +93,11 @@ def _write_images(model: VAE, report) -> None:
 class VAE(nnx.Module):
     def __init__(
         self,
-        input_shape: list[int] | None = None,
+        input_shape: list[int] | None = None,  # `[height, width, channels]`; null: the data set's
+        # Units of the encoder's hidden ReLU layers, first to last; the decoder's are the same,
+        # reversed.
         hidden_sizes: list[int] = [512, 256],  # noqa: B006  (a config default, never mutated)
-        latent_dim: int = 16,
+        latent_dim: int = 16,  # dimensions of the Gaussian latent space
         *,
         rngs: nnx.Rngs,
     ):

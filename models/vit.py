@@ -51,23 +51,39 @@ from zoo.plugin import ZooError, logical_spec, partitioned, register_model, repe
 class ViT(nnx.Module):
     def __init__(
         self,
-        input_shape: list[int] | None = None,
-        num_classes: int | None = None,
+        input_shape: list[int] | None = None,  # `[height, width, channels]`; null: the data set's
+        num_classes: int | None = None,  # classes: the head's outputs; null: the data set's
+        # Side of the square patches, in pixels: it must divide the images' sides.
         patch_size: int = 7,
-        dim: int = 64,
-        depth: int = 4,
-        num_heads: int = 4,
-        mlp_ratio: int = 2,
+        dim: int = 64,  # width of the tokens: the patch embedding and every block
+        depth: int = 4,  # transformer blocks
+        num_heads: int = 4,  # attention heads: they must divide `dim`
+        mlp_ratio: int = 2,  # each block's MLP hidden width, as a multiple of `dim`
+        # Dropout on each block's attention weights and on its attention and MLP outputs (0 puts
+        # training on a fused attention path).
         dropout_rate: float = 0.1,
-        class_token: bool = False,
+        class_token: bool = False,  # a learned token before the patches (`pool=cls` reads it)
+        # The vector the head reads: `mean` over the patch tokens, or `cls`: the class token's
+        # output (needs class_token=true).
         pool: str = "mean",
+        # The final LayerNorm normalises the pooled vector (timm's `fc_norm`) instead of every
+        # token.
         norm_after_pool: bool = False,
+        # Biases on attention's query, key, value and output projections.
         attention_bias: bool = False,
-        norm_epsilon: float = 1e-6,
-        exact_gelu: bool = False,
+        norm_epsilon: float = 1e-6,  # epsilon of every LayerNorm
+        exact_gelu: bool = False,  # the MLP's exact (erf) GELU instead of its tanh approximation
+        # [rows, columns] of patches that the learned positions are held for (a checkpoint's);
+        # images of another patch grid get them resized on every call. null: the images' own grid.
         position_grid: list[int] | None = None,
+        # How the positions are resized: `bicubic` (Hugging Face's `interpolate_pos_encoding`) or
+        # `bicubic_antialias` (timm's `resample_abs_pos_embed`).
         position_resize: str = "bicubic",
+        # Per-channel mean that the model subtracts from its inputs itself, `(x - mean) / std`, as
+        # pretrained weights expect (give it pixels in [0, 1]); null (with pixel_std): inputs as
+        # they come.
         pixel_mean: list[float] | None = None,
+        # Per-channel std it divides by: one value per input channel, as pixel_mean.
         pixel_std: list[float] | None = None,
         *,
         rngs: nnx.Rngs,

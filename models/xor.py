@@ -31,7 +31,12 @@ def binary_classification_loss(model: nnx.Module, batch, rngs: nnx.Rngs):
 )
 class XorClassifier(nnx.Module):
     def __init__(
-        self, num_inputs: int = 2, num_hidden: int = 8, num_outputs: int = 1, *, rngs: nnx.Rngs
+        self,
+        num_inputs: int = 2,  # input features: the width of the data's `inputs`
+        num_hidden: int = 8,  # tanh hidden units
+        num_outputs: int = 1,  # output logits (the loss reads the first)
+        *,
+        rngs: nnx.Rngs,
     ):
         hparams.positive(
             "xor", num_inputs=num_inputs, num_hidden=num_hidden, num_outputs=num_outputs
