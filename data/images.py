@@ -132,13 +132,24 @@ def describe_images(
 
 @register_data("images", describe=describe_images)
 def images(
+    # The folder: a subfolder of images per class, or `train/` and `val/` folders of them
+    # (required).
     path: str | None = None,
+    # Side, in pixels, of the square every image is resized and cropped to.
     image_size: int = 32,
-    channels: int = 3,
+    channels: int = 3,  # 1: grey, 3: RGB
+    # Training images: `none`, `basic` (a random-resized crop, flipped left-right half the time) or
+    # `strong` (and random brightness, contrast and saturation).
     augment: Augment = Augment.basic,
+    # Per channel: `dataset` by the training images' mean and std, `imagenet` by ImageNet's, `none`
+    # not at all (intensities in [0, 1], for a model that normalises its inputs itself).
     normalize: NormalizeBy = NormalizeBy.dataset,
+    # Share of each class held out for evaluation (at least one image) when there is no `val/`
+    # split.
     eval_fraction: float = 0.1,
-    workers: int = 0,
+    workers: int = 0,  # processes making the training batches; 0: the training process
+    # An image that cannot be decoded: `skip` it with a warning, or `raise`: decode every image
+    # before training and stop, naming each one that fails.
     on_error: OnError = OnError.skip,
 ) -> Splits:
     """A folder of images, one subfolder per class (see the module's doc). Images become

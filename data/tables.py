@@ -360,16 +360,33 @@ def _loader(fmt: str, suffix: str, what: str):
     """The loader of one of the two formats: the same keys, its own files."""
 
     def load(
+        # A file of the format, a folder of them, or a folder with `train/` and `val/` folders of
+        # them (required).
         path: str | None = None,
+        # The column of images: encoded bytes, uint8 pixels (H x W or H x W x C) or Hugging Face
+        # `Image()` structs of bytes and path.
         image_column: str = "image",
+        # The column of labels: integers 0..num_classes-1, class names (sorted into labels) or a
+        # Hugging Face `ClassLabel`.
         label_column: str = "label",
+        # Classes; null: the number of class names (a ClassLabel's, or those the labels are), or the
+        # largest label + 1.
         num_classes: int | None = None,
+        # Side, in pixels, of the square every image is resized and cropped to.
         image_size: int = 32,
-        channels: int = 3,
+        channels: int = 3,  # 1: grey, 3: RGB
+        # Training images: `none`, `basic` (a random-resized crop, flipped left-right half the time)
+        # or `strong` (and random brightness, contrast and saturation).
         augment: Augment = Augment.basic,
+        # Per channel: `dataset` by the training images' mean and std, `imagenet` by ImageNet's,
+        # `none` not at all (intensities in [0, 1], for a model that normalises its inputs itself).
         normalize: NormalizeBy = NormalizeBy.dataset,
+        # Share of each class held out for evaluation (at least one image) when there is no `val/`
+        # split.
         eval_fraction: float = 0.1,
-        workers: int = 0,
+        workers: int = 0,  # processes making the training batches; 0: the training process
+        # An image that cannot be decoded: `skip` it with a warning, or `raise`: decode every image
+        # before training and stop, naming each one that fails.
         on_error: OnError = OnError.skip,
     ) -> Splits:
         params = {k: v for k, v in locals().items() if k not in ("fmt", "suffix")}

@@ -180,12 +180,22 @@ class BucketPadding:
 
 @register_data("text")
 def text(
+    # A text file or a directory; null: the Python standard library's sources.
     path: str | None = None,
-    pattern: str = "**/*",
+    pattern: str = "**/*",  # glob of the files of a directory `path` that are read (`**/*`: all)
+    # `windows`: the text packed end to end, cut into windows; `lines`: one example per line, each
+    # batch padded to a bucket.
     mode: TextMode = TextMode.windows,
+    # Tokens (bytes, or a tokenizer's ids) that each window predicts, in `windows` mode; a window
+    # holds one more.
     window: int = 128,
+    # Lengths that `lines` mode pads a batch to (the smallest that holds its longest line); longer
+    # lines are cut to the largest.
     buckets: list[int] = [32, 64, 128, 256],  # noqa: B006  (a config default, never mutated)
+    # Bytes of held-out text evaluated (0: all of it), to keep an eval short.
     eval_bytes: int = 262_144,
+    # A Hugging Face `tokenizer.json`, or a directory holding one, whose ids replace the bytes;
+    # null: bytes.
     tokenizer: str | None = None,
 ) -> Splits:
     """Bytes of text for a byte-level language model. `path`: a text file or a directory

@@ -316,7 +316,15 @@ CIFAR10_NORMALIZE = Normalize(255, (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.
 
 
 @register_data("digits", input_shape=(8, 8, 1), num_classes=10)
-def digits(augment: bool = False, crop_padding: int = 1, normalize: bool = True) -> Splits:
+def digits(
+    # Augment the training images: a random crop after padding (digits are never mirrored).
+    augment: bool = False,
+    # Black pixels padded on each side before the random crop (0: no crop; at most half the side).
+    crop_padding: int = 1,
+    # `(x / max - mean) / std` with the training split's per-channel statistics; false: `x / max`
+    # only, intensities in [0, 1].
+    normalize: bool = True,
+) -> Splits:
     """scikit-learn's 1,797 handwritten 8x8 digits (pixel values 0..16), bundled with it, so
     always available offline. The split is fixed: the rows of `load_digits()` in the order of
     `numpy.random.default_rng(0).permutation(1797)`, the first 1,437 for training, the last 360
@@ -339,11 +347,18 @@ def digits(augment: bool = False, crop_padding: int = 1, normalize: bool = True)
 
 @register_data("mnist", input_shape=(28, 28, 1), num_classes=10)
 def mnist(
+    # A directory to look in for the data set's files before the cache and a download; null: none.
     dir: str | None = None,
+    # Download missing files into the cache; false: a missing file is an error.
     download: bool = True,
+    # Base URL serving the same file names, to download from; null: the published ones.
     mirror: str | None = None,
+    # Augment the training images: a random crop after padding (digits are never mirrored).
     augment: bool = False,
+    # Black pixels padded on each side before the random crop (0: no crop; at most half the side).
     crop_padding: int = 2,
+    # `(x / max - mean) / std` with the training split's per-channel statistics; false: `x / max`
+    # only, intensities in [0, 1].
     normalize: bool = True,
 ) -> Splits:
     """MNIST's handwritten digits: 60,000 training and 10,000 test 28x28 grey images. Digits
@@ -388,12 +403,19 @@ CIFAR10_CLASSES = (
     "fashion_mnist", input_shape=(28, 28, 1), num_classes=10, class_names=FASHION_MNIST_CLASSES
 )
 def fashion_mnist(
+    # A directory to look in for the data set's files before the cache and a download; null: none.
     dir: str | None = None,
+    # Download missing files into the cache; false: a missing file is an error.
     download: bool = True,
+    # Base URL serving the same file names, to download from; null: the published ones.
     mirror: str | None = None,
+    # Augment the training images: a random crop after padding, and a left-right flip.
     augment: bool = False,
+    # Black pixels padded on each side before the random crop (0: no crop; at most half the side).
     crop_padding: int = 2,
-    flip: bool = True,
+    flip: bool = True,  # with augment: mirror half the training images left-right
+    # `(x / max - mean) / std` with the training split's per-channel statistics; false: `x / max`
+    # only, intensities in [0, 1].
     normalize: bool = True,
 ) -> Splits:
     """Zalando's Fashion-MNIST: 60,000 training and 10,000 test 28x28 grey images of clothes in
@@ -410,12 +432,19 @@ def fashion_mnist(
 
 @register_data("cifar10", input_shape=(32, 32, 3), num_classes=10, class_names=CIFAR10_CLASSES)
 def cifar10(
+    # A directory to look in for the data set's files before the cache and a download; null: none.
     dir: str | None = None,
+    # Download missing files into the cache; false: a missing file is an error.
     download: bool = True,
+    # Base URL serving the same file names, to download from; null: the published ones.
     mirror: str | None = None,
+    # Augment the training images: a random crop after padding, and a left-right flip.
     augment: bool = True,
+    # Black pixels padded on each side before the random crop (0: no crop; at most half the side).
     crop_padding: int = 4,
-    flip: bool = True,
+    flip: bool = True,  # with augment: mirror half the training images left-right
+    # `(x / max - mean) / std` with the training split's per-channel statistics; false: `x / max`
+    # only, intensities in [0, 1].
     normalize: bool = True,
 ) -> Splits:
     """CIFAR-10: 50,000 training and 10,000 test 32x32 colour images in 10 classes. Augmented

@@ -19,11 +19,11 @@ def _continuous_xor(size: int, noise: float, seed: int) -> dict[str, np.ndarray]
 
 @register_data("xor")
 def xor(
-    train_size: int = 2500,
-    eval_size: int = 500,
-    noise: float = 0.1,
-    train_seed: int = 42,
-    eval_seed: int = 123,
+    train_size: int = 2500,  # training points
+    eval_size: int = 500,  # eval points
+    noise: float = 0.1,  # standard deviation of the Gaussian noise around each corner
+    train_seed: int = 42,  # seed of the training points (the run's `seed` does not change them)
+    eval_seed: int = 123,  # seed of the eval points
 ) -> Splits:
     for key, size, split in (
         ("train_size", train_size, "training"),
