@@ -6,7 +6,8 @@
 The sections are `zoo.engine.config.Config`'s dataclasses; the `model.*` and `data.*` keys are
 each registered model's and data set's config schema (their constructor's or loader's keyword
 parameters). A key's documentation is the comment that the schema's source has for it: the
-comment lines right above the field or parameter, and the comment at the end of its line.
+comment lines right above the field or parameter, and the comment at the end of its line. Every
+key must have one: either command refuses, naming each key without one and where it is declared.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from zoo.hydra_store import DEFAULT_MODEL
 PAGE = Path(__file__).resolve().parent / "reference" / "config.md"
 COMMAND = "python docs/make_config_reference.py"
 HEADER = "| key | type | default | meaning |"
+TOP_LEVEL = "The top level"
 
 INTRO = f"""\
 # Config keys
@@ -159,7 +161,7 @@ def top_level() -> list[str]:
         f"| `data` | one of {datasets} | the model's | the data set: its keys are below |",
     ]
     table = key_table("", Config, key_docs(Config), omit=("model", "data"))
-    return ["## The top level", "", *table[:2], *rows, *table[2:]]
+    return [f"## {TOP_LEVEL}", "", *table[:2], *rows, *table[2:]]
 
 
 def first_paragraph(text: str | None) -> str:
@@ -175,9 +177,6 @@ def model_section(name: str) -> list[str]:
     )
     what = first_paragraph(own or sys.modules[constructor.__module__].__doc__)
     docs = key_docs(target)
-    for fact in registry.DATA_FACTS:
-        if fact in docs and not docs[fact]:
-            docs[fact] = "null: the data set's"
     defaults = [f"data={entry.default_data}"] + [
         f"{section}.{key}={value_text(value)}"
         for section in ("trainer", "optimizer", "data")
@@ -208,16 +207,51 @@ def render() -> str:
     return "\n\n".join("\n".join(section).strip() for section in sections) + "\n"
 
 
+def keys_without_meaning(page: str) -> list[str]:
+    """Each key whose row on `page` has an empty meaning, with where it is declared."""
+    missing, heading = [], ""
+    for line in page.splitlines():
+        if line.startswith("#"):
+            heading = line.lstrip("# ").strip("`")
+        elif line.startswith("| `") and line.endswith("|  |"):
+            key = line.split("`")[1]
+            missing.append(f"{key} ({declared_in(heading)})")
+    return missing
+
+
+def declared_in(heading: str) -> str:
+    """Where the keys under `heading` are declared: a model's constructor, a data set's loader
+    or the run config's dataclasses."""
+    kind, _, name = heading.partition("=")
+    if kind == "model":
+        source = registry.get_model(name).constructor
+    elif kind == "data":
+        source = registry.get_data(name).load
+    else:
+        source = Config
+        for section in heading.split(".") if heading != TOP_LEVEL else []:
+            source = typing.get_type_hints(source)[section]
+    return f"{source.__qualname__} in {inspect.getsourcefile(source)}"
+
+
 def main(argv: list[str]) -> int:
+    if argv not in ([], ["--check"]):
+        print(__doc__)
+        return 2
     page = render()
+    missing = keys_without_meaning(page)
+    if missing:
+        print(
+            f"These config keys have no meaning for {PAGE}: {'; '.join(missing)}. Write each "
+            "one's meaning as a comment above or beside its field or parameter, then run "
+            f"`{COMMAND}`."
+        )
+        return 1
     if argv == ["--check"]:
         if PAGE.read_text() != page:
             print(f"{PAGE} is not what the config schema gives: run `{COMMAND}`.")
             return 1
         return 0
-    if argv:
-        print(__doc__)
-        return 2
     PAGE.write_text(page)
     return 0
 

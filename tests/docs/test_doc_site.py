@@ -1,5 +1,5 @@
 """The documentation site builds without a warning, documents the whole public API, and its
-config reference is what the config schema gives today."""
+config reference is what the config schema gives today, with a meaning for every key."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
 
 from helpers import ROOT
 
@@ -50,3 +51,37 @@ def test_the_config_reference_is_up_to_date():
         timeout=120,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_a_config_key_without_a_meaning_is_named(tmp_path):
+    (tmp_path / "undocumented_plugin.py").write_text(
+        textwrap.dedent(
+            """
+            from zoo.plugin import Splits, register_data
+
+
+            @register_data("undocumented")
+            def undocumented(
+                size: int = 4,
+                seed: int = 0,  # the seed of the points
+            ) -> Splits:
+                raise NotImplementedError
+            """
+        )
+    )
+    check = (
+        "import sys; sys.path[:0] = sys.argv[1:]; import undocumented_plugin; "
+        "import make_config_reference; sys.exit(make_config_reference.main(['--check']))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", check, str(tmp_path), str(ROOT / "docs")],
+        cwd=ROOT,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "have no meaning" in result.stdout, result.stdout
+    assert f"data.size (undocumented in {tmp_path / 'undocumented_plugin.py'})" in result.stdout
+    assert "data.seed" not in result.stdout
