@@ -21,6 +21,16 @@ QUICK = ("trainer.steps=2", "trainer.log_every=1", "trainer.batch_size=16")
 
 
 @pytest.fixture(scope="module")
+def browser() -> str:
+    """Debian's chromium; without it the test fails (before training), saying how to install
+    it."""
+    try:
+        return find_chromium()
+    except RuntimeError as e:
+        pytest.fail(str(e), pytrace=False)
+
+
+@pytest.fixture(scope="module")
 def logdir(tmp_path_factory):
     """A tiny run of each model (the sizes its registration declares for tests), side by side."""
     logdir = tmp_path_factory.mktemp("runs")
@@ -29,11 +39,7 @@ def logdir(tmp_path_factory):
     return logdir
 
 
-def test_the_first_screen_shows_the_loss_curves_of_every_run_before_any_histogram(logdir):
-    try:
-        browser = find_chromium()
-    except RuntimeError as e:
-        pytest.fail(str(e))
+def test_the_first_screen_shows_the_loss_curves_of_every_run_before_any_histogram(browser, logdir):
     tags = {name: read_events(logdir / name).Tags() for name in RUNS}
     assert tags["mlp"]["histograms"]
     with tensorboard(logdir) as base:
