@@ -13,8 +13,8 @@ training step and are checkpointed with it, so a resumed run draws the same nois
 deterministic.
 
 After each eval, the model writes to TensorBoard a grid of held-out images above their
-reconstructions (`vae/reconstructions`) and a grid of samples decoded from prior draws
-(`vae/samples`).
+reconstructions (`visuals/reconstructions`) and a grid of samples decoded from prior draws
+(`visuals/samples`): under `visuals`, a group that TensorBoard lists after the loss curves.
 """
 
 from __future__ import annotations
@@ -76,8 +76,8 @@ def _write_images(model: VAE, report) -> None:
     reconstructions = np.asarray(jax.nn.sigmoid(logits)).reshape(-1, *shape)
     # Rows of 8 held-out images, each above the row of their reconstructions.
     rows = [part[i : i + 8] for i in range(0, len(images), 8) for part in (images, reconstructions)]
-    report.image("vae/reconstructions", image_grid(np.concatenate(rows)))
-    report.image("vae/samples", image_grid(np.asarray(samples).reshape(-1, *shape)))
+    report.image("visuals/reconstructions", image_grid(np.concatenate(rows)))
+    report.image("visuals/samples", image_grid(np.asarray(samples).reshape(-1, *shape)))
 
 
 @register_model(

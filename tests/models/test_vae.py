@@ -97,7 +97,7 @@ def test_eval_is_deterministic_and_logs_both_parts_of_the_elbo(uninterrupted):
 def test_reconstructions_and_samples_land_in_tensorboard(uninterrupted):
     _, result = uninterrupted
     events = read_events(result.workdir)
-    for tag in ("vae/reconstructions", "vae/samples"):
+    for tag in ("visuals/reconstructions", "visuals/samples"):
         images = events.Images(tag)
         assert [image.step for image in images] == [STEPS // 2, STEPS]
         pixels = np.asarray(Image.open(io.BytesIO(images[-1].encoded_image_string)))

@@ -1,4 +1,4 @@
-"""TensorBoard's first screen as a browser shows it: over runs of four models, one of them with
+"""TensorBoard's first screen as a browser shows it: over runs of five models, one of them with
 histograms, the Time Series tab (TensorBoard's landing page) opens on the loss and eval curves of
 every run. A real `tensorboard` server, read by Debian's headless Chromium (`.ci/run` installs
 it; without it the test fails and says how to install it)."""
@@ -16,7 +16,8 @@ from benchmarks.tensorboard_screens import (
     wait_for_tags,
 )
 
-RUNS = {"mlp": ("logging.histogram_every=1",), "gpt": (), "xor": (), "cnn": ()}
+RUNS = {"mlp": ("logging.histogram_every=1",), "gpt": (), "xor": (), "cnn": (), "vae": ()}
+"""mlp with histograms; vae with images of its own."""
 QUICK = ("trainer.steps=2", "trainer.log_every=1", "trainer.batch_size=16")
 
 
