@@ -209,7 +209,10 @@ class EvalReport:
         self.reporter.text(tag, markdown, step=self.step)
 
     def image(self, tag: str, image: np.ndarray) -> None:
-        """A TensorBoard image at this step: H x W x C (C = 1 or 3) floats in [0, 1]."""
+        """A TensorBoard image at this step: H x W x C (C = 1 or 3) floats in [0, 1]. Name it
+        under `visuals/` (`visuals/samples`), as the built-in models do: TensorBoard opens the
+        first two tag groups by name, and a group that sorts before `val` would push the eval
+        curves off its first screen."""
         pixels = np.clip(np.asarray(image, np.float32), 0.0, 1.0)
         self.reporter.image(tag, pixels, self.step)
 
