@@ -42,6 +42,7 @@ class ConvBlock(nnx.Module):
     # Five epochs of Fashion-MNIST's 60,000 training images.
     trainer={"steps": 2350, "batch_size": 128, "log_every": 50, "eval_every": 470},
     optimizer={"name": "adamw", "learning_rate": 3e-3, "schedule": "cosine", "warmup_steps": 200},
+    tiny=("data=digits", "model.channels=[8,16,16]"),
 )
 class CNN(nnx.Module):
     def __init__(

@@ -116,6 +116,15 @@ def language_model_loss(model: GPT, batch: Mapping[str, jax.Array], rngs: nnx.Rn
         "weight_decay": 0.01,
         "grad_clip_norm": 1.0,
     },
+    tiny=(
+        "model.context_length=32",
+        "model.dim=32",
+        "model.depth=2",
+        "model.num_heads=2",
+        "model.mlp_ratio=2",
+        "data.window=32",
+        "data.eval_bytes=4096",
+    ),
 )
 class GPT(nnx.Module):
     def __init__(

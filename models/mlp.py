@@ -24,6 +24,7 @@ from zoo.plugin import logical_spec, register_model
     default_data="digits",
     trainer={"steps": 3000, "batch_size": 64, "log_every": 100, "eval_every": 500},
     optimizer={"name": "adamw", "learning_rate": 1e-3, "schedule": "cosine", "warmup_steps": 100},
+    tiny=("data=digits", "model.hidden_sizes=[32,32]"),
 )
 class MLP(nnx.Module):
     def __init__(

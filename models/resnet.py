@@ -117,6 +117,7 @@ def _shortcut(block: BasicBlock | Bottleneck, x: jax.Array) -> jax.Array:
         "warmup_steps": 400,
         "weight_decay": 0.05,
     },
+    tiny=("data=digits", "model.width=8", "model.stage_sizes=[1,1]"),
 )
 class ResNet(nnx.Module):
     def __init__(

@@ -89,6 +89,7 @@ def _write_images(model: VAE, report) -> None:
     # Ten epochs of Fashion-MNIST.
     trainer={"steps": 4700, "batch_size": 128, "log_every": 100, "eval_every": 940},
     optimizer={"name": "adam", "learning_rate": 1e-3, "schedule": "cosine", "warmup_steps": 100},
+    tiny=("data=digits", "model.hidden_sizes=[64,32]", "model.latent_dim=4"),
 )
 class VAE(nnx.Module):
     def __init__(

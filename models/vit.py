@@ -47,6 +47,13 @@ from zoo.plugin import ZooError, logical_spec, partitioned, register_model, repe
         "weight_decay": 0.05,
         "grad_clip_norm": 1.0,
     },
+    tiny=(
+        "data=digits",
+        "model.patch_size=2",
+        "model.dim=16",
+        "model.depth=2",
+        "model.num_heads=2",
+    ),
 )
 class ViT(nnx.Module):
     def __init__(

@@ -28,6 +28,7 @@ def binary_classification_loss(model: nnx.Module, batch, rngs: nnx.Rngs):
     # needs to launch it.
     trainer={"steps": 2000, "batch_size": 128, "log_every": 100, "steps_per_dispatch": 50},
     optimizer={"name": "sgd", "learning_rate": 0.1},
+    tiny=("data.train_size=256", "data.eval_size=64"),
 )
 class XorClassifier(nnx.Module):
     def __init__(
