@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from zoo.api import (
     Trained,
     TrainedModel,
+    check_data,
     console_logging,
     is_pretrained_dir,
     resolved_hparams,
@@ -144,6 +145,7 @@ def finetune(
             settings.freeze = repr(freeze)  # a filter is code: the config records what it is
         user_data = isinstance(data, registry.Splits)
         if user_data:
+            check_data(cfg, data)
             cfg = _on_user_data(cfg, data)
         frozen = None if freeze is None or isinstance(freeze, str) else freeze
         trainer = Trainer(cfg, data=data if user_data else None, freeze=frozen, callbacks=callbacks)
