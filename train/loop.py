@@ -2,10 +2,23 @@
 
 `Trainer(cfg)` sets a run up, in order: mesh -> data pipelines -> model and optimizer, born
 sharded under the mesh (`zoo.engine.build`) -> split once into graphdef + state -> jitted steps.
-`fit()` is one linear loop: a batch, a dispatch of K steps, then the cadence actions (log
-window, eval, checkpoint; `zoo.engine.cadence`). `steps()` is the same loop as a generator, so a
-caller (a benchmark) can advance it a few steps at a time. Where a run starts (its own
-checkpoint, another run's weights, its seed) is `zoo.engine.checkpoints.start`'s job.
+`fit()` runs the loop to its end; `steps()` is the same loop as a generator, so a caller (a
+benchmark) can advance it a few steps at a time. A run, in order:
+
+  1. Open it (`Trainer._open`): hold the workdir; restore the run or start it (its own
+     checkpoint, another run's weights, its seed: `zoo.engine.checkpoints.start`); write its
+     config and log there; open its event file and announce it (`zoo.engine.announce`).
+  2. The host loop (`Trainer._train`), one dispatch of K steps (`zoo.engine.dispatch`) at a
+     time up to `trainer.steps`; at each:
+     a. get the next K batches;
+     b. dispatch the K jitted train steps, the probes due before them (`zoo.engine.observe`);
+     c. the actions due at the dispatch's last step (`zoo.engine.cadence`): close the log
+        window (and report the one before it: metrics, probes, `on_train_window`); evaluate
+        (then `trainer.early_stop`, `on_eval`); checkpoint (every `checkpoint_every`, at the
+        last step, an early stop, a signal or a callback's stop; `on_checkpoint` once it is
+        complete); stop on a signal (`zoo.engine.signals`) or a callback's request.
+  3. Finish: wait for the last save; `fit()` logs the final eval and calls `on_end`.
+  4. Close, in reverse order: event file, checkpointer, data iterator, log, workdir.
 
 A fine-tune is such a run too: its config's `finetune` section adds LoRA adapters to the built
 model, limits what the optimizer and the gradients see to the trainable params, and (on a fresh
@@ -21,11 +34,13 @@ import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
+import grain
 import jax
 from flax import nnx
 from omegaconf import DictConfig, OmegaConf
 from zoo.engine import distributed, ema, memory, pipeline, precision, registry, rundir, sharding
 from zoo.engine import rngs as zoo_rngs
+from zoo.engine.announce import announce_run
 from zoo.engine.build import build_on_mesh
 from zoo.engine.cadence import Cadence, Every, LogWindows
 from zoo.engine.callbacks import Callbacks
@@ -40,9 +55,9 @@ from zoo.engine.norms import make_norms_step
 from zoo.engine.observe import Deferred, Instruments, ProfileWindow, WindowClock
 from zoo.engine.optim import make_optimizer
 from zoo.engine.precision import compute_loss
-from zoo.engine.report import TRAIN, EvalReport, Reporter, format_metrics, val_tag
+from zoo.engine.report import EvalReport, Reporter, format_metrics
+from zoo.engine.signals import StopRequests
 from zoo.engine.steps import COUNT, Metrics, Trainable, make_steps, means, zero_metrics
-from zoo.engine.summaries import hparams_summaries, model_summary
 from zoo.engine.validate import check_data
 
 log = logging.getLogger("zoo")
@@ -95,19 +110,13 @@ class Trainer:
         self.mesh, self.rules = sharding.mesh_and_rules(cfg.mesh, devices)
         _check_batch_split(trainer.batch_size, trainer.grad_accum_steps, self.mesh, self.rules)
         entry = registry.get_model(cfg.model.name)
-        splits, hparams = _splits_and_hparams(cfg, entry, data)
-        self.hparams = hparams
-        pipeline.check_host_memory(splits, trainer.batch_size, trainer.steps_per_dispatch)
-        self.tokenizer = splits.tokenizer
-        self.train_data, self.eval_data = pipeline.process_pipelines(
-            splits, trainer.batch_size, cfg.seed
-        )
+        splits = self._set_up_data(entry, data)
         frozen = frozen_filter(cfg.finetune, freeze)
         trainable = trainable_filter(cfg.finetune, frozen)
         tx, self.schedule = make_optimizer(cfg.optimizer, trainer.steps)
         built = build_on_mesh(
             entry,
-            hparams,
+            self.hparams,
             cfg.seed,
             self.mesh,
             self.rules,
@@ -124,6 +133,31 @@ class Trainer:
         )
         # Split once; from here on `self.state` is the single owner of the arrays.
         self.graphdef, self.state = nnx.split((built.model, built.optimizer))
+        self._set_up_steps(entry, trainable)
+        self.class_names = splits.class_names or (
+            registry.get_data(cfg.data.name).class_names
+            if cfg.data.name in registry.list_datasets()
+            else None
+        )
+        self.step_key, self.eval_key = zoo_rngs.step_key(cfg.seed), zoo_rngs.eval_key(cfg.seed)
+
+    def _set_up_data(
+        self, entry: registry.ModelEntry, data: registry.Splits | None
+    ) -> registry.Splits:
+        """The run's data pipelines, and the model's constructor arguments its data decides."""
+        cfg, trainer = self.cfg, self.cfg.trainer
+        splits, self.hparams = _splits_and_hparams(cfg, entry, data)
+        pipeline.check_host_memory(splits, trainer.batch_size, trainer.steps_per_dispatch)
+        self.tokenizer = splits.tokenizer
+        self.train_data, self.eval_data = pipeline.process_pipelines(
+            splits, trainer.batch_size, cfg.seed
+        )
+        return splits
+
+    def _set_up_steps(self, entry: registry.ModelEntry, trainable: Filter) -> None:
+        """The jitted functions of the split state: train and eval steps, the dispatch of K
+        train steps, the probes, the EMA-averaged params."""
+        trainer = self.cfg.trainer
         self.skip_nonfinite = (
             OmegaConf.to_container(trainer, enum_to_str=True)["nan_policy"] == "skip"
         )
@@ -136,16 +170,10 @@ class Trainer:
         self.norms_step = make_norms_step(self.graphdef, self.jitted)
         self.histogram_step = make_histogram_step(self.graphdef, self.jitted)
         self.on_eval = entry.on_eval
-        self.ema_decay = cfg.optimizer.ema_decay
+        self.ema_decay = self.cfg.optimizer.ema_decay
         self.averaged = jax.jit(
             lambda state: ema.averaged(self.graphdef, state, trainable, self.ema_decay)
         )
-        self.class_names = splits.class_names or (
-            registry.get_data(cfg.data.name).class_names
-            if cfg.data.name in registry.list_datasets()
-            else None
-        )
-        self.step_key, self.eval_key = zoo_rngs.step_key(cfg.seed), zoo_rngs.eval_key(cfg.seed)
 
     def shard(self, batch: dict[str, Any]) -> dict[str, jax.Array]:
         return sharding.shard_batch(batch, self.mesh, self.rules)
@@ -198,10 +226,65 @@ class Trainer:
     ) -> Iterator[int]:
         """The training loop of `fit()`, yielding each step's number once the step is
         dispatched (not finished); closing the generator early closes the run's checkpointer
-        and event writer without a final eval or checkpoint.
+        and event writer without a final eval or checkpoint."""
+        with self._open(overrides, run_log) as cadence:
+            yield from self._train(cadence)
 
-        The workdir is locked for the run's life; the run writes its config, its log and its
-        events there only once it has restored (or started) its state."""
+    def _train(self, cadence: Cadence) -> Iterator[int]:
+        """The host loop: from the step the run starts at to `trainer.steps`, K steps per
+        dispatch, then the actions due at the dispatch's last step, in this order.
+
+        The mesh is current only while a dispatch and its actions are made: the caller's code
+        between two yields runs outside it, and a generator left unfinished leaves no mesh
+        behind."""
+        every, k, instruments = cadence.every, self.dispatcher.k, cadence.instruments
+        first, sums = cadence.progress.step + k, cadence.progress.window
+        if cadence.ended_early:  # resumed at the checkpoint an early stop ended the run with
+            return
+        with cadence.signals.installed(), instruments.installed():
+            for step in range(first, every.total + 1, k):  # the dispatch's last step
+                with sharding.activate(self.mesh, self.rules):
+                    # 1. The next K batches: the iterator's position always matches `step`.
+                    with cadence.windows.clock.waiting_for_data():
+                        batches = next(cadence.iterator)
+                    # 2. The K jitted train steps, dispatched: the host does not wait for them.
+                    if step == first and not self.cfg.trainer.debug:  # compiled ahead
+                        args = (self.state, sums, batches, self.step_key)
+                        memory.announce(self.dispatcher.run, args, k, cadence.reporter, step - k)
+                    instruments.before(step, self.state, batches, self.step_key)  # probes
+                    with instruments.profile.marker(step):
+                        self.state, sums = self.dispatcher.run(
+                            self.state, sums, batches, self.step_key
+                        )
+                    instruments.after(step, sums)
+                    # 3. The actions due at `step`.
+                    cadence.checkpointer.poll()  # a save failed in the background: stop here
+                    if every.closes_window(step):
+                        sums = cadence.close_log_window(step, sums)
+                    if every.evaluates(step):
+                        metrics = cadence.evaluate(step)
+                        if cadence.stops_early(step, metrics):
+                            sums = cadence.close_last_window(step, sums)
+                        cadence.callbacks("on_eval", step, metrics)
+                    signal = cadence.signals.due(step // k)  # the same on every process
+                    halting = signal is not None or cadence.callbacks.halting
+                    if every.saves(step) or halting or cadence.ended_early:
+                        cadence.save_checkpoint(step, self.state, sums)
+                    if halting:
+                        raise cadence.halt(step, signal)
+                    cadence.progress.step = step
+                yield step
+                if cadence.ended_early:
+                    break
+        cadence.finish()
+
+    @contextlib.contextmanager
+    def _open(
+        self, overrides: Sequence[str] | None, run_log: rundir.RunLog | None
+    ) -> Iterator[Cadence]:
+        """The run, opened: the workdir held for the run's life, the state restored (or
+        started), then the config, the log and the events written there; closed in reverse
+        order, the last save waited for, however the loop ends."""
         saved_config = OmegaConf.to_container(self.cfg, resolve=True, enum_to_str=True)
         self._check_eval_metric("best_metric", saved_config["trainer"]["best_metric"])
         self._check_eval_metric(
@@ -214,76 +297,28 @@ class Trainer:
             stack.enter_context(rundir.hold(self.workdir, jax.process_index()))
             self.callbacks.record_in(self.workdir, jax.process_index())
             run_log = run_log or stack.enter_context(rundir.RunLog())
-            checkpointer = Checkpointer(
-                os.path.join(self.workdir, "checkpoints"),
-                keep=saved_config["trainer"]["keep"],
-                best_metric=saved_config["trainer"]["best_metric"],
-                best_mode=saved_config["trainer"]["best_mode"],
-            )
-            stack.callback(checkpointer.close)
             iterator = self.dispatcher.iterate(self.train_data)  # a prefetch thread starts on use
             stack.callback(iterator.close)
+            checkpointer = self._checkpointer(saved_config)
+            stack.callback(checkpointer.close)  # waits for the last save, the log still open
             zeros = self._start(checkpointer, iterator, saved_config)
             if primary:
                 rundir.record(self.workdir, self.cfg, overrides)
             run_log.write_to(self.workdir)
-            stack.callback(checkpointer.close)  # waits for the last save, still logging
             total = int(self.cfg.trainer.steps)
             reporter = Reporter(self.workdir, total, start_step=self.resumed_from, primary=primary)
             stack.callback(reporter.close)
             self._announce(reporter, saved_config)
-            cadence, instruments = self._actions(
-                reporter, checkpointer, iterator, saved_config, zeros
-            )
-            yield from self._loop(cadence, instruments, iterator, reporter)
+            yield self._cadence(reporter, checkpointer, iterator, saved_config, zeros)
 
-    def _loop(
-        self, cadence: Cadence, instruments: Instruments, iterator, reporter
-    ) -> Iterator[int]:
-        """Steps `progress.step + K .. trainer.steps`, K at a time."""
-        k, start, sums = self.dispatcher.k, cadence.progress.step, cadence.progress.window
-        if cadence.finished:
-            return
-        yield from self._dispatches(cadence, instruments, iterator, reporter, k, start, sums)
-        cadence.finish()
-        if cadence.callbacks.failure is not None:  # in a hook after the last step
-            step = cadence.progress.step
-            raise cadence.callbacks.halt(step, cadence.checkpoint_path(step))
-
-    def _dispatches(
-        self, cadence, instruments, iterator, reporter, k, start, sums
-    ) -> Iterator[int]:
-        """The dispatches themselves, until trainer.steps or an early stop. The first one's
-        compilation is made ahead of it, to report its memory (`zoo.engine.memory`). The mesh is
-        current only while a dispatch is made: the caller's code between two yields runs
-        outside it, and a generator left unfinished leaves no mesh behind."""
-        with cadence.stop.installed(), instruments.installed():
-            for step in range(start + k, cadence.every.total + 1, k):  # counts batches consumed
-                with sharding.activate(self.mesh, self.rules):
-                    first = step == start + k
-                    sums = self._dispatch(
-                        cadence, instruments, iterator, reporter, step, sums, first
-                    )
-                yield step
-                if cadence.finished:
-                    return
-
-    def _dispatch(
-        self, cadence, instruments, iterator, reporter, step: int, sums, first: bool
-    ) -> Metrics:
-        """The K steps that end at `step`, and what follows them (logs, eval, checkpoint)."""
-        with instruments.clock.waiting_for_data():
-            batches = next(iterator)  # exactly K batches per K steps: the iterator's state
-            # always matches the step
-        if first and not self.cfg.trainer.debug:
-            args = (self.state, sums, batches, self.step_key)
-            k = self.dispatcher.k
-            memory.announce(self.dispatcher.run, args, k, reporter, step - k)
-        instruments.before(step, self.state, batches, self.step_key)
-        with instruments.profile.marker(step):
-            self.state, sums = self.dispatcher.run(self.state, sums, batches, self.step_key)
-        instruments.after(step, sums)
-        return cadence.after_dispatch(step, self.state, sums)
+    def _checkpointer(self, saved_config: dict[str, Any]) -> Checkpointer:
+        trainer = saved_config["trainer"]
+        return Checkpointer(
+            os.path.join(self.workdir, "checkpoints"),
+            keep=trainer["keep"],
+            best_metric=trainer["best_metric"],
+            best_mode=trainer["best_mode"],
+        )
 
     def _start(self, checkpointer: Checkpointer, iterator, saved_config) -> Metrics:
         """Restore (or start) the run; the zero window sums of its train step."""
@@ -328,76 +363,51 @@ class Trainer:
             )
 
     def _announce(self, reporter: Reporter, saved_config: dict[str, Any]) -> None:
-        """What the run is, to TensorBoard (config, plan, model, HParams) and the console."""
-        cfg, step = self.cfg, self.resumed_from
-        reporter.text("config", _as_markdown_code(OmegaConf.to_yaml(cfg, resolve=True)), step)
-        reporter.text("sharding_plan", _as_markdown_code(self.plan.table()), step=step)
-        model, _ = nnx.merge(self.graphdef, self.state)  # shares the arrays; read only
-        reporter.text("model_summary", _as_markdown_code(model_summary(model)), step=step)
-        metric_tags = [val_tag(name) for name in self.eval_metric_names()]
-        reporter.summaries(hparams_summaries(saved_config, [*metric_tags, f"{TRAIN}/loss"]))
-        total = int(cfg.trainer.steps)
-        how = "Training"
-        stopped = self.progress.early_stop.get("stopped", False)
-        if step:
-            how = (
-                "Already complete: " if step == total or stopped else ""
-            ) + f"Resuming at step {step}: training"
-        if stopped:
-            how = f"Already complete (stopped early at step {step}): training"
-        log.info(
-            "%s %s on %s for %d steps (batch %d) on mesh %s; %s parameters; workdir %s",
-            how,
-            cfg.model.name,
-            cfg.data.name,
-            total,
-            cfg.trainer.batch_size,
-            dict(self.mesh.shape),
-            f"{self.param_count:,}",
-            self.workdir,
-        )
-        log.info("%s", self.plan.table())
-
-    def _actions(
-        self, reporter, checkpointer, iterator, saved_config, zeros
-    ) -> tuple[Cadence, Instruments]:
-        """What the loop does besides stepping: measure around each dispatch, and act at the
-        cadences (log windows, eval, checkpoints)."""
-        progress = self.progress
-        clock = WindowClock(progress.step, int(self.cfg.trainer.batch_size))
-        instruments = self._instruments(reporter, clock, progress.step)
-        windows = LogWindows(
+        announce_run(
             reporter,
-            self.schedule,
-            checkpointer,
-            clock,
-            lambda step: instruments.report(step, reporter),
-            progress.window_start,
-            self.skip_nonfinite,
-            self.callbacks,
+            cfg=self.cfg,
+            saved_config=saved_config,
+            model=nnx.merge(self.graphdef, self.state)[0],  # shares the arrays; read only
+            plan=self.plan,
+            eval_metrics=self.eval_metric_names(),
+            start_step=self.resumed_from,
+            stopped_early=self.progress.early_stop.get("stopped", False),
+            mesh=self.mesh,
+            param_count=self.param_count,
+            workdir=self.workdir,
         )
-        base_key = jax.random.key_data(self.step_key).tolist()
 
-        def meta() -> dict[str, Any]:
-            compiles = instruments.compiles.totals()
-            return {"seed": self.cfg.seed, "base_key": base_key, "compiles": compiles}
-
-        cadence = Cadence(
-            Every.of(self.cfg.trainer),
-            progress,
-            windows,
-            lambda step: self._evaluate_and_report(step, reporter),
-            checkpointer,
-            iterator,
-            saved_config,
-            meta,
-            zeros,
-            EarlyStop.of(saved_config["trainer"]["early_stop"], progress.early_stop),
-            self.callbacks,
+    def _cadence(
+        self,
+        reporter: Reporter,
+        checkpointer: Checkpointer,
+        iterator: grain.DatasetIterator,
+        saved_config: dict[str, Any],
+        zeros: Metrics,
+    ) -> Cadence:
+        """What the loop does besides stepping: measure around each dispatch, and act at the
+        cadences (log windows, eval, checkpoints, stop requests)."""
+        progress, trainer = self.progress, self.cfg.trainer
+        clock = WindowClock(progress.step, int(trainer.batch_size))
+        return Cadence(
+            every=Every.of(trainer),
+            progress=progress,
+            iterator=iterator,
+            windows=LogWindows(clock=clock, schedule=self.schedule, start=progress.window_start),
+            instruments=self._instruments(reporter, progress.step),
+            reporter=reporter,
+            evaluate_and_report=lambda step: self._evaluate_and_report(step, reporter),
+            checkpointer=checkpointer,
+            saved_config=saved_config,
+            meta={"seed": self.cfg.seed, "base_key": jax.random.key_data(self.step_key).tolist()},
+            zeros=zeros,
+            skip_nonfinite=self.skip_nonfinite,
+            early_stop=EarlyStop.of(saved_config["trainer"]["early_stop"], progress.early_stop),
+            callbacks=self.callbacks,
+            signals=StopRequests(),
         )
-        return cadence, instruments
 
-    def _instruments(self, reporter: Reporter, clock: WindowClock, start: int) -> Instruments:
+    def _instruments(self, reporter: Reporter, start: int) -> Instruments:
         k = self.dispatcher.k
         first = start + k
 
@@ -417,9 +427,14 @@ class Trainer:
                 reporter.histograms,
             ),
         ]
-        profile = ProfileWindow(self.workdir, list(self.cfg.trainer.profile_steps))
-        compiled = self.progress.compiles
-        return Instruments(clock, profile, probes, k, first, compiled, self.mesh.local_devices)
+        return Instruments(
+            profile=ProfileWindow(self.workdir, list(self.cfg.trainer.profile_steps)),
+            probes=probes,
+            steps_per_dispatch=k,
+            first_step=first,
+            compiled_before=self.progress.compiles,
+            devices=self.mesh.local_devices,
+        )
 
     def _evaluate_and_report(self, step: int, reporter: Reporter) -> dict[str, float]:
         """The eval at `step`, to TensorBoard and the console, then the model's own report
@@ -507,7 +522,3 @@ def evaluate_batches(
                 sums = zero_metrics(eval_step, state, {}, batch, key)
             sums = eval_step(state, sums, batch, key)
         return means(sums)
-
-
-def _as_markdown_code(text: str) -> str:
-    return "\n".join("    " + line for line in text.splitlines())

@@ -170,13 +170,13 @@ class InFlight:
 
 
 class Instruments:
-    """What the loop measures around each dispatch of K steps: time spent getting batches, the
-    profiler trace, the update-norm and histogram probes (K=1 only: they need the state before
-    each step, which a scan hides), compilations, and how far the host runs ahead."""
+    """What the loop measures around each dispatch of K steps: the profiler trace, the
+    update-norm and histogram probes (K=1 only: they need the state before each step, which a
+    scan hides), compilations, and how far the host runs ahead."""
 
     def __init__(
         self,
-        clock: WindowClock,
+        *,
         profile: ProfileWindow,
         probes: Sequence[Deferred],
         steps_per_dispatch: int,
@@ -184,7 +184,7 @@ class Instruments:
         compiled_before: Mapping[str, float] | None = None,
         devices: Sequence[Any] = (),
     ):
-        self.clock, self.profile, self.probes = clock, profile, probes
+        self.profile, self.probes = profile, probes
         self._devices = devices  # this process's devices of the mesh, for their memory
         self.compiles = CompileWatch(compiled_before)
         self._k, self._first = steps_per_dispatch, first_step
@@ -197,7 +197,8 @@ class Instruments:
             yield self
 
     def before(self, step: int, state: Any, batches: Mapping[str, jax.Array], key) -> None:
-        """Before dispatching steps `step - K + 1 .. step`."""
+        """Before dispatching steps `step - K + 1 .. step`: start the profiler's trace at its
+        first step, and dispatch the probes due at `step` on the state and batch it gets."""
         for s in range(step - self._k + 1, step + 1):
             self.profile.before_step(s)
         if self._k == 1:
@@ -205,7 +206,8 @@ class Instruments:
                 probe.before_step(step, state, batches, key)
 
     def after(self, step: int, sums: Mapping[str, jax.Array]) -> None:
-        """After dispatching them; `sums` are the dispatch's outputs."""
+        """After dispatching them (`sums`: the dispatch's outputs): stop the trace at its last
+        step, wait for the dispatch `MAX_IN_FLIGHT` back, note the compilations so far."""
         if step == self._first:  # compiled (on a first run) and running
             _timing_log.info("First dispatch of this run: steps %d-%d", step - self._k + 1, step)
         for s in range(step - self._k + 1, step + 1):
