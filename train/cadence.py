@@ -104,9 +104,9 @@ class LogWindows:
 @dataclasses.dataclass(kw_only=True)
 class Cadence:
     """A run's cadences and the actions the loop takes at them, each a method named for what it
-    does. `iterator`, `instruments`, `signals`, `early_stop` and `callbacks` are the loop's too:
-    it takes batches from the one, measures with the other and asks the last three whether to
-    stop."""
+    does. The loop reads some of its parts too: batches from `iterator`, measurements around
+    each dispatch from `instruments`, and whether to stop from `signals`, `callbacks` and
+    `early_stop`."""
 
     every: Every
     progress: Progress  # where the run is: the loop advances it, the actions record evals
