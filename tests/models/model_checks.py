@@ -1,39 +1,19 @@
-"""What every model's own tests check, each model with its own small config and inputs: its
-outputs, its sharding plan on the 8-device (2, 2, 2) mesh against one device, that a few steps
-lower its loss, and its train and eval modes."""
+"""What the models' own tests share (the checks every model passes are tests/conformance/): a
+model of the zoo born sharded on the 2x2x2 mesh and the same params on one device, its outputs
+on either, BatchNorm's two modes, and real inputs for it."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import numpy as np
-import optax
+from conformance.checks import MESH, ONE_DEVICE, on_mesh, on_one_device, tiny_config
 from flax import nnx
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
-from zoo.engine import registry, sharding
-from zoo.engine import rngs as zoo_rngs
-from zoo.engine.sharding import DEFAULT_RULES
-from zoo.engine.steps import make_train_step, means, zero_metrics
 
 import zoo
-
-MESH = {"data": 2, "fsdp": 2, "tensor": 2}
-ONE_DEVICE = {"data": 1, "fsdp": 1, "tensor": 1}
-
-
-def _mesh(sizes: Mapping[str, int]) -> jax.sharding.Mesh:
-    devices = jax.devices()[: int(np.prod(list(sizes.values())))]
-    return sharding.make_mesh(dict(sizes), devices)
-
-
-@contextlib.contextmanager
-def on_mesh(sizes: Mapping[str, int] = MESH) -> Iterator[None]:
-    with sharding.activate(_mesh(sizes), sharding.AxisRules.from_mapping(DEFAULT_RULES)):
-        yield
+from zoo.api import resolved_hparams
 
 
 class Models:
@@ -45,9 +25,14 @@ class Models:
         self.split = zoo.create_model(
             name, data=data, mesh=MESH, devices=jax.devices()[:8], **hparams
         )
-        graphdef, state = nnx.split(self.split)
-        one = NamedSharding(_mesh(ONE_DEVICE), P())
-        self.one = nnx.merge(graphdef, jax.tree.map(lambda x: jax.device_put(x, one), state))
+        self.one = on_one_device(self.split)
+
+    @classmethod
+    def tiny(cls, name: str, *overrides: str) -> Models:
+        """The model as its registered tiny configuration makes it, `overrides` on top."""
+        config = tiny_config(name, *overrides)
+        hparams = {k: v for k, v in resolved_hparams(config).items() if k != "name"}
+        return cls(name, config.data.name, **hparams)
 
     def fresh(self) -> nnx.Module:
         """A copy of the one-device model in arrays of its own, to change (or donate) freely."""
@@ -59,55 +44,6 @@ def outputs(model: nnx.Module, mesh: Mapping[str, int], call: Callable, *inputs:
     """`call(model, *inputs)` jitted on `mesh`, as host arrays."""
     with on_mesh(mesh):
         return jax.tree.map(np.asarray, nnx.jit(call)(model, *inputs))
-
-
-def assert_same_on_one_device_and_the_mesh(
-    models: Models, call: Callable, *inputs: Any, rtol: float = 1e-5
-) -> Any:
-    """In eval mode, the model computes the same outputs on one device and split over the
-    (2, 2, 2) mesh (to float rounding: sharded sums add in another order); returns them."""
-    models.one.eval()
-    models.split.eval()
-    one = outputs(models.one, ONE_DEVICE, call, *inputs)
-    split = outputs(models.split, MESH, call, *inputs)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol), one, split)
-    return one
-
-
-def assert_born_sharded_as_planned(model: nnx.Module) -> list[str]:
-    """Every param is annotated on each of its dimensions and lives where the rules put it on
-    the (2, 2, 2) mesh; returns the paths of those split over it (at least one)."""
-    rules, mesh = sharding.AxisRules.from_mapping(DEFAULT_RULES), _mesh(MESH)
-    split = []
-    for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        key = ".".join(str(part) for part in path)
-        axes = variable.get_metadata().get("out_sharding")
-        assert axes is not None and len(axes) == variable[...].ndim, f"{key}: {axes}"
-        spec = jax.typeof(variable[...]).sharding.spec
-        assert spec == rules.spec(axes, variable[...].shape, mesh, key), key
-        split += [key] if any(entry is not None for entry in spec) else []
-    assert split, "no param is split over the mesh"
-    return split
-
-
-def assert_a_few_steps_lower_the_loss(
-    models: Models, batch: Mapping[str, np.ndarray], steps: int = 8
-) -> None:
-    """Adam steps (learning rate 1e-2) of the run's own train step on one fixed batch, on one
-    device: the loss falls by a tenth at least, and never becomes NaN."""
-    model = models.fresh()
-    with on_mesh(ONE_DEVICE):
-        optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
-        graphdef, state = nnx.split((model, optimizer))
-        step = make_train_step(graphdef, registry.get_model(models.name).loss)
-        key, placed = zoo_rngs.step_key(0), jax.device_put(dict(batch))
-        zeros = zero_metrics(step, state, {}, placed, key)
-        losses = []
-        for _ in range(steps):
-            state, sums = step(state, zeros, placed, key)
-            losses.append(means(sums)["loss"])
-    assert all(np.isfinite(losses)), losses
-    assert losses[-1] < 0.9 * losses[0], losses
 
 
 def assert_batchnorm_moves_in_train_mode_only(models: Models, images: np.ndarray) -> None:

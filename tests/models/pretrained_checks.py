@@ -1,12 +1,12 @@
-"""What the vision models' pretrained tests share: a fixture checkpoint (written by the reference
-library, `tests/fixtures/pretrained/make_*.py`) loaded into a zoo model on one device or the
-(2, 2, 2) mesh, its logits in float32 at the highest matmul precision, and an export."""
+"""What the models' own pretrained tests share (each family's parity on its fixtures is checked
+in tests/conformance/): a fixture checkpoint (written by the reference library,
+`tests/fixtures/pretrained/make_*.py`) loaded into a zoo model on one device or the (2, 2, 2)
+mesh, its logits in float32 at the highest matmul precision, and an export."""
 
 from __future__ import annotations
 
 import importlib.util
 import pathlib
-import re
 import types
 from collections.abc import Mapping
 from typing import Any
@@ -14,11 +14,9 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
+from conformance.checks import ONE_DEVICE, RULES, make_mesh, on_mesh
 from flax import nnx
-from model_checks import ONE_DEVICE, _mesh, on_mesh
-from safetensors.numpy import load_file
-from zoo.engine import registry, sharding, weights
-from zoo.engine.sharding import DEFAULT_RULES
+from zoo.engine import registry, weights
 
 FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "pretrained"
 HAS_REFERENCE = all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
@@ -50,8 +48,7 @@ def loaded(
     entry = registry.get_model(pretrained.family.model)
     with on_mesh(mesh):
         model = nnx.eval_shape(lambda: entry.build(hparams, nnx.Rngs(0)))
-    rules = sharding.AxisRules.from_mapping(DEFAULT_RULES)
-    weights.fill(model, pretrained, hparams=hparams, mesh=_mesh(mesh), rules=rules)
+    weights.fill(model, pretrained, hparams=hparams, mesh=make_mesh(mesh), rules=RULES)
     model.eval()
     return model, hparams
 
@@ -66,42 +63,6 @@ def exported(model: nnx.Module, hparams: Mapping[str, Any], family, out: pathlib
     """The model written back out in `family`'s layout (its config.json and safetensors)."""
     tensors = weights.export_tensors(model, family, hparams)
     return weights.write_pretrained(out, family.export_config(hparams), tensors)
-
-
-def assert_same_state(a: nnx.Module, b: nnx.Module) -> None:
-    """Every param and BatchNorm statistic of `a` and `b` is bit-identical."""
-    left, right = (nnx.to_flat_state(nnx.state(m, weights.FILLED)) for m in (a, b))
-    assert [p for p, _ in left] == [p for p, _ in right]
-    for (path, x), (_, y) in zip(left, right, strict=True):
-        np.testing.assert_array_equal(np.asarray(x[...]), np.asarray(y[...]), err_msg=str(path))
-
-
-def assert_logits_match_the_reference(name: str, mesh: Mapping[str, int]) -> dict[str, Any]:
-    """Fixture `name` loaded onto `mesh` gives the reference's logits at 1e-5; its hparams."""
-    expected = reference(name)
-    model, hparams = loaded(FIXTURES / name, mesh)
-    out = logits(model, expected["images"], mesh)
-    np.testing.assert_allclose(out, expected["logits"], rtol=0, atol=1e-5)
-    return hparams
-
-
-def assert_export_round_trip(name: str, out: pathlib.Path) -> None:
-    """Fixture `name` exported writes back every tensor of its checkpoint that is a param
-    (not one its family ignores) bit for bit, and loads back bit-identical."""
-    model, hparams = loaded(FIXTURES / name)
-    family = weights.open_pretrained(FIXTURES / name).family
-    written = load_file(f"{exported(model, hparams, family, out)}/model.safetensors")
-    source = load_file(FIXTURES / name / "model.safetensors")
-    params = {
-        key: array
-        for key, array in source.items()
-        if not any(re.fullmatch(pattern, key) for pattern in family.ignore)
-    }
-    assert sorted(written) == sorted(params)
-    for key, array in params.items():
-        np.testing.assert_array_equal(written[key], array, err_msg=key)
-    again, _ = loaded(out)
-    assert_same_state(model, again)
 
 
 def assert_references_regenerate(maker: str, names: list[str], out: pathlib.Path) -> None:

@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from model_checks import MESH, ONE_DEVICE, Models, outputs
+from conformance.checks import MESH, ONE_DEVICE
+from model_checks import Models, outputs
 from zoo.engine.sharding import logical_spec
 from zoo.models.attention_route import Platform, Route, current_platform, route
 

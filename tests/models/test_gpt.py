@@ -1,7 +1,8 @@
-"""The byte-level language model on real text (the standard library's sources) and real meshes:
-every mesh computes the single-device step, `nnx.scan`+`nnx.remat` compute what the plain layer
-loop does, variable-length lines compile once per bucket with exact bits per byte, and sampling
-is reproducible, consistent with the full forward pass and compiled a bounded number of times."""
+"""The byte-level language model on real text (the standard library's sources) and real meshes
+(what every model passes: tests/conformance/): an untied head computes the single-device step
+on every mesh, `nnx.scan`+`nnx.remat` compute what the plain layer loop does, variable-length
+lines compile once per bucket with exact bits per byte, and sampling is reproducible,
+consistent with the full forward pass and compiled a bounded number of times."""
 
 from __future__ import annotations
 
@@ -11,19 +12,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
-from helpers import one_step, overriding, read_events
-from model_checks import (
+from conformance.checks import (
     MESH,
     ONE_DEVICE,
-    Models,
-    assert_a_few_steps_lower_the_loss,
-    assert_born_sharded_as_planned,
-    assert_same_on_one_device_and_the_mesh,
-    outputs,
+    assert_abstract_build_equals_the_full_trace,
+    planned_split,
+    tiny_config,
+    tiny_hparams,
 )
+from flax import nnx
+from helpers import one_step, read_events
+from model_checks import Models, outputs
 from zoo.data.text import LENGTH, TOKENS
-from zoo.engine import sharding
+from zoo.engine import abstract, registry, sharding
+from zoo.engine.build import build_model
 from zoo.engine.loop import Trainer
 from zoo.engine.registry import get_data
 from zoo.engine.sharding import DEFAULT_RULES
@@ -31,44 +33,36 @@ from zoo.models import generate as sampling
 
 import zoo
 
-SMALL = [
-    "model.context_length=32",
-    "model.dim=32",
-    "model.depth=2",
-    "model.num_heads=2",
-    "model.mlp_ratio=2",
-    "data.window=32",
-    "data.eval_bytes=4096",
-    "trainer.batch_size=16",
-    "optimizer.warmup_steps=0",
-]
 MESHES = [{"tensor": 2, "data": 4}, {"fsdp": 2, "tensor": 2, "data": 2}]
 
 
 def config(workdir, mesh=None, *extra: str):
     sizes = {"data": 1, "fsdp": 1, "tensor": 1, **(mesh or {})}
-    return zoo.compose(
-        overriding(
-            "model=gpt",
-            f"workdir={workdir}",
-            *SMALL,
-            *(f"mesh.{axis}={size}" for axis, size in sizes.items()),
-            *extra,
-        )
+    return tiny_config(
+        "gpt",
+        f"workdir={workdir}",
+        "trainer.batch_size=16",
+        "optimizer.warmup_steps=0",
+        *(f"mesh.{axis}={size}" for axis, size in sizes.items()),
+        *extra,
     )
 
 
-@pytest.fixture(scope="module", params=["tied", "untied"])
-def single_device_step(request, tmp_path_factory):
-    extra = [f"model.tie_embeddings={request.param == 'tied'}"]
-    trainer = Trainer(config(tmp_path_factory.mktemp("ref"), None, *extra), jax.devices()[:1])
-    return extra, one_step(trainer)
+UNTIED = "model.tie_embeddings=false"
+
+
+@pytest.fixture(scope="module")
+def single_device_step(tmp_path_factory):
+    trainer = Trainer(config(tmp_path_factory.mktemp("ref"), None, UNTIED), jax.devices()[:1])
+    return one_step(trainer)
 
 
 @pytest.mark.parametrize("mesh", MESHES, ids=lambda m: ",".join(f"{k}={v}" for k, v in m.items()))
-def test_every_mesh_computes_the_single_device_step(single_device_step, mesh, tmp_path):
-    extra, (ref_loss, ref_grads) = single_device_step
-    trainer = Trainer(config(tmp_path, mesh, *extra))
+def test_every_mesh_computes_the_single_device_step_of_an_untied_head(
+    single_device_step, mesh, tmp_path
+):
+    ref_loss, ref_grads = single_device_step
+    trainer = Trainer(config(tmp_path, mesh, UNTIED))
     split = [r.path for r in trainer.plan.rows if r.group == "params" and "tensor" in str(r.spec)]
     assert "blocks.0.mlp_in.kernel" in split and "blocks.0.attention.query.kernel" in split
     loss, grads = one_step(trainer)
@@ -79,13 +73,13 @@ def test_every_mesh_computes_the_single_device_step(single_device_step, mesh, tm
 
 def _mesh():
     rules = sharding.AxisRules.from_mapping(DEFAULT_RULES)
-    return sharding.activate(sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2}), rules)
+    return sharding.activate(sharding.make_mesh(MESH), rules)
 
 
 def _model(**overrides) -> nnx.Module:
-    small = {"context_length": 32, "dim": 32, "depth": 3, "num_heads": 2, "mlp_ratio": 2}
-    mesh = {"data": 2, "fsdp": 2, "tensor": 2}
-    return zoo.create_model("gpt", mesh=mesh, **{**small, **overrides})
+    """The tiny gpt, three layers deep, on the 2x2x2 mesh."""
+    tiny = {k: v for k, v in tiny_hparams("gpt").items() if k != "name"}
+    return zoo.create_model("gpt", mesh=MESH, **{**tiny, "depth": 3, **overrides})
 
 
 def _text_batch(size: int = 8) -> dict[str, np.ndarray]:
@@ -134,17 +128,11 @@ def test_scan_and_remat_compute_what_the_layer_loop_does():
 
 @pytest.fixture(scope="module")
 def models():
-    return Models("gpt", "text", context_length=32, dim=32, depth=2, num_heads=2, mlp_ratio=2)
+    return Models.tiny("gpt")
 
 
 def logits(model, tokens):
     return model(tokens)
-
-
-def test_outputs_next_byte_logits_on_one_device_and_on_the_mesh(models):
-    tokens = _text_batch()["tokens"][:, :-1].astype(np.int32)
-    out = assert_same_on_one_device_and_the_mesh(models, logits, tokens)
-    assert out.shape == (8, 32, 256) and np.isfinite(out).all()
 
 
 def test_a_position_sees_only_itself_and_earlier_ones(models):
@@ -156,23 +144,46 @@ def test_a_position_sees_only_itself_and_earlier_ones(models):
     assert not np.allclose(before[:, 20:], after[:, 20:])
 
 
-def test_heads_mlp_and_vocabulary_split_over_tensor(models):
-    split = assert_born_sharded_as_planned(models.split)
-    assert {"embedding", "blocks.0.attention.key.kernel", "blocks.1.mlp_out.kernel"} <= set(split)
-
-
-def test_a_few_steps_lower_the_loss(models):
-    assert_a_few_steps_lower_the_loss(models, _text_batch())
+def test_heads_mlp_and_vocabulary_split_over_tensor():
+    planned = planned_split("gpt")
+    assert {"embedding", "blocks.0.attention.key.kernel", "blocks.1.mlp_out.kernel"} <= planned
 
 
 def test_generation_works_with_remat_and_scanned_layers(models):
     """The same weights in another layout write the same text (greedy, on the same mesh)."""
-    other = zoo.create_model("gpt", mesh=MESH, **models.hparams, scan_layers=True, remat=True)
+    layout = {**models.hparams, "scan_layers": True, "remat": True}
+    other = zoo.create_model("gpt", mesh=MESH, **layout)
     models.split.eval()
     other.eval()
     with _mesh():
         want = sampling.generate_bytes(models.split, "def f(x):", 12, temperature=0.0)
         assert sampling.generate_bytes(other, "def f(x):", 12, temperature=0.0) == want
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [["model.depth=3"], ["model.tie_embeddings=false", "model.attention_bias=true"]],
+    ids=["deeper", "untied-biased"],
+)
+def test_an_abstract_build_of_other_variants_equals_the_full_trace(variant):
+    """Three cloned blocks; an untied head and attention biases."""
+    assert_abstract_build_equals_the_full_trace("gpt", *variant)
+
+
+def test_outside_an_abstract_build_the_initialisers_run():
+    entry, params = registry.get_model("gpt"), tiny_hparams("gpt")
+
+    def failing():
+        build_model(entry, params, 0)
+        raise RuntimeError("the build failed")
+
+    with nnx.use_eager_sharding(False):
+        with pytest.raises(RuntimeError, match="the build failed"):
+            abstract.eval_shape(failing)
+        model = build_model(entry, params, 0)
+    kernels = [block.mlp_in.kernel[...] for block in model.blocks]
+    assert all(np.abs(k).max() > 0 for k in kernels)
+    assert not np.array_equal(kernels[0], kernels[1])  # each layer from its own key
 
 
 BUCKETS = [32, 64, 96, 128]

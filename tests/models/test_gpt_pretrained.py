@@ -1,5 +1,8 @@
-"""GPT-2 checkpoints written by transformers load into gpt exactly, on one device and on a
-2x2x2 mesh, and bad directories are refused with their fault named."""
+"""GPT-2 checkpoints written by transformers (the family's parity on its fixture, on one device
+and the 2x2x2 mesh, and its export: tests/conformance/): a checkpoint sharded over several
+files loads as exactly, each param into its own blocks of host memory; scanned layers load and
+export per layer; the export carries the tokenizer; bad directories are refused with their
+fault named."""
 
 from __future__ import annotations
 
@@ -10,9 +13,8 @@ import sys
 import jax
 import numpy as np
 import pytest
-from flax import nnx
+from conformance.checks import ONE_DEVICE
 from helpers import ROOT
-from model_checks import ONE_DEVICE
 from pretrained_checks import loaded
 from pretrained_checks import logits as pretrained_logits
 from zoo.engine import weights
@@ -34,10 +36,9 @@ def logits(directory, mesh=None) -> np.ndarray:
         return zoo.predict(trained, REFERENCE["tokens"])
 
 
-@pytest.mark.parametrize("directory", [TINY, SHARDED], ids=["single", "sharded"])
 @pytest.mark.parametrize("mesh", [None, {"data": 2, "fsdp": 2, "tensor": 2}], ids=["1", "2x2x2"])
-def test_logits_match_transformers(directory, mesh):
-    out = logits(directory, mesh)
+def test_a_sharded_checkpoint_matches_transformers(mesh):
+    out = logits(SHARDED, mesh)
     np.testing.assert_allclose(out[..., :VOCAB], REFERENCE["logits"], atol=1e-5, rtol=0)
     assert (out[..., VOCAB:] < -1e29).all()  # the padded rows are masked
 
@@ -69,15 +70,10 @@ def test_references_regenerate_live(tmp_path):
     np.testing.assert_allclose(live["logits"], REFERENCE["logits"], atol=1e-6, rtol=0)
 
 
-def test_export_round_trip_is_bit_identical(tmp_path):
-    out = export(TINY, tmp_path / "out", format="hf")
-    before, after = zoo.load(TINY), zoo.load(out)
-    first = dict(nnx.to_flat_state(nnx.state(before.model)))
-    second = dict(nnx.to_flat_state(nnx.state(after.model)))
-    assert first.keys() == second.keys()
-    for key in first:
-        np.testing.assert_array_equal(np.asarray(first[key][...]), np.asarray(second[key][...]))
-    assert (tmp_path / "out" / "tokenizer.json").is_file()
+def test_the_export_carries_the_tokenizer(tmp_path):
+    export(TINY, tmp_path / "out", format="hf")
+    copied = (tmp_path / "out" / "tokenizer.json").read_bytes()
+    assert copied == (TINY / "tokenizer.json").read_bytes()
 
 
 def test_exported_directory_loads_in_transformers(tmp_path):
