@@ -44,6 +44,16 @@ def tiny_models() -> list[str]:
     return [name for name in zoo.list_models() if registry.get_model(name).tiny]
 
 
+def zoo_models(*plugins: str) -> list[str]:
+    """The models that zoo registers (and those the modules `plugins` register)."""
+    packages = ("zoo.", *plugins)
+    return [
+        name
+        for name in zoo.list_models()
+        if registry.get_model(name).constructor.__module__.startswith(packages)
+    ]
+
+
 def tiny_config(name: str, *overrides: str) -> DictConfig:
     """Model `name` and its data as its `tiny` overrides make them, `overrides` on top."""
     return zoo.compose(overriding(f"model={name}", *registry.get_model(name).tiny, *overrides))

@@ -5,16 +5,16 @@ sharding annotations that tracing its constructor in full (`nnx.eval_shape`) giv
 from __future__ import annotations
 
 import pytest
-from conformance.checks import PLUGINS, assert_abstract_build_equals_the_full_trace, tiny_models
-from zoo.engine import registry
+from conformance.checks import (
+    PLUGINS,
+    assert_abstract_build_equals_the_full_trace,
+    tiny_models,
+    zoo_models,
+)
 
 
 def test_every_model_of_zoo_and_of_its_plugins_declares_a_tiny_configuration():
-    ours = [
-        name
-        for name in registry.list_models()
-        if registry.get_model(name).constructor.__module__.startswith(("zoo.", *PLUGINS))
-    ]
+    ours = zoo_models(*PLUGINS)
     assert {"cnn", "gpt", "mlp", "resnet", "rings", "vae", "vit", "xor"} <= set(ours)
     assert set(ours) <= set(tiny_models())
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conformance.checks import MESH, tiny_models
+from conformance.checks import MESH, tiny_models, zoo_models
 from flax import nnx
 from helpers import ROOT
 from safetensors.numpy import load_file
@@ -43,9 +43,7 @@ CHECKPOINTS = [(family, directory) for family in FAMILIES for directory in fixtu
 
 
 def test_every_family_of_zoo_has_a_fixture():
-    ours = [
-        f for f in FAMILIES if registry.get_model(f.model).constructor.__module__.startswith("zoo.")
-    ]
+    ours = [family for family in FAMILIES if family.model in zoo_models()]
     assert ours and all(fixtures_of(family) for family in ours)
 
 
