@@ -88,7 +88,7 @@ LONGEST_FIRST = (
     "tests/faults/test_disk_full.py",
     "tests/faults/test_kill_pretrained.py",
     "tests/zoo/test_finetune_pretrained.py",
-    "tests/models/test_vision_models.py",
+    "tests/conformance/test_conformance_runs.py",
 )
 """The files that take longest (2-core CI), in that order. pytest-xdist hands each worker whole
 files in collection order; these first, so that no long file starts near the end while the
