@@ -381,8 +381,11 @@ class Reads:
     vocab_size: int | None = None
 
     @classmethod
-    def of(cls, config: DictConfig) -> Reads:
-        entry, hparams = registry.get_model(config.model.name), resolved_hparams(config)
+    def of(cls, config: DictConfig, hparams: Mapping[str, Any] | None = None) -> Reads:
+        """What the model of `config` reads, its `hparams` those `config` resolves to unless
+        given."""
+        entry = registry.get_model(config.model.name)
+        hparams = resolved_hparams(config) if hparams is None else hparams
         shape, length = hparams.get("input_shape"), hparams.get("context_length")
         return cls(
             entry.name,
@@ -560,25 +563,29 @@ def evaluate(
     entry = registry.get_model(config.model.name)
     shards = sharding.batch_divisor(trained.mesh, trained.rules)
     size = batch_size or -(-int(config.trainer.batch_size) // shards) * shards
-    batches = pipeline.eval_batches(
-        check_columns(entry, config, "eval", data, transform), size, transform=transform
-    )
+    check_columns(config, resolved_hparams(config), "eval", data, transform)
+    batches = pipeline.eval_batches(data, size, transform=transform)
     graphdef, state = nnx.split((trained.model, None))
     eval_step = make_eval_step(graphdef, entry.loss)
     key = zoo_rngs.eval_key(int(config.seed))
+
+    def step(state: Any, batch: Mapping[str, jax.Array]) -> Any:
+        return eval_step(state, {}, batch, key)
+
     with trained.activate():
         first = sharding.shard_batch(batches[0], trained.mesh, trained.rules)
-        _check_loss_traced(lambda s, b: eval_step(s, {}, b, key), state, first, "eval", config)
+        _check_loss_traced(step, state, first, "eval", Reads.of(config))
     return evaluate_batches(eval_step, state, batches, trained.mesh, trained.rules, key)
 
 
 def check_columns(
-    entry: registry.ModelEntry, config: DictConfig, split: str, data: Any, transform: Any
-) -> Any:
-    """`data` (one split of the caller's data: columns, or a random-access source) if the model
-    can read it: every column a batch of examples, the columns its loss reads present, labels
-    within its classes, and its first example, as the model sees it (transformed), numbers of
-    the kind it takes (`Reads`). Else a `ZooError` naming what is wrong."""
+    config: DictConfig, hparams: Mapping[str, Any], split: str, data: Any, transform: Any
+) -> None:
+    """One split of the caller's data (columns, or a random-access source) for the model of
+    `config` (of `hparams`): every column a batch of examples, the columns its loss reads
+    present, labels within its classes, and its first example, as the model sees it
+    (transformed), numbers of the kind it takes (`Reads`). Else a `ZooError` naming what is
+    wrong."""
     if isinstance(data, Mapping):
         for name, column in data.items():
             if np.ndim(column) == 0:
@@ -586,7 +593,8 @@ def check_columns(
                     f"The {split} data's column '{name}' holds one value ({column!r}), not a "
                     "batch: each column holds one row per example, e.g. a (N, ...) array."
                 )
-    check_split(entry, split, data, resolved_hparams(config))
+    entry = registry.get_model(config.model.name)
+    check_split(entry, split, data, hparams)
     first = pipeline.eval_batches(data, 1)[0]
     try:
         first = {**first, **transform(first)} if transform is not None else first
@@ -597,45 +605,46 @@ def check_columns(
             f"The {split} data's transform fails on its first example: {type(e).__name__}: "
             f"{_reason(e)}."
         ) from None
-    reads = Reads.of(config)
+    reads = Reads.of(config, hparams)
     for name in entry.columns or ():
         what = f"The {split} data's '{name}' column holds examples"
         if name == reads.column:
             reads.check(first[name], what, examples=True)
         else:
             numeric_batch(first[name], what, f"Model '{entry.name}' reads it as numbers.")
-    return data
 
 
 def check_data(config: DictConfig, splits: registry.Splits) -> None:
-    """The caller's data for a run of `config` (`zoo.finetune(..., data=Splits)`): both splits
-    as `check_columns` checks them, and, for a model that states nothing of its inputs, its
-    loss traced abstractly on the first training example, before anything is built."""
-    entry = registry.get_model(config.model.name)
+    """The caller's data for a run of `config` (`zoo.finetune(..., data=Splits)`), its model
+    as `config.model` gives it (no data set decides anything): both splits as `check_columns`
+    checks them, and, for a model that states nothing of its inputs, its loss traced
+    abstractly on the first training example, before anything is built."""
+    hparams = OmegaConf.to_container(config.model)
     for split, data in (("train", splits.train), ("eval", splits.eval)):
-        check_columns(entry, config, split, data, splits.transform)
-    if not Reads.of(config).states_nothing:
+        check_columns(config, hparams, split, data, splits.transform)
+    reads = Reads.of(config, hparams)
+    if not reads.states_nothing:
         return
+    entry = registry.get_model(config.model.name)
     mesh, rules = sharding.mesh_and_rules(checked_dict(MeshConfig, {}, "mesh"), jax.devices()[:1])
     first = pipeline.eval_batches(splits.train, 1, transform=splits.transform)[0]
     with sharding.activate(mesh, rules):
-        graphdef, state = nnx.split(abstract_model(entry, resolved_hparams(config), 0))
+        graphdef, state = nnx.split(abstract_model(entry, hparams, 0))
 
         def loss(state, batch):
             return entry.loss(nnx.merge(graphdef, state), batch, nnx.Rngs(0))
 
-        _check_loss_traced(loss, state, first, "train", config)
+        _check_loss_traced(loss, state, first, "train", reads)
 
 
 def _check_loss_traced(
-    loss: Any, state: Any, batch: Mapping[str, Any], split: str, config: DictConfig
+    loss: Any, state: Any, batch: Mapping[str, Any], split: str, reads: Reads
 ) -> None:
     """`loss(state, batch)` traced abstractly (nothing computed); what the model cannot take
     (jax's error, or the model's own refusal), a `ZooError` naming the batch's columns."""
     try:
         jax.eval_shape(loss, state, batch)
     except _TRACE_ERRORS as e:
-        reads = Reads.of(config)
         columns = ", ".join(
             f"'{name}' of shape {tuple(np.shape(column))[1:]} ({column.dtype})"
             for name, column in batch.items()
