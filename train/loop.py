@@ -248,10 +248,10 @@ class Trainer:
                     with cadence.windows.clock.waiting_for_data():
                         batches = next(cadence.iterator)
                     # 2. The K jitted train steps, dispatched: the host does not wait for them.
-                    if step == first and not self.cfg.trainer.debug:  # compiled ahead
+                    if step == first and not self.cfg.trainer.debug:  # log its compiled memory
                         args = (self.state, sums, batches, self.step_key)
                         memory.announce(self.dispatcher.run, args, k, cadence.reporter, step - k)
-                    instruments.before(step, self.state, batches, self.step_key)  # probes
+                    instruments.before(step, self.state, batches, self.step_key)  # probes due
                     with instruments.profile.marker(step):
                         self.state, sums = self.dispatcher.run(
                             self.state, sums, batches, self.step_key
