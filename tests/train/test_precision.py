@@ -1,12 +1,13 @@
-"""`trainer.precision=bf16`: every model of the zoo trains in bfloat16 to about the loss it
-reaches in float32, with float32 params, optimizer state and checkpoints; also on a mesh with
-every axis split and with LoRA adapters."""
+"""`trainer.precision=bf16`: every model of the zoo, as its `tiny` config makes it, trains in
+bfloat16 to about the loss it reaches in float32, with float32 params, optimizer state and
+checkpoints; also on a mesh with every axis split and with LoRA adapters."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import pytest
+from conformance.checks import zoo_models
 from flax import nnx
 from helpers import overriding
 from jax.extend import core as jcore
@@ -18,23 +19,6 @@ from zoo.engine.steps import make_train_step, zero_metrics
 
 import zoo
 
-SMALL = {
-    "mlp": ("data=digits", "model.hidden_sizes=[32,32]"),
-    "cnn": ("data=digits", "model.channels=[8,16,16]"),
-    "resnet": ("data=digits", "model.width=8", "model.stage_sizes=[1,1]"),
-    "vit": ("data=digits", "model.patch_size=2", "model.dim=16", "model.depth=2"),
-    "vae": ("data=digits", "model.hidden_sizes=[64,32]", "model.latent_dim=4"),
-    "xor": (),
-    "gpt": (
-        "model.context_length=32",
-        "model.dim=32",
-        "model.depth=2",
-        "model.num_heads=2",
-        "model.mlp_ratio=2",
-        "data.window=32",
-        "data.eval_bytes=4096",
-    ),
-}
 COMMON = (
     "trainer.steps=200",
     "trainer.batch_size=16",
@@ -47,8 +31,12 @@ COMMON = (
 )
 
 
+def tiny(model: str) -> tuple[str, ...]:
+    return registry.get_model(model).tiny
+
+
 def fit(model: str, workdir, *extra: str) -> zoo.RunResult:
-    overrides = overriding(f"model={model}", *SMALL[model], *COMMON, f"workdir={workdir}", *extra)
+    overrides = overriding(f"model={model}", *tiny(model), *COMMON, f"workdir={workdir}", *extra)
     from zoo.engine.loop import Trainer
 
     return Trainer(zoo.compose(overrides), jax.devices()[:1]).fit()
@@ -58,7 +46,7 @@ def float_dtypes(tree) -> set:
     return {x.dtype for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)}
 
 
-@pytest.mark.parametrize("model", list(SMALL))
+@pytest.mark.parametrize("model", zoo_models())
 def test_bf16_trains_to_the_fp32_loss_with_float32_state(model, tmp_path):
     full = fit(model, tmp_path / "fp32")
     mixed = fit(model, tmp_path / "bf16", "trainer.precision=bf16")
@@ -76,9 +64,7 @@ def test_bf16_trains_to_the_fp32_loss_with_float32_state(model, tmp_path):
 def test_bf16_on_a_split_mesh_with_lora(tmp_path):
     base = ("trainer.steps=40", "trainer.steps_per_dispatch=20", "trainer.log_every=20")
     mesh = ("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
-    overrides = overriding(
-        "model=gpt", *SMALL["gpt"], *COMMON, *base, *mesh, "finetune.lora_rank=2"
-    )
+    overrides = overriding("model=gpt", *tiny("gpt"), *COMMON, *base, *mesh, "finetune.lora_rank=2")
     full = zoo.run(zoo.compose([*overrides, f"workdir={tmp_path / 'fp32'}"]))
     mixed = zoo.run(
         zoo.compose([*overrides, f"workdir={tmp_path / 'bf16'}", "trainer.precision=bf16"])
@@ -144,7 +130,7 @@ def test_bf16_train_step_multiplies_in_bf16_and_keeps_float32_where_it_must(tmp_
     and LayerNorm statistics in float32; params, optimizer state, loss and metrics float32.
     The same matmul check fails on the fp32 step."""
     extra = ("model.scan_layers=true", "model.remat=true", "trainer.precision=bf16")
-    overrides = overriding("model=gpt", *SMALL["gpt"], *COMMON, *extra, f"workdir={tmp_path}")
+    overrides = overriding("model=gpt", *tiny("gpt"), *COMMON, *extra, f"workdir={tmp_path}")
     from zoo.engine.loop import Trainer
 
     trainer = Trainer(zoo.compose(overrides), jax.devices()[:1])
