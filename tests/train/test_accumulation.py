@@ -8,32 +8,18 @@ import numpy as np
 import pytest
 from flax import nnx
 from helpers import one_step, overriding
+from zoo.engine import registry
 from zoo.engine.errors import ZooError
 from zoo.engine.loop import Trainer
 
 import zoo
 
+# Each model as its registered tiny config makes it, without dropout (its draws differ between
+# one batch and its microbatches).
 MODELS = {
-    "mlp": ("model=mlp", "data=digits", "model.hidden_sizes=[32,32]", "model.dropout_rate=0"),
-    "gpt": (
-        "model=gpt",
-        "model.context_length=32",
-        "model.dim=32",
-        "model.depth=2",
-        "model.num_heads=2",
-        "model.mlp_ratio=2",
-        "data.window=32",
-        "data.eval_bytes=4096",
-    ),
-    "vit": (
-        "model=vit",
-        "data=digits",
-        "model.patch_size=2",
-        "model.dim=16",
-        "model.depth=2",
-        "model.num_heads=2",
-        "model.dropout_rate=0",
-    ),
+    "mlp": ("model.dropout_rate=0",),
+    "gpt": (),
+    "vit": ("model.dropout_rate=0",),
 }
 # SGD: the update is linear in the gradient, so it shows the gradient's agreement as it is (Adam's
 # first step divides each gradient by its own size, magnifying rounding in the tiny ones).
@@ -50,7 +36,9 @@ CASES = [("mlp", {}), ("gpt", {}), ("vit", {}), ("gpt", MESH)]
 def trainer(model: str, workdir, mesh: dict[str, int], *extra: str) -> Trainer:
     sizes = {"data": 1, "fsdp": 1, "tensor": 1, **mesh}
     overrides = [f"mesh.{axis}={size}" for axis, size in sizes.items()]
-    cfg = zoo.compose(overriding(*MODELS[model], *COMMON, f"workdir={workdir}", *overrides, *extra))
+    tiny = registry.get_model(model).tiny
+    own = (f"model={model}", *tiny, *MODELS[model], *COMMON, f"workdir={workdir}")
+    cfg = zoo.compose(overriding(*own, *overrides, *extra))
     devices = jax.devices()[: int(np.prod(list(sizes.values())))]
     return Trainer(cfg, devices)
 

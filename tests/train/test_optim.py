@@ -12,7 +12,7 @@ import optax
 import pytest
 from flax import nnx
 from omegaconf import OmegaConf
-from zoo.engine import sharding
+from zoo.engine import registry, sharding
 from zoo.engine.freeze import dotted
 from zoo.engine.loop import Trainer
 from zoo.engine.optim import learning_rate_schedule, make_optimizer
@@ -90,16 +90,7 @@ def test_adamw_decays_kernels_only_unless_told_to_decay_all(decay_all):
         np.testing.assert_allclose(update, expected, err_msg=jax.tree_util.keystr(path))
 
 
-GPT = (
-    "model=gpt",
-    "model.context_length=32",
-    "model.dim=32",
-    "model.depth=1",
-    "model.num_heads=2",
-    "model.mlp_ratio=2",
-    "data.window=32",
-    "data.eval_bytes=4096",
-)
+GPT = ("model=gpt", *registry.get_model("gpt").tiny, "model.depth=1")
 BUILT = {
     "gpt": GPT,
     "vit": (
