@@ -80,14 +80,14 @@ LONGEST_FIRST = (
     "tests/docs/test_doc_examples.py",
     "tests/train/test_resume.py",
     "tests/train/test_precision.py",
-    "tests/zoo/test_costs_benchmark.py",
+    "tests/front/test_costs_benchmark.py",
     "tests/train/test_multiprocess.py",
     "tests/models/test_gpt.py",
-    "tests/zoo/test_cli.py",
-    "tests/zoo/test_finetune_vision.py",
+    "tests/front/test_cli.py",
+    "tests/front/test_finetune_vision.py",
     "tests/faults/test_disk_full.py",
     "tests/faults/test_kill_pretrained.py",
-    "tests/zoo/test_finetune_pretrained.py",
+    "tests/front/test_finetune_pretrained.py",
     "tests/conformance/test_conformance_runs.py",
 )
 """The files that take longest (2-core CI), in that order. pytest-xdist hands each worker whole
