@@ -18,7 +18,9 @@ from helpers import ROOT
 
 THIRD_PARTY = ("jax", "flax.nnx", "optax", "orbax.checkpoint", "grain", "hydra", "tensorboardX")
 SOURCES = ("pyproject.toml", "README.md", "zoo", "models", "data", "train")
-BUILD_WHEEL = "import sys; from setuptools import build_meta; print(build_meta.build_wheel(sys.argv[1]))"
+BUILD_WHEEL = (
+    "import sys; from setuptools import build_meta; print(build_meta.build_wheel(sys.argv[1]))"
+)
 
 
 def run(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
@@ -40,7 +42,9 @@ def wheel(tmp_path_factory) -> Path:
     source, out = tmp_path_factory.mktemp("source"), tmp_path_factory.mktemp("wheel")
     for name in SOURCES:
         if (ROOT / name).is_dir():
-            shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+            shutil.copytree(
+                ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__")
+            )
         else:
             shutil.copy(ROOT / name, source / name)
     built = run([sys.executable, "-c", BUILD_WHEEL, str(out)], cwd=source)
@@ -81,12 +85,25 @@ def test_zoo_works_from_a_project_with_its_own_data_train_and_models(installed, 
     script = run([sys.executable, "script.py"], cwd=tmp_path, **env)
     assert script.returncode == 0, script.stderr
     assert "'xor'" in script.stdout and "'gpt'" in script.stdout
-    cli = run([sys.executable, "-m", "zoo.train", "model=xor", "trainer.steps=20",
-               f"workdir={tmp_path / 'run'}"], cwd=tmp_path, **env)
+    cli = run(
+        [
+            sys.executable,
+            "-m",
+            "zoo.train",
+            "model=xor",
+            "trainer.steps=20",
+            f"workdir={tmp_path / 'run'}",
+        ],
+        cwd=tmp_path,
+        **env,
+    )
     assert cli.returncode == 0, cli.stderr
     assert "Final eval @ step 20" in cli.stderr
-    imported = run([sys.executable, "-c", "import zoo.engine.loop, zoo; print(zoo.__file__)"],
-                   cwd=tmp_path, **env)
+    imported = run(
+        [sys.executable, "-c", "import zoo.engine.loop, zoo; print(zoo.__file__)"],
+        cwd=tmp_path,
+        **env,
+    )
     assert imported.stdout.strip() == str(installed / "zoo" / "__init__.py"), imported.stderr
 
 
@@ -138,7 +155,8 @@ def test_import_contracts_hold(installed):
     front > models | data > plugin > engine, the built-in plugins importing the engine only
     through `zoo.plugin`, and no cycles between the modules of any package."""
     lint = os.path.join(os.path.dirname(sys.executable), "lint-imports")
-    result = run([lint, "--config", str(ROOT / "pyproject.toml")], cwd=installed,
-                 PYTHONPATH=str(installed))
+    result = run(
+        [lint, "--config", str(ROOT / "pyproject.toml")], cwd=installed, PYTHONPATH=str(installed)
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Contracts: 3 kept, 0 broken." in result.stdout
