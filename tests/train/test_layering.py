@@ -67,6 +67,19 @@ def test_the_wheel_adds_one_top_level_name(wheel):
     assert {"zoo/engine/loop.py", "zoo/models/gpt.py", "zoo/data/text.py", "zoo/train.py"} <= files
 
 
+INSTALLED_AS = {"zoo": "zoo", "models": "zoo/models", "data": "zoo/data", "train": "zoo/engine"}
+"""Each folder of the repository, and where the wheel puts it."""
+
+
+def test_the_wheel_holds_every_module_of_the_four_folders(wheel):
+    """A subpackage left out of pyproject.toml's `packages` would be missing from installs."""
+    files = set(zipfile.ZipFile(wheel).namelist())
+    for folder, installed_as in INSTALLED_AS.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            name = f"{installed_as}/{path.relative_to(ROOT / folder).as_posix()}"
+            assert name in files, f"{path.relative_to(ROOT)} is not in the wheel as {name}"
+
+
 USER_PROJECT = {
     "data.py": "raise SystemExit('the project\\'s own data.py was imported')\n",
     "train.py": "raise SystemExit('the project\\'s own train.py was imported')\n",
