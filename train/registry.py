@@ -229,7 +229,21 @@ class Family:
     - `facts`: anything else the model's code wants to know (e.g. input normalisation);
     - `stacked(hparams)`: the param prefixes whose layers the model stacks along a leading
       axis (`nnx.scan`), e.g. ("blocks",): the rules' per-layer paths `blocks.<i>.<rest>`
-      then fill (and export) slice i of `blocks.<rest>`."""
+      then fill (and export) slice i of `blocks.<rest>`;
+    - `honoured`: the `config.json` keys that `hparams` reads (and refuses at a value the model
+      does not implement, with a `ZooError` naming the key, its value and what is valid);
+    - `inert`: the keys of this family's configs that do not change what the model computes
+      (dropout rates, initialisation, the labels' names), besides `COMMON_INERT`, which every
+      Hugging Face config carries;
+    - `sidecars`: other JSON files of a checkpoint directory that `hparams` reads, e.g.
+      `preprocessor_config.json`: one that is present reaches `hparams` as the config's entry
+      named by the file's stem (`config["preprocessor_config"]`).
+
+    A key of a nested object is named with dots (`model_args.embed_dim`,
+    `preprocessor_config.image_mean`); an object named whole is accounted for whole. Every
+    other key is unaccounted for (`unaccounted`): the checkpoint still loads, and a warning
+    names the key and its value, since it may change the computation. A family that lists no
+    `honoured` keys is not checked."""
 
     name: str
     model: str
@@ -241,9 +255,117 @@ class Family:
     description: str = ""
     facts: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     stacked: Callable[[Mapping[str, Any]], Sequence[str]] = lambda hparams: ()
+    honoured: tuple[str, ...] = ()
+    inert: tuple[str, ...] = ()
+    sidecars: tuple[str, ...] = ()
 
     def rules_for(self, hparams: Mapping[str, Any]) -> tuple[Rule, ...]:
         return tuple(self.rules(hparams) if callable(self.rules) else self.rules)
+
+    def unaccounted(self, config: Mapping[str, Any]) -> dict[str, Any]:
+        """The keys of `config` (dotted within nested objects) that the family neither honours
+        nor lists as inert, with their values; {} for a family that lists no keys. A key of
+        `COMMON_REFUSED` at a value other than its inert ones is refused (`ZooError`)."""
+        if not self.honoured:
+            return {}
+        _refuse_common(self.name, config)
+        return _unaccounted(config, {*self.honoured, *self.inert, *COMMON_INERT}, "")
+
+
+COMMON_INERT = (
+    "_name_or_path",
+    "_commit_hash",
+    "_attn_implementation",
+    "_attn_implementation_autoset",
+    "architectures",
+    "model_type",
+    "transformers_version",
+    "torch_dtype",
+    "dtype",
+    "use_bfloat16",
+    "torchscript",
+    "return_dict",
+    "output_attentions",
+    "output_hidden_states",
+    "output_scores",
+    "return_dict_in_generate",
+    "use_cache",
+    "chunk_size_feed_forward",
+    "gradient_checkpointing",
+    "initializer_range",
+    "problem_type",
+    "finetuning_task",
+    "tf_legacy_loss",
+    "tokenizer_class",
+    "prefix",
+    "task_specific_params",
+    "label2id",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "sep_token_id",
+    "decoder_start_token_id",
+    "forced_bos_token_id",
+    "forced_eos_token_id",
+    "tie_encoder_decoder",
+    "is_decoder",
+    "cross_attention_hidden_size",
+    # generation settings that transformers 4 kept in config.json (generation_config.json now)
+    "max_length",
+    "min_length",
+    "do_sample",
+    "early_stopping",
+    "num_beams",
+    "num_beam_groups",
+    "diversity_penalty",
+    "temperature",
+    "top_k",
+    "top_p",
+    "typical_p",
+    "repetition_penalty",
+    "length_penalty",
+    "no_repeat_ngram_size",
+    "encoder_no_repeat_ngram_size",
+    "bad_words_ids",
+    "num_return_sequences",
+    "remove_invalid_values",
+    "exponential_decay_length_penalty",
+    "suppress_tokens",
+    "begin_suppress_tokens",
+)
+"""Keys that Hugging Face configs carry whatever the model (`PretrainedConfig`'s own: names,
+versions, dtypes, what a forward call returns, token ids and generation settings) and that do
+not change the logits."""
+
+COMMON_REFUSED: Mapping[str, tuple[Any, ...]] = {
+    "pruned_heads": ({}, None),
+    "add_cross_attention": (False, None),
+    "is_encoder_decoder": (False, None),
+}
+"""Keys every Hugging Face config may carry that are inert only at these values (heads pruned
+away, cross-attention layers and an encoder-decoder are models zoo does not build)."""
+
+
+def _refuse_common(family: str, config: Mapping[str, Any]) -> None:
+    for key, inert in COMMON_REFUSED.items():
+        if key in config and config[key] not in inert:
+            raise ZooError(
+                f"This {family} checkpoint's config.json has {key}={config[key]!r}, which zoo "
+                f"does not build; it loads {key}={inert[0]!r} (or no {key})."
+            )
+
+
+def _unaccounted(config: Mapping[str, Any], known: set[str], prefix: str) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if name in known:
+            continue
+        if isinstance(value, Mapping) and any(k.startswith(f"{name}.") for k in known):
+            found.update(_unaccounted(value, known, f"{name}."))
+        else:
+            found[name] = value
+    return found
 
 
 _MODELS: dict[str, ModelEntry] = {}
@@ -339,7 +461,8 @@ def register_family(family: Family) -> Family:
 
 def register_families(model: str, *layouts: Sequence[Any], **shared: Any) -> tuple[Family, ...]:
     """Record the checkpoint families of `model`, one a layout: (name, matches, hparams, rules,
-    export_config, description) as `Family` has them; `shared`: the fields they have in common
+    export_config, description) as `Family` has them, optionally followed by a mapping of the
+    layout's other fields (`honoured`, `inert`, ...); `shared`: the fields they have in common
     (`ignore`, ...)."""
     return tuple(
         register_family(
@@ -352,9 +475,10 @@ def register_families(model: str, *layouts: Sequence[Any], **shared: Any) -> tup
                 export_config=config,
                 description=text,
                 **shared,
+                **(own[0] if own else {}),
             )
         )
-        for name, matches, hparams, rules, config, text in layouts
+        for name, matches, hparams, rules, config, text, *own in layouts
     )
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import math
 import mmap
 import os
@@ -70,6 +71,7 @@ TOKENIZER = "tokenizer.json"
 NewBuffer = Callable[[tuple[int, ...], Any], np.ndarray]
 FILLED = (nnx.Param, nnx.BatchStat)
 """The variables a checkpoint holds: params and BatchNorm running statistics."""
+log = logging.getLogger("zoo")
 _SWITCH_INTERVAL = 1e-4
 """Seconds: how long a thread waits for the GIL before it asks the holder to let go."""
 
@@ -183,7 +185,38 @@ def open_pretrained(directory: str | os.PathLike, model: str | None = None) -> P
             f"listed by {INDEX}), and holds {found}."
         )
     config = _read_json(os.path.join(root, CONFIG))
-    return Pretrained(root, config, _family(root, config, model), _key_files(root))
+    family = _family(root, config, model)
+    config = {**config, **_sidecars(root, family)}
+    _warn_unaccounted(root, family, config)
+    return Pretrained(root, config, family, _key_files(root))
+
+
+def _sidecars(root: str, family: Family) -> dict[str, Any]:
+    """The family's other JSON files that `root` holds, each under its file's stem."""
+    paths = {os.path.splitext(name)[0]: os.path.join(root, name) for name in family.sidecars}
+    return {stem: _read_json(path) for stem, path in paths.items() if os.path.isfile(path)}
+
+
+_WARNED: set[tuple[str, str]] = set()
+"""(directory, keys) already warned about: a load opens its directory more than once."""
+
+
+def _warn_unaccounted(root: str, family: Family, config: Mapping[str, Any]) -> None:
+    """One warning naming the keys of the checkpoint's config that its family neither honours
+    nor knows to be inert (once per directory and keys in a process)."""
+    found = family.unaccounted(config)
+    named = ", ".join(f"{key}={value!r}" for key, value in found.items())
+    if not found or (root, named) in _WARNED:
+        return
+    _WARNED.add((root, named))
+    log.warning(
+        "The %s checkpoint in %s has config key(s) that zoo does not know: %s. They are "
+        "ignored, and may change what the model computes: compare its outputs with the "
+        "library that wrote it.",
+        family.name,
+        root,
+        named,
+    )
 
 
 def _family(root: str, config: Mapping[str, Any], model: str | None) -> Family:

@@ -7,7 +7,9 @@ module alone, as a project's own would be:
 
 - Registering: `register_model` (a constructor whose keyword parameters are its config),
   `register_data` (a loader returning `Splits`), `register_family` / `register_families`
-  (checkpoints of another library: a `Family` and its table of `Rule`s).
+  (checkpoints of another library: a `Family` and its table of `Rule`s; the config keys it
+  honours and those it lists as inert, besides `COMMON_INERT`; `COMMON_REFUSED`: the keys
+  every Hugging Face config may carry that are refused at other values).
 - The loss contract: `loss(model, batch, rngs) -> (loss[B], {metric: value[B]})`, per example
   (`LossFn`), marked with the batch columns it reads by `loss_contract`; a `WEIGHT` entry among
   the metrics weights the examples (tokens per sequence), and `MASK` is the column that marks
@@ -28,6 +30,8 @@ from zoo.engine.abstract import partitioned, repeated
 from zoo.engine.errors import ZooError
 from zoo.engine.pipeline import MASK, ExampleSource
 from zoo.engine.registry import (
+    COMMON_INERT,
+    COMMON_REFUSED,
     WEIGHT,
     Batch,
     Family,
@@ -46,6 +50,8 @@ from zoo.engine.rngs import construction_rngs
 from zoo.engine.sharding import logical_spec, unsplit_batch
 
 __all__ = [
+    "COMMON_INERT",
+    "COMMON_REFUSED",
     "MASK",
     "WEIGHT",
     "Batch",
