@@ -190,11 +190,11 @@ class FinetuneConfig:
     freeze: str | None = None
     # The path of the model's classification head (every model of the zoo calls it `head`).
     head: str = "head"
-    # Add LoRA adapters of this rank to the Linear layers that `lora_layers` matches and train
-    # only them (and the params in `reinit`); 0: no adapters.
+    # Add LoRA adapters of this rank to the dense layers (Linear, and attention's projections)
+    # that `lora_layers` matches and train only them (and the params in `reinit`); 0: none.
     lora_rank: int = 0
-    # The Linear layers that get adapters: a path pattern (a regex naming a module by its dotted
-    # path or a leading part of it, e.g. `hidden`); `.*`: every Linear layer.
+    # The dense layers that get adapters: a path pattern (a regex naming a module by its dotted
+    # path or a leading part of it, e.g. `hidden`, `attention`); `.*`: every dense layer.
     lora_layers: str = ".*"
 
 

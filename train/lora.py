@@ -1,9 +1,10 @@
-"""LoRA adapters for the Linear layers of a built model, born sharded like the layers they adapt.
+"""LoRA adapters for the dense layers of a built model, born sharded like the layers they adapt.
 
-`add_adapters` replaces each chosen `nnx.Linear` by a `ShardedLoRA` that wraps it: the layer's
-own params stay where they were (now under `<layer>.base_module`), and the adapter adds
-`x @ lora_a @ lora_b` to its output. `lora_a` is annotated with the kernel's input axis and
-`lora_b` with its output axis, so the adapters shard as the layer does; `lora_b` starts at zero,
+`add_adapters` replaces each chosen `nnx.Linear` (an MLP's layers) or `nnx.LinearGeneral` (an
+attention's projections to and from heads) by a `ShardedLoRA` that wraps it: the layer's own
+params stay where they were (now under `<layer>.base_module`), and the adapter adds
+`x @ lora_a @ lora_b` to its output. `lora_a` is annotated with the kernel's input axes and
+`lora_b` with its output axes, so the adapters shard as the layer does; `lora_b` starts at zero,
 so an adapted model computes exactly what it did before training. Adapter params are
 `nnx.LoRAParam` (a `Param` subclass): LoRA-only training differentiates and optimizes
 `nnx.LoRAParam` alone. `merge_adapters` folds each adapter into its layer's kernel and puts the
@@ -23,44 +24,96 @@ from zoo.engine.paths import dotted, matches
 from zoo.engine.sharding import logical_spec
 
 
-class ShardedLoRA(nnx.LoRA):
-    """`nnx.LoRA` around a Linear layer, saying where each contraction's output lives (explicit
-    sharding asks): the rank dimension replicated, the output sharded as the layer's."""
+class ShardedLoRA(nnx.Module):
+    """A low-rank adapter around a Linear or LinearGeneral layer (`base_module`): the layer's
+    output plus `x @ lora_a @ lora_b`, contracted over the layer's input axes and spread over
+    its output axes (an attention projection to heads x head_dim, or from them). `lora_a` takes
+    the kernel's input axes' annotations, `lora_b` its output axes', so the adapter shards as
+    the layer does; each contraction says where its output lives (explicit sharding asks), the
+    rank dimension replicated. The adapter's output is added in the layer's output dtype, so a
+    model held in bfloat16 stays in bfloat16 with float32 adapters."""
+
+    def __init__(self, base_module: nnx.Linear | nnx.LinearGeneral, rank: int, rngs: nnx.Rngs):
+        kernel = base_module.kernel
+        inputs = _input_axes(base_module)
+        axes = kernel.get_metadata().get("out_sharding") or (None,) * kernel.ndim
+        in_shape, out_shape = kernel.shape[:inputs], kernel.shape[inputs:]
+        in_axes, out_axes = tuple(axes[:inputs]), tuple(axes[inputs:])
+        a_init = partitioned(nnx.initializers.he_uniform(), (*in_axes, None))
+        b_init = partitioned(nnx.initializers.zeros_init(), (None, *out_axes))
+        self.base_module = base_module
+        self.lora_a = nnx.LoRAParam(a_init(rngs.params(), (*in_shape, rank), jnp.float32))
+        self.lora_b = nnx.LoRAParam(b_init(rngs.params(), (rank, *out_shape), jnp.float32))
 
     def __call__(self, x: jax.Array, out_sharding: Any = None) -> jax.Array:
         y = self.base_module(x, out_sharding=out_sharding)
-        low = jnp.matmul(
-            x, self.lora_a[...], out_sharding=logical_spec("batch", *[None] * (x.ndim - 1))
+        a, b = self.lora_a[...], self.lora_b[...]
+        inputs = a.ndim - 1
+        low = jnp.einsum(
+            f"...{_LETTERS[:inputs]},{_LETTERS[:inputs]}r->...r",
+            x,
+            a,
+            out_sharding=logical_spec("batch", *[None] * (x.ndim - inputs)),
         )
-        return y + jnp.matmul(low, self.lora_b[...], out_sharding=jax.typeof(y).sharding.spec)
+        outputs = _LETTERS[inputs : inputs + b.ndim - 1]
+        delta = jnp.einsum(
+            f"...r,r{outputs}->...{outputs}", low, b, out_sharding=jax.typeof(y).sharding.spec
+        )
+        return y + delta.astype(y.dtype)
+
+    def merged_kernel(self) -> jax.Array:
+        """The layer's kernel with the adapter folded in: `kernel + lora_a @ lora_b`."""
+        kernel = self.base_module.kernel[...]
+        delta = jnp.tensordot(
+            self.lora_a[...],
+            self.lora_b[...],
+            axes=1,
+            out_sharding=jax.typeof(kernel).sharding.spec,
+        )
+        return kernel + delta.astype(kernel.dtype)
+
+
+_LETTERS = "ijklmnopq"
+
+
+def _input_axes(layer: nnx.Linear | nnx.LinearGeneral) -> int:
+    """How many leading axes of `layer`'s kernel it contracts with its input (its last ones)."""
+    if isinstance(layer, nnx.LinearGeneral):
+        return len(layer.in_features)
+    return 1
+
+
+def _adaptable(layer: nnx.Module) -> bool:
+    """A Linear, or a LinearGeneral that contracts the input's last axes and has no batch axes
+    (the adapter contracts the same axes)."""
+    if type(layer) is nnx.Linear:
+        return True
+    if type(layer) is not nnx.LinearGeneral or layer.batch_axis:
+        return False
+    count = len(layer.in_features)
+    return tuple(layer.axis) == tuple(range(-count, 0))
+
+
+ADAPTED = (nnx.Linear, nnx.LinearGeneral)
+"""The layers that take adapters: dense layers and attention's projections to and from heads."""
 
 
 def add_adapters(model: nnx.Module, rank: int, layers: str, rngs: nnx.Rngs) -> list[str]:
-    """Wrap every `nnx.Linear` whose path `layers` matches; returns their paths. Call it where
-    the model is built (under the mesh), so the adapters are born sharded."""
+    """Wrap every Linear or LinearGeneral layer whose path `layers` matches; returns their
+    paths. Call it where the model is built (under the mesh), so the adapters are born sharded."""
     chosen = [
         (path, module)
         for path, module in nnx.iter_modules(model)
-        if type(module) is nnx.Linear and path and matches(layers, path)
+        if _adaptable(module) and path and matches(layers, path)
     ]
     if not chosen:
-        linears = [dotted(p) for p, m in nnx.iter_modules(model) if isinstance(m, nnx.Linear)]
+        linears = [dotted(p) for p, m in nnx.iter_modules(model) if isinstance(m, ADAPTED)]
         raise ZooError(
             f"finetune.lora_layers='{layers}' matches none of the model's Linear layers: "
             f"{', '.join(linears) or 'it has none'}."
         )
     for path, linear in chosen:
-        axis_in, axis_out = linear.kernel.get_metadata().get("out_sharding") or (None, None)
-        adapter = ShardedLoRA(
-            linear.in_features,
-            rank,
-            linear.out_features,
-            base_module=linear,
-            a_initializer=partitioned(nnx.initializers.he_uniform(), (axis_in, None)),
-            b_initializer=partitioned(nnx.initializers.zeros_init(), (None, axis_out)),
-            rngs=rngs,
-        )
-        _replace(model, path, adapter)
+        _replace(model, path, ShardedLoRA(linear, rank, rngs))
     return [dotted(path) for path, _ in chosen]
 
 
@@ -71,12 +124,7 @@ def merge_adapters(model: nnx.Module) -> nnx.Module:
     adapters = [(p, m) for p, m in nnx.iter_modules(model) if isinstance(m, ShardedLoRA)]
     for path, adapter in adapters:
         layer = adapter.base_module
-        delta = jnp.matmul(
-            adapter.lora_a[...],
-            adapter.lora_b[...],
-            out_sharding=jax.typeof(layer.kernel[...]).sharding.spec,
-        )
-        layer.kernel[...] = layer.kernel[...] + delta.astype(layer.kernel.dtype)
+        layer.kernel[...] = adapter.merged_kernel()
         _replace(model, path, layer)
     return model
 

@@ -82,8 +82,14 @@ def test_frozen_params_keep_the_checkpoint_s_values(pretrained, tmp_path):
 
 def test_lora_trains_adapters_only_and_merges_into_the_checkpoint_layout(pretrained, tmp_path):
     result = zoo.finetune(TINY, *TUNE, f"workdir={tmp_path}", lora_rank=4, lora_layers="blocks")
-    adapters = nnx.state(result.model, nnx.LoRAParam)
-    assert len(nnx.to_flat_state(adapters)) > 0
+    adapters = {
+        ".".join(map(str, path)): value
+        for path, value in nnx.to_flat_state(nnx.state(result.model, nnx.LoRAParam))
+    }
+    # Attention's projections to and from heads take adapters shaped like their kernels.
+    assert adapters["blocks.0.attention.query.lora_b"].shape == (4, 4, 16)
+    assert adapters["blocks.0.attention.out.lora_a"].shape == (4, 16, 4)
+    assert adapters["blocks.0.mlp_in.lora_a"].shape == (64, 4)
     tuned = params(result.model)
     for path, value in pretrained.items():  # the base weights are untouched
         np.testing.assert_array_equal(tuned[path], value, err_msg=path)
@@ -95,9 +101,9 @@ def test_lora_trains_adapters_only_and_merges_into_the_checkpoint_layout(pretrai
     np.testing.assert_allclose(zoo.predict(loaded, tokens), with_adapters, atol=1e-5, rtol=0)
     merged = params(loaded.model)
     assert merged.keys() == pretrained.keys()
-    assert not np.array_equal(
-        merged["blocks.0.mlp_in.kernel"], pretrained["blocks.0.mlp_in.kernel"]
-    )
+    for kernel in ("mlp_in", "attention.query", "attention.out"):
+        path = f"blocks.0.{kernel}.kernel"
+        assert not np.array_equal(merged[path], pretrained[path]), path
     family = weights.open_pretrained(TINY).family
     tensors = weights.export_tensors(loaded.model, family, zoo.api.resolved_hparams(loaded.config))
     assert "transformer.h.0.attn.c_attn.weight" in tensors
