@@ -5,8 +5,9 @@ Token embedding (a gather of rows) + learned positions -> pre-norm blocks (causa
 attention, GELU MLP) -> final norm -> logits over the vocabulary, through the embedding itself
 (tied, the default) or a separate output layer. The embedding's rows are padded to a multiple
 of `VOCAB_MULTIPLE`, so the vocabulary shards over `tensor` whatever its size; the padded rows'
-logits are masked out. `attention_bias`, `norm_epsilon` and `exact_gelu` are the block options
-that pretrained checkpoints differ in (see `zoo.models.gpt_params` for GPT-2's).
+logits are masked out. `attention_bias`, `norm_epsilon`, `exact_gelu`, `scale_attention` and
+`scale_attention_by_layer` are the block options that pretrained checkpoints differ in (see
+`zoo.models.gpt_params` for GPT-2's).
 
 The blocks can be stacked into one module whose params carry a leading layer axis and run with
 `nnx.scan` (`scan_layers`: one compiled block instead of `depth` copies, so compile time does
@@ -71,6 +72,13 @@ def _embed(tokens: jax.Array, table: jax.Array) -> jax.Array:
 def padded_vocab(vocab_size: int) -> int:
     """The embedding's number of rows for a vocabulary of `vocab_size` tokens."""
     return -(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+
+def _attention_scale(head_dim: int, by_head_size: bool, divisor: int) -> float | None:
+    """The factor of a block's attention logits; None for the usual 1/sqrt(head size)."""
+    if by_head_size and divisor == 1:
+        return None
+    return (1 / math.sqrt(head_dim) if by_head_size else 1.0) / divisor
 
 
 def _cache_spec():
@@ -150,6 +158,12 @@ class GPT(nnx.Module):
         attention_bias: bool = False,
         norm_epsilon: float = 1e-6,  # epsilon of every LayerNorm
         exact_gelu: bool = False,  # the MLP's exact (erf) GELU instead of its tanh approximation
+        # Divide the attention logits by the square root of the head size; false: leave them as
+        # they are (GPT-2's scale_attn_weights=false).
+        scale_attention: bool = True,
+        # Also divide block i's attention logits by i + 1 (GPT-2's
+        # scale_attn_by_inverse_layer_idx); needs scan_layers=false.
+        scale_attention_by_layer: bool = False,
         *,
         rngs: nnx.Rngs,
     ):
@@ -167,6 +181,12 @@ class GPT(nnx.Module):
         hparams.rates("gpt", dropout_rate=dropout_rate)
         if dim % num_heads:
             raise ZooError(f"gpt: dim={dim} must be a multiple of num_heads={num_heads}.")
+        if scale_attention_by_layer and scan_layers:
+            raise ZooError(
+                "gpt: model.scale_attention_by_layer=true gives each block its own attention "
+                "scale, which a stack of blocks (model.scan_layers=true) cannot hold: set "
+                "model.scan_layers=false."
+            )
         normal = nnx.initializers.normal(0.02)
         self.embedding = nnx.Param(
             partitioned(normal, ("vocab", "embed"))(rngs.params(), (padded_vocab(vocab_size), dim))
@@ -175,7 +195,9 @@ class GPT(nnx.Module):
             partitioned(normal, (None, None))(rngs.params(), (context_length, dim))
         )
 
-        options = BlockOptions(mlp_ratio, attention_bias, norm_epsilon, exact_gelu)
+        head_dim = dim // num_heads
+        scale = _attention_scale(head_dim, scale_attention, 1)
+        options = BlockOptions(mlp_ratio, attention_bias, norm_epsilon, exact_gelu, scale)
 
         def block(key: jax.Array) -> Block:
             return Block(
@@ -193,6 +215,8 @@ class GPT(nnx.Module):
             self.blocks = nnx.vmap(block, transform_metadata={nnx.PARTITION_NAME: None})(layer_keys)
         else:
             self.blocks = nnx.List(repeated(lambda i: block(layer_keys[i]), depth))
+            for i, each in enumerate(self.blocks if scale_attention_by_layer else ()):
+                each.attention.scale = _attention_scale(head_dim, scale_attention, i + 1)
         self.norm = layer_norm(dim, rngs=rngs, epsilon=norm_epsilon)
         self.unembed = (
             None

@@ -7,6 +7,13 @@ to the model's padded vocabulary. Keys come with the `transformer.` prefix (a sa
 `GPT2LMHeadModel`) or without (a saved `GPT2Model`, like the original `gpt2` upload); the causal
 mask buffers (`attn.bias`, `attn.masked_bias`) and the tied `lm_head.weight` are not params.
 With `scan_layers`, layer i's keys fill slice i of the stacked blocks' params.
+
+Every key of GPT-2's `config.json` is accounted for (`Family.honoured`, `inert`): the sizes, the
+activation, the epsilon and the attention's scale (`scale_attn_weights`,
+`scale_attn_by_inverse_layer_idx`) are honoured; `tie_word_embeddings=false` (a separate output
+layer that the family does not map) is refused; dropout rates, the sequence-summary head's
+settings of `GPT2DoubleHeadsModel`, the old `n_ctx` and `reorder_and_upcast_attn` (transformers'
+eager attention in float32, the same function: zoo's softmax is always in float32) are inert.
 """
 
 from __future__ import annotations
@@ -25,6 +32,25 @@ _TANH = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 _ACTIVATIONS = (*_TANH, "gelu")
 _SIZE_KEYS = ("n_embd", "n_layer", "n_head", "n_inner", "activation_function", "layer_norm_epsilon")
 _DROPOUTS = ("resid_pdrop", "embd_pdrop", "attn_pdrop")
+_HONOURED = (
+    *_SIZE_KEYS,
+    "n_positions",
+    "vocab_size",
+    "tie_word_embeddings",
+    "scale_attn_weights",
+    "scale_attn_by_inverse_layer_idx",
+)
+_INERT = (
+    *_DROPOUTS,
+    "n_ctx",
+    "reorder_and_upcast_attn",
+    "summary_activation",
+    "summary_first_dropout",
+    "summary_proj_to_labels",
+    "summary_type",
+    "summary_use_proj",
+    "id2label",
+)
 
 
 def _is_gpt2(config: Mapping[str, Any]) -> bool:
@@ -41,6 +67,12 @@ def _hparams(config: Mapping[str, Any]) -> dict[str, Any]:
             f"gpt loads an MLP width that is a multiple of n_embd={dim} and an activation among "
             f"{', '.join(_ACTIVATIONS)}."
         )
+    if not config.get("tie_word_embeddings", True):
+        raise ZooError(
+            "This GPT-2 config has tie_word_embeddings=false (an output layer of its own, "
+            "lm_head.weight): the gpt2 family loads GPT-2's tied output layer, "
+            "tie_word_embeddings=true."
+        )
     return {
         "context_length": int(config["n_positions"]),
         "dim": dim,
@@ -52,6 +84,8 @@ def _hparams(config: Mapping[str, Any]) -> dict[str, Any]:
         "attention_bias": True,
         "norm_epsilon": float(config.get("layer_norm_epsilon", 1e-5)),
         "exact_gelu": activation == "gelu",
+        "scale_attention": bool(config.get("scale_attn_weights", True)),
+        "scale_attention_by_layer": bool(config.get("scale_attn_by_inverse_layer_idx", False)),
     }
 
 
@@ -63,6 +97,8 @@ def _export_config(hparams: Mapping[str, Any]) -> dict[str, Any]:
         "n_positions": hparams["context_length"],
         **transformer_config(hparams, _SIZE_KEYS, "gelu_new", _DROPOUTS),
         "tie_word_embeddings": True,
+        "scale_attn_weights": bool(hparams.get("scale_attention", True)),
+        "scale_attn_by_inverse_layer_idx": bool(hparams.get("scale_attention_by_layer", False)),
     }
 
 
@@ -129,5 +165,7 @@ GPT2 = register_family(
         export_config=_export_config,
         description="GPT-2, transformers GPT2LMHeadModel",
         stacked=lambda hparams: ("blocks",) if hparams.get("scan_layers") else (),
+        honoured=_HONOURED,
+        inert=_INERT,
     )
 )

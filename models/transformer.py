@@ -2,7 +2,8 @@
 GELU MLP, each added back to its input.
 
 What pretrained checkpoints differ in is an option (`BlockOptions`): biases on the attention
-projections, the LayerNorm epsilon, exact or tanh-approximated GELU, the MLP's width.
+projections, the LayerNorm epsilon, exact or tanh-approximated GELU, the MLP's width, the
+factor of the attention logits.
 
 Attention's projections are written out rather than taken from `nnx.MultiHeadAttention`, so
 each contraction can say where its output lives: heads are split over the `tensor` mesh axis,
@@ -46,12 +47,14 @@ class BlockOptions:
     """How a block differs between model families: `attention_bias` on the query, key, value
     and output projections; `norm_epsilon` of both LayerNorms; `exact_gelu` (erf) instead of
     the tanh approximation; an MLP `mlp_ratio` times as wide as the features (a float allowed:
-    the width is rounded down)."""
+    the width is rounded down); `attention_scale`: the factor of the attention logits (None:
+    1/sqrt(head size))."""
 
     mlp_ratio: float = 4
     attention_bias: bool = False
     norm_epsilon: float = 1e-6
     exact_gelu: bool = False
+    attention_scale: float | None = None
 
 
 def tokens_spec():
@@ -61,7 +64,8 @@ def tokens_spec():
 
 class Attention(nnx.Module):
     """Multi-head self-attention; `causal`: each position sees itself and earlier ones only.
-    Dropout on the attention weights at `dropout_rate`."""
+    Dropout on the attention weights at `dropout_rate`. The logits are q.k times `scale`
+    (None: 1/sqrt(head size))."""
 
     def __init__(
         self,
@@ -72,12 +76,13 @@ class Attention(nnx.Module):
         causal: bool,
         rngs: nnx.Rngs,
         use_bias: bool = False,
+        scale: float | None = None,
     ):
         self.query, self.key, self.value, self.out = head_projections(
             dim, num_heads, rngs=rngs, use_bias=use_bias
         )
         self.dropout = nnx.Dropout(dropout_rate)
-        self.causal = causal
+        self.causal, self.scale = causal, scale
 
     def __call__(
         self, x: jax.Array, key: jax.Array, cache: KVCache | None, start: jax.Array | int
@@ -108,13 +113,20 @@ class Attention(nnx.Module):
         else:
             mask = None if visible is None else visible[None, None]
             mixed = jax.nn.dot_product_attention(
-                q, k, v, mask=mask, is_causal=path.mask == "causal", implementation=path.kernel
+                q,
+                k,
+                v,
+                mask=mask,
+                scale=self.scale,
+                is_causal=path.mask == "causal",
+                implementation=path.kernel,
             )
         return self.out(mixed, out_sharding=tokens_spec()), cache
 
     def _with_dropout(self, q, k, v, visible, key) -> jax.Array:
         """Attention written out, for Dropout on its weights (which the fused call lacks)."""
-        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
+        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+        logits = logits / math.sqrt(q.shape[-1]) if self.scale is None else logits * self.scale
         if visible is not None:
             logits = jnp.where(visible, logits, _NO_ATTENTION)
         weights = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(v.dtype)
@@ -148,6 +160,7 @@ class Block(nnx.Module):
             causal=causal,
             rngs=rngs,
             use_bias=options.attention_bias,
+            scale=options.attention_scale,
         )
         self.mlp_norm = layer_norm(dim, rngs=rngs, epsilon=epsilon)
         self.mlp_in = dense(dim, hidden, ("embed", "mlp"), rngs=rngs)

@@ -341,7 +341,8 @@ def predict(trained: Trained, inputs: np.ndarray) -> Any:
 
     Inputs the model cannot take are refused by name before it runs (see `Reads`): strings
     and other non-numbers, one example without its batch axis, a shape or width it cannot
-    take, raw integer pixels, token ids that are not integers of its vocabulary."""
+    take, raw integer pixels, token ids that are not integers of its vocabulary.
+    A language model's logits have one column per token of its vocabulary (`vocab_size`)."""
     reads = Reads.of(trained.config)
     inputs = reads.check(inputs, "predict got inputs")
     if not reads.decides(inputs):
@@ -354,7 +355,17 @@ def predict(trained: Trained, inputs: np.ndarray) -> Any:
     with trained.activate():
         batch = sharding.shard_batch({"inputs": padded}, trained.mesh, trained.rules)
         outputs = _forward(trained.model, batch["inputs"])
-    return jax.tree.map(lambda x: np.asarray(x)[: len(inputs)], jax.device_get(outputs))
+    outputs = jax.tree.map(lambda x: np.asarray(x)[: len(inputs)], jax.device_get(outputs))
+    return _within_vocabulary(trained.model, outputs)
+
+
+def _within_vocabulary(model: nnx.Module, outputs: Any) -> Any:
+    """A language model's logits over its vocabulary alone: a model whose embedding has rows
+    past its `vocab_size` (padded so that it shards) masks their logits, and they are dropped."""
+    vocab = getattr(model, "vocab_size", None)
+    if not isinstance(vocab, int) or not isinstance(outputs, np.ndarray):
+        return outputs
+    return outputs[..., :vocab] if outputs.ndim and outputs.shape[-1] > vocab else outputs
 
 
 _TRACE_ERRORS = (TypeError, ValueError, IndexError)
