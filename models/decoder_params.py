@@ -1,0 +1,779 @@
+"""Checkpoints of today's open-weight language models (transformers' `LlamaForCausalLM`,
+`Qwen2ForCausalLM`, `Qwen3ForCausalLM`, `MistralForCausalLM` and `Gemma3ForCausalLM`) for
+`decoder`, recognised by `config.json`'s `model_type`.
+
+They share one layout of keys (`model.embed_tokens`, `model.layers.N.self_attn.{q,k,v,o}_proj`,
+`mlp.{gate,up,down}_proj`, RMSNorm scales, `model.norm`, `lm_head` when not tied) and differ in
+options, which `hparams` reads from the config as transformers 5 does, in both layouts users
+have: the one transformers 5 writes (`rope_parameters`; for Gemma 3 one per layer type, and
+`layer_types`) and the one of checkpoints saved by transformers 4 (top-level `rope_theta` and
+`rope_scaling`; Gemma 3's `rope_local_base_freq` and `sliding_window_pattern`). A key absent from
+the config takes transformers' default for the family.
+
+Every key of a family's config is accounted for: read by `hparams` (`HONOURED`), known not to
+change what the model computes (`INERT`, besides the `COMMON_INERT` of every config: dropout,
+which inference skips, and the cache transformers generates with), or refused with a `ZooError`
+naming the key, its value and what `decoder` implements: RoPE scalings other than default, linear and llama3, a partial rotary
+factor, an activation other than SiLU and tanh GELU, bidirectional attention, quantized weights.
+
+Projections are stored (out, in) by torch's `nn.Linear`; `decoder` holds them (in, out) with
+the heads split out: q/k/v (dim, heads, head_dim), o (heads, head_dim, dim). Embedding rows and
+the output layer's columns are padded to `decoder`'s padded vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+from zoo.models.gpt import padded_vocab
+
+from zoo.plugin import Family, Rule, ZooError, register_family
+
+ROPE_TYPES = ("default", "linear", "llama3")
+FULL, SLIDING = "full_attention", "sliding_attention"
+DEFAULT_THETA = 10000.0
+_SILU = ("silu", "swish")
+_TANH_GELU = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")
+
+_ROPE_KEYS = {
+    "default": {"rope_type", "type", "rope_theta", "partial_rotary_factor"},
+    "linear": {"rope_type", "type", "rope_theta", "partial_rotary_factor", "factor"},
+    "llama3": {
+        "rope_type",
+        "type",
+        "rope_theta",
+        "partial_rotary_factor",
+        "factor",
+        "low_freq_factor",
+        "high_freq_factor",
+        "original_max_position_embeddings",
+    },
+}
+
+_INERT = ("attention_dropout", "cache_implementation", "id2label")
+"""Keys of these families' configs, besides the `COMMON_INERT` of every config, that do not
+change what the model computes: dropout (off at inference; `decoder`'s own `dropout_rate`
+decides it in training), the cache transformers' generation uses, labels' names."""
+
+_SIZES = (
+    "vocab_size",
+    "max_position_embeddings",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "rms_norm_eps",
+    "tie_word_embeddings",
+    "rope_parameters",
+    "rope_scaling",
+    "rope_theta",
+    "partial_rotary_factor",
+    "original_max_position_embeddings",
+    "quantization_config",
+)
+"""The keys every family reads (or refuses: `quantization_config`, `partial_rotary_factor`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Kind:
+    """What tells one family apart: its names, transformers' defaults for absent keys, the
+    keys it reads besides `_SIZES` and those it ignores, and its options as `decoder`'s
+    constructor arguments (`options(config, read)`, `read(key)` giving a key's value or its
+    default)."""
+
+    name: str
+    architecture: str
+    description: str
+    defaults: Mapping[str, Any]
+    honoured: tuple[str, ...]
+    inert: tuple[str, ...]
+    options: Callable[[Mapping[str, Any], Callable[[str], Any]], dict[str, Any]]
+    export: Callable[[Mapping[str, Any]], dict[str, Any]]
+
+
+def _llama_options(config: Mapping[str, Any], read: Callable[[str], Any]) -> dict[str, Any]:
+    bias = bool(read("attention_bias"))
+    return {
+        "activation": _activation(read, "hidden_act"),
+        "qkv_bias": bias,
+        "out_bias": bias,
+        "mlp_bias": bool(read("mlp_bias")),
+        **_global_rope(config, read),
+    }
+
+
+def _llama_export(hparams: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        "hidden_act": _hidden_act(hparams),
+        "attention_bias": _same_biases(hparams, "attention_bias"),
+        "mlp_bias": hparams["mlp_bias"],
+        "pretraining_tp": 1,
+        "rope_parameters": _rope_parameters(hparams),
+    }
+
+
+def _qwen2_options(config: Mapping[str, Any], read: Callable[[str], Any]) -> dict[str, Any]:
+    return {
+        "activation": _activation(read, "hidden_act"),
+        "qkv_bias": True,
+        **_global_rope(config, read),
+        **_qwen_windows(config, read),
+    }
+
+
+def _qwen2_export(hparams: Mapping[str, Any]) -> dict[str, Any]:
+    if not hparams["qkv_bias"] or hparams["out_bias"] or hparams["mlp_bias"]:
+        raise ZooError(
+            "Qwen 2's layout has biases on q, k and v and none on the attention output or the "
+            f"MLP; this model has qkv_bias={hparams['qkv_bias']}, out_bias={hparams['out_bias']}"
+            f", mlp_bias={hparams['mlp_bias']}."
+        )
+    return {
+        "hidden_act": _hidden_act(hparams),
+        "rope_parameters": _rope_parameters(hparams),
+        **_qwen_windows_config(hparams),
+    }
+
+
+def _qwen3_options(config: Mapping[str, Any], read: Callable[[str], Any]) -> dict[str, Any]:
+    bias = bool(read("attention_bias"))
+    return {
+        "activation": _activation(read, "hidden_act"),
+        "qk_norm": True,
+        "qkv_bias": bias,
+        "out_bias": bias,
+        **_global_rope(config, read),
+        **_qwen_windows(config, read),
+    }
+
+
+def _qwen3_export(hparams: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        "hidden_act": _hidden_act(hparams),
+        "attention_bias": _same_biases(hparams, "attention_bias"),
+        "rope_parameters": _rope_parameters(hparams),
+        **_qwen_windows_config(hparams),
+    }
+
+
+def _mistral_options(config: Mapping[str, Any], read: Callable[[str], Any]) -> dict[str, Any]:
+    if "layer_types" in config:
+        raise ZooError(
+            f"This mistral config has layer_types={config['layer_types']!r}, which "
+            "transformers' MistralForCausalLM does not read (every layer of a Mistral sees the "
+            "same sliding_window): a checkpoint of alternating layers is not a mistral one. "
+            "Remove the key, or give the model_type of the architecture it was trained as."
+        )
+    return {
+        "activation": _activation(read, "hidden_act"),
+        "sliding_window": int(read("sliding_window") or 0),
+        **_global_rope(config, read),
+    }
+
+
+def _mistral_export(hparams: Mapping[str, Any]) -> dict[str, Any]:
+    if hparams.get("layer_types") or hparams["qkv_bias"] or hparams["out_bias"]:
+        raise ZooError(
+            "Mistral's layout has one sliding window for every layer and no biases; this model "
+            f"has layer_types={hparams.get('layer_types')!r}, qkv_bias={hparams['qkv_bias']}, "
+            f"out_bias={hparams['out_bias']}."
+        )
+    return {
+        "hidden_act": _hidden_act(hparams),
+        "sliding_window": hparams["sliding_window"] or None,
+        "rope_parameters": _rope_parameters(hparams),
+    }
+
+
+def _gemma3_options(config: Mapping[str, Any], read: Callable[[str], Any]) -> dict[str, Any]:
+    if read("use_bidirectional_attention"):
+        raise ZooError(
+            "This gemma3_text config has use_bidirectional_attention=true (an encoder: every "
+            "token sees the ones after it); decoder is causal and loads "
+            "use_bidirectional_attention=false only."
+        )
+    if read("attn_logit_softcapping") is not None:
+        raise ZooError(
+            f"This gemma3_text config has attn_logit_softcapping="
+            f"{read('attn_logit_softcapping')!r}, which transformers' Gemma3ForCausalLM does not "
+            "apply (Gemma 3 has no soft-capping of attention; Gemma 2 had): whether the "
+            "checkpoint was trained with it cannot be told. decoder loads "
+            "attn_logit_softcapping=null."
+        )
+    bias = bool(read("attention_bias"))
+    full, sliding = _gemma3_ropes(config, read)
+    if sliding["rope_type"] != "default":
+        raise ZooError(
+            f"This gemma3_text config scales the RoPE of its sliding layers "
+            f"(rope_type={sliding['rope_type']!r} for sliding_attention); decoder scales the "
+            "global layers' only: the sliding layers' RoPE must be rope_type 'default'."
+        )
+    return {
+        "activation": _activation(read, "hidden_activation"),
+        "norm_unit_offset": True,
+        "post_norms": True,
+        "qk_norm": True,
+        "embed_scale": True,
+        "qkv_bias": bias,
+        "out_bias": bias,
+        "query_scale": float(read("query_pre_attn_scalar")),
+        "final_softcap": float(read("final_logit_softcapping") or 0.0),
+        **_rope(full, "rope_parameters.full_attention", read),
+        "local_rope_theta": float(sliding["rope_theta"]),
+        "sliding_window": int(read("sliding_window") or 0),
+        "layer_types": _gemma3_layer_types(config, read),
+    }
+
+
+def _gemma3_export(hparams: Mapping[str, Any]) -> dict[str, Any]:
+    global_rope = _rope_parameters(hparams)
+    local_theta = hparams["local_rope_theta"] or global_rope["rope_theta"]
+    return {
+        "hidden_activation": _hidden_act(hparams),
+        "attention_bias": _same_biases(hparams, "attention_bias"),
+        "query_pre_attn_scalar": _whole(hparams, "query_scale", "query_pre_attn_scalar"),
+        "attn_logit_softcapping": _no_attention_softcap(hparams),
+        "final_logit_softcapping": hparams["final_softcap"] or None,
+        "sliding_window": hparams["sliding_window"] or None,
+        "layer_types": _layer_types(hparams),
+        "rope_parameters": {
+            FULL: global_rope,
+            SLIDING: {"rope_type": "default", "rope_theta": local_theta},
+        },
+        "use_bidirectional_attention": False,
+    }
+
+
+def _whole(hparams: Mapping[str, Any], key: str, name: str) -> int:
+    """A size that transformers' config takes as a whole number only."""
+    value = hparams[key] or hparams["head_dim"] or hparams["dim"] // hparams["num_heads"]
+    if value != int(value):
+        raise ZooError(f"This model has {key}={value}; the layout's {name} is a whole number.")
+    return int(value)
+
+
+def _no_attention_softcap(hparams: Mapping[str, Any]) -> None:
+    if hparams["attention_softcap"]:
+        raise ZooError(
+            f"Gemma 3's layout has no soft-capping of attention (transformers' Gemma3ForCausalLM "
+            f"does not apply attn_logit_softcapping); this model has attention_softcap="
+            f"{hparams['attention_softcap']}."
+        )
+
+
+def _gemma3_ropes(config: Mapping[str, Any], read) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(global, local) RoPE dicts of a Gemma 3 config in either layout, as transformers 5's
+    `Gemma3TextConfig.convert_rope_params_to_dict` merges them."""
+    nested = config.get("rope_parameters") or {}
+    if nested and not set(nested) <= {FULL, SLIDING}:
+        raise ZooError(
+            f"This gemma3_text config has rope_parameters={nested!r}; transformers 5 writes one "
+            f"dict per layer type there, under {FULL!r} and {SLIDING!r}."
+        )
+    full = dict(nested.get(FULL) or {"rope_type": "default"})
+    full.update(config.get("rope_scaling") or {})
+    full.setdefault("rope_theta", config.get("rope_theta", 1_000_000.0))
+    sliding = dict(nested.get(SLIDING) or {"rope_type": "default"})
+    sliding.setdefault("rope_theta", config.get("rope_local_base_freq", DEFAULT_THETA))
+    for rope, where in ((full, FULL), (sliding, SLIDING)):
+        rope.setdefault("rope_type", rope.get("type", "default"))
+        _check_rope(rope, f"rope_parameters.{where}", read)
+    return full, sliding
+
+
+def _gemma3_layer_types(config: Mapping[str, Any], read) -> list[str]:
+    """`layer_types` as given (transformers 5), else from `sliding_window_pattern` (4): every
+    pattern-th layer global, the others sliding."""
+    if config.get("layer_types") is not None:
+        return _checked_layer_types(config["layer_types"], read)
+    pattern = int(config.get("sliding_window_pattern", 6))
+    return [SLIDING if (i + 1) % pattern else FULL for i in range(read("num_hidden_layers"))]
+
+
+def _qwen_windows(config: Mapping[str, Any], read) -> dict[str, Any]:
+    """Qwen's sliding windows as transformers 5 reads them: none unless `use_sliding_window`;
+    then on the layers `layer_types` names, or (a transformers 4 config) on layers
+    `max_window_layers` and above."""
+    window = read("sliding_window") if read("use_sliding_window") else None
+    if window is None:
+        return {"sliding_window": 0, "layer_types": None}
+    if config.get("layer_types") is not None:
+        kinds = _checked_layer_types(config["layer_types"], read)
+    else:
+        first = read("max_window_layers")
+        kinds = [SLIDING if i >= first else FULL for i in range(read("num_hidden_layers"))]
+    return {"sliding_window": int(window), "layer_types": kinds}
+
+
+def _qwen_windows_config(hparams: Mapping[str, Any]) -> dict[str, Any]:
+    kinds = _layer_types(hparams)
+    sliding = [i for i, kind in enumerate(kinds) if kind == SLIDING]
+    return {
+        "use_sliding_window": bool(sliding),
+        "sliding_window": hparams["sliding_window"] or None,
+        "max_window_layers": sliding[0] if sliding else hparams["depth"],
+        "layer_types": kinds,
+    }
+
+
+def _layer_types(hparams: Mapping[str, Any]) -> list[str]:
+    """Each layer's kind as `decoder` reads its `layer_types` and `sliding_window`."""
+    if hparams.get("layer_types"):
+        return list(hparams["layer_types"])
+    return [SLIDING if hparams["sliding_window"] else FULL] * hparams["depth"]
+
+
+def _checked_layer_types(kinds: Any, read) -> list[str]:
+    depth = read("num_hidden_layers")
+    if not isinstance(kinds, list) or len(kinds) != depth or not set(kinds) <= {FULL, SLIDING}:
+        raise ZooError(
+            f"This config has layer_types={kinds!r}; decoder loads one of {FULL!r} or "
+            f"{SLIDING!r} for each of its num_hidden_layers={depth} layers."
+        )
+    return list(kinds)
+
+
+def _global_rope(config: Mapping[str, Any], read) -> dict[str, Any]:
+    """The RoPE of a config with one for every layer, as transformers 5's
+    `convert_rope_params_to_dict` and `standardize_rope_params` read it: `rope_scaling`
+    (transformers 4) over `rope_parameters` (5), `rope_theta` from the dict, else the top
+    level, else the default."""
+    given = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    where = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
+    if not isinstance(given, dict) or not all(
+        isinstance(v, (int, float, str)) for v in given.values()
+    ):
+        raise ZooError(
+            f"This {config.get('model_type')} config has {where}={given!r}; decoder reads one "
+            "dict of RoPE parameters (rope_type, rope_theta, factor, ...) for every layer."
+        )
+    rope = dict(given)
+    rope.setdefault("rope_type", rope.get("type", "default"))
+    rope.setdefault("rope_theta", config.get("rope_theta", DEFAULT_THETA))
+    _check_rope(rope, where, read)
+    return _rope(rope, where, read)
+
+
+def _check_rope(rope: Mapping[str, Any], where: str, read) -> None:
+    kind = rope["rope_type"]
+    if kind not in ROPE_TYPES:
+        raise ZooError(
+            f"This config's {where}.rope_type is {kind!r}; decoder implements the RoPE "
+            f"scalings {', '.join(map(repr, ROPE_TYPES))}."
+        )
+    unknown = sorted(set(rope) - _ROPE_KEYS[kind])
+    if unknown:
+        raise ZooError(
+            f"This config's {where} has {', '.join(f'{k}={rope[k]!r}' for k in unknown)}, "
+            f"which decoder does not read for rope_type {kind!r} (it reads "
+            f"{', '.join(sorted(_ROPE_KEYS[kind]))})."
+        )
+    partial = rope.get("partial_rotary_factor", read("partial_rotary_factor"))
+    if partial not in (None, 1, 1.0):
+        raise ZooError(
+            f"This config has partial_rotary_factor={partial!r} (RoPE on part of each head); "
+            "decoder rotates whole heads: partial_rotary_factor 1.0 only."
+        )
+
+
+def _rope(rope: Mapping[str, Any], where: str, read) -> dict[str, Any]:
+    """`decoder`'s RoPE arguments of a checked RoPE dict."""
+    kind = rope["rope_type"]
+    out = {"rope_theta": float(rope["rope_theta"]), "rope_type": kind, "rope_factor": 1.0}
+    if kind in ("linear", "llama3"):
+        out["rope_factor"] = float(_required(rope, "factor", where))
+    if kind == "llama3":
+        context = read("original_max_position_embeddings")
+        if context is None:
+            context = rope.get("original_max_position_embeddings", read("max_position_embeddings"))
+        out.update(
+            rope_low_freq_factor=float(_required(rope, "low_freq_factor", where)),
+            rope_high_freq_factor=float(_required(rope, "high_freq_factor", where)),
+            rope_original_context=int(context),
+        )
+    return out
+
+
+def _required(rope: Mapping[str, Any], key: str, where: str) -> Any:
+    if key not in rope:
+        raise ZooError(
+            f"This config's {where} has rope_type {rope['rope_type']!r} but no {key}, which "
+            "that scaling needs."
+        )
+    return rope[key]
+
+
+def _rope_parameters(hparams: Mapping[str, Any]) -> dict[str, Any]:
+    """The global layers' RoPE in transformers 5's `rope_parameters` form."""
+    rope = {"rope_type": hparams["rope_type"], "rope_theta": hparams["rope_theta"]}
+    if hparams["rope_type"] in ("linear", "llama3"):
+        rope["factor"] = hparams["rope_factor"]
+    if hparams["rope_type"] == "llama3":
+        rope.update(
+            low_freq_factor=hparams["rope_low_freq_factor"],
+            high_freq_factor=hparams["rope_high_freq_factor"],
+            original_max_position_embeddings=hparams["rope_original_context"],
+        )
+    return rope
+
+
+def _activation(read, key: str) -> str:
+    value = read(key)
+    if value in _SILU:
+        return "silu"
+    if value in _TANH_GELU:
+        return "gelu_tanh"
+    raise ZooError(
+        f"This config has {key}={value!r}; decoder's gated MLP takes SiLU "
+        f"({', '.join(_SILU)}) or the tanh approximation of GELU ({', '.join(_TANH_GELU)})."
+    )
+
+
+def _hidden_act(hparams: Mapping[str, Any]) -> str:
+    return "silu" if hparams["activation"] == "silu" else "gelu_pytorch_tanh"
+
+
+def _same_biases(hparams: Mapping[str, Any], key: str) -> bool:
+    """One switch of a layout for the q/k/v and the output projections' biases."""
+    if hparams["qkv_bias"] != hparams["out_bias"]:
+        raise ZooError(
+            f"This layout's {key} puts biases on q, k, v and the attention output alike; this "
+            f"model has qkv_bias={hparams['qkv_bias']} and out_bias={hparams['out_bias']}."
+        )
+    return hparams["qkv_bias"]
+
+
+def _hparams(kind: _Kind) -> Callable[[Mapping[str, Any]], dict[str, Any]]:
+    def hparams(config: Mapping[str, Any]) -> dict[str, Any]:
+        def read(key: str) -> Any:
+            value = config.get(key)
+            return kind.defaults.get(key) if value is None else value
+
+        if config.get("quantization_config") is not None:
+            method = (config["quantization_config"] or {}).get("quant_method", "?")
+            raise ZooError(
+                f"This {kind.name} checkpoint is quantized (quantization_config with "
+                f"quant_method={method!r}); decoder loads float weights (float32, bfloat16, "
+                "float16) only."
+            )
+        dim, heads = int(read("hidden_size")), int(read("num_attention_heads"))
+        kv_heads = int(read("num_key_value_heads") or heads)
+        if heads % kv_heads:
+            raise ZooError(
+                f"This {kind.name} config has num_attention_heads={heads} and "
+                f"num_key_value_heads={kv_heads}; the query heads must be a multiple of the "
+                "key/value heads."
+            )
+        return {
+            "vocab_size": int(read("vocab_size")),
+            "context_length": int(read("max_position_embeddings")),
+            "dim": dim,
+            "depth": int(read("num_hidden_layers")),
+            "num_heads": heads,
+            "num_kv_heads": kv_heads,
+            "head_dim": int(read("head_dim") or dim // heads),
+            "mlp_dim": int(read("intermediate_size")),
+            "norm_epsilon": float(read("rms_norm_eps")),
+            "tie_embeddings": bool(read("tie_word_embeddings")),
+            **_PLAIN,
+            **kind.options(config, read),
+        }
+
+    return hparams
+
+
+_PLAIN = {
+    "norm_unit_offset": False,
+    "post_norms": False,
+    "qk_norm": False,
+    "qkv_bias": False,
+    "out_bias": False,
+    "mlp_bias": False,
+    "local_rope_theta": 0.0,
+    "sliding_window": 0,
+    "layer_types": None,
+    "query_scale": 0.0,
+    "attention_softcap": 0.0,
+    "final_softcap": 0.0,
+    "embed_scale": False,
+}
+"""The options of a plain Llama: what a family does not set stays at these."""
+
+
+def _export_config(kind: _Kind) -> Callable[[Mapping[str, Any]], dict[str, Any]]:
+    def export_config(hparams: Mapping[str, Any]) -> dict[str, Any]:
+        hparams = {**_PLAIN, **hparams}
+        return {
+            "architectures": [kind.architecture],
+            "model_type": kind.name,
+            "vocab_size": hparams["vocab_size"],
+            "max_position_embeddings": hparams["context_length"],
+            "hidden_size": hparams["dim"],
+            "num_hidden_layers": hparams["depth"],
+            "num_attention_heads": hparams["num_heads"],
+            "num_key_value_heads": hparams["num_kv_heads"] or hparams["num_heads"],
+            "head_dim": hparams["head_dim"] or hparams["dim"] // hparams["num_heads"],
+            "intermediate_size": hparams["mlp_dim"] or 4 * hparams["dim"],
+            "rms_norm_eps": hparams["norm_epsilon"],
+            "tie_word_embeddings": hparams["tie_embeddings"],
+            "attention_dropout": 0.0,
+            "use_cache": True,
+            **kind.export(hparams),
+        }
+
+    return export_config
+
+
+def _rules(kind: _Kind) -> Callable[[Mapping[str, Any]], list[Rule]]:
+    def rules(hparams: Mapping[str, Any]) -> list[Rule]:
+        dim, vocab = hparams["dim"], hparams["vocab_size"]
+        heads, head_dim = hparams["num_heads"], hparams["head_dim"] or dim // hparams["num_heads"]
+        kv_heads = hparams["num_kv_heads"] or heads
+        pad = padded_vocab(vocab) - vocab
+        gemma = kind.name == "gemma3_text"
+        table = [
+            _rule("model.embed_tokens.weight", "embedding", pad_rows=pad),
+            _rule("model.norm.weight", "norm.scale"),
+            _layer("input_layernorm.weight", "attention_norm.scale"),
+            _projection("q_proj", "query", heads, head_dim, dim),
+            _projection("k_proj", "key", kv_heads, head_dim, dim),
+            _projection("v_proj", "value", kv_heads, head_dim, dim),
+            _layer(
+                "self_attn.o_proj.weight",
+                "attention.out.kernel",
+                load=lambda w: (w.T.reshape(heads, head_dim, dim),),
+                save=lambda kernel: kernel.reshape(heads * head_dim, dim).T,
+            ),
+            *[
+                _layer(f"mlp.{name}_proj.weight", f"mlp.{name}.kernel", load=_t, save=_t1)
+                for name in ("gate", "up", "down")
+            ],
+        ]
+        if gemma:
+            table += [
+                _layer("post_attention_layernorm.weight", "post_attention_norm.scale"),
+                _layer("pre_feedforward_layernorm.weight", "mlp_norm.scale"),
+                _layer("post_feedforward_layernorm.weight", "post_mlp_norm.scale"),
+            ]
+        else:
+            table.append(_layer("post_attention_layernorm.weight", "mlp_norm.scale"))
+        if hparams.get("qk_norm"):
+            table += [
+                _layer("self_attn.q_norm.weight", "attention.query_norm.scale"),
+                _layer("self_attn.k_norm.weight", "attention.key_norm.scale"),
+            ]
+        if hparams.get("qkv_bias"):
+            table += [
+                _bias("q_proj", "query", heads, head_dim),
+                _bias("k_proj", "key", kv_heads, head_dim),
+                _bias("v_proj", "value", kv_heads, head_dim),
+            ]
+        if hparams.get("out_bias"):
+            table.append(_layer("self_attn.o_proj.bias", "attention.out.bias"))
+        if hparams.get("mlp_bias"):
+            table += [_layer(f"mlp.{n}_proj.bias", f"mlp.{n}.bias") for n in ("gate", "up", "down")]
+        if not hparams.get("tie_embeddings", True):
+            table.append(
+                _rule(
+                    "lm_head.weight",
+                    "unembed.kernel",
+                    load=lambda w: (np.pad(w.T, ((0, 0), (0, pad))),),
+                    save=lambda kernel: kernel[:, :vocab].T,
+                )
+            )
+        return table
+
+    return rules
+
+
+def _t(w: np.ndarray) -> tuple[np.ndarray]:
+    return (w.T,)
+
+
+def _t1(kernel: np.ndarray) -> np.ndarray:
+    return kernel.T
+
+
+def _rule(key: str, param: str, **transform: Any) -> Rule:
+    return Rule(key.replace(".", r"\."), (param,), export_key=key, **transform)
+
+
+def _layer(key: str, param: str, **transform: Any) -> Rule:
+    """A rule of every layer's `model.layers.N.<key>` -> `layers.N.<param>`."""
+    return Rule(
+        r"model\.layers\.(\d+)\." + key.replace(".", r"\."),
+        (rf"layers.\1.{param}",),
+        export_key=rf"model.layers.\1.{key}",
+        **transform,
+    )
+
+
+def _projection(name: str, param: str, heads: int, head_dim: int, dim: int) -> Rule:
+    """q/k/v: torch's (heads * head_dim, dim) <-> (dim, heads, head_dim)."""
+    return _layer(
+        f"self_attn.{name}.weight",
+        f"attention.{param}.kernel",
+        load=lambda w: (w.T.reshape(dim, heads, head_dim),),
+        save=lambda kernel: kernel.reshape(dim, heads * head_dim).T,
+    )
+
+
+def _bias(name: str, param: str, heads: int, head_dim: int) -> Rule:
+    return _layer(
+        f"self_attn.{name}.bias",
+        f"attention.{param}.bias",
+        load=lambda b: (b.reshape(heads, head_dim),),
+        save=lambda bias: bias.reshape(heads * head_dim),
+    )
+
+
+_LLAMA_DEFAULTS = {
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": None,
+    "hidden_act": "silu",
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "mlp_bias": False,
+}
+_QWEN_DEFAULTS = {
+    **_LLAMA_DEFAULTS,
+    "vocab_size": 151936,
+    "intermediate_size": 22016,
+    "num_key_value_heads": 32,
+    "max_position_embeddings": 32768,
+    "use_sliding_window": False,
+    "sliding_window": 4096,
+    "max_window_layers": 28,
+}
+
+KINDS = (
+    _Kind(
+        "llama",
+        "LlamaForCausalLM",
+        "Llama 2/3 (and SmolLM), transformers LlamaForCausalLM",
+        _LLAMA_DEFAULTS,
+        ("hidden_act", "attention_bias", "mlp_bias"),
+        ("pretraining_tp",),
+        _llama_options,
+        _llama_export,
+    ),
+    _Kind(
+        "qwen2",
+        "Qwen2ForCausalLM",
+        "Qwen 2 and 2.5, transformers Qwen2ForCausalLM",
+        _QWEN_DEFAULTS,
+        ("hidden_act", "use_sliding_window", "sliding_window", "max_window_layers", "layer_types"),
+        ("use_mrope",),
+        _qwen2_options,
+        _qwen2_export,
+    ),
+    _Kind(
+        "qwen3",
+        "Qwen3ForCausalLM",
+        "Qwen 3, transformers Qwen3ForCausalLM",
+        {**_QWEN_DEFAULTS, "head_dim": 128},
+        (
+            "hidden_act",
+            "attention_bias",
+            "use_sliding_window",
+            "sliding_window",
+            "max_window_layers",
+            "layer_types",
+        ),
+        (),
+        _qwen3_options,
+        _qwen3_export,
+    ),
+    _Kind(
+        "mistral",
+        "MistralForCausalLM",
+        "Mistral, transformers MistralForCausalLM",
+        {
+            **_LLAMA_DEFAULTS,
+            "intermediate_size": 14336,
+            "num_key_value_heads": 8,
+            "max_position_embeddings": 4096 * 32,
+            "sliding_window": 4096,
+        },
+        ("hidden_act", "sliding_window", "layer_types"),
+        (),
+        _mistral_options,
+        _mistral_export,
+    ),
+    _Kind(
+        "gemma3_text",
+        "Gemma3ForCausalLM",
+        "Gemma 3 text, transformers Gemma3ForCausalLM",
+        {
+            **_LLAMA_DEFAULTS,
+            "vocab_size": 262_208,
+            "hidden_size": 2304,
+            "intermediate_size": 9216,
+            "num_hidden_layers": 26,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 4,
+            "head_dim": 256,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "max_position_embeddings": 131_072,
+            "tie_word_embeddings": True,
+            "query_pre_attn_scalar": 256,
+            "sliding_window": 4096,
+            "use_bidirectional_attention": False,
+        },
+        (
+            "hidden_activation",
+            "attention_bias",
+            "query_pre_attn_scalar",
+            "sliding_window",
+            "layer_types",
+            "sliding_window_pattern",
+            "rope_local_base_freq",
+            "attn_logit_softcapping",
+            "final_logit_softcapping",
+            "use_bidirectional_attention",
+        ),
+        ("_sliding_window_pattern",),
+        _gemma3_options,
+        _gemma3_export,
+    ),
+)
+
+HONOURED = {kind.name: (*_SIZES, *kind.honoured) for kind in KINDS}
+"""Per family: the config.json keys that `hparams` reads (or refuses by value)."""
+INERT = {kind.name: (*_INERT, *kind.inert) for kind in KINDS}
+"""Per family: the config.json keys that do not change what the model computes, besides
+`COMMON_INERT`."""
+
+
+def _matches(name: str) -> Callable[[Mapping[str, Any]], bool]:
+    return lambda config: config.get("model_type") == name
+
+
+def _family(kind: _Kind) -> Family:
+    return Family(
+        name=kind.name,
+        model="decoder",
+        matches=_matches(kind.name),
+        hparams=_hparams(kind),
+        rules=_rules(kind),
+        ignore=(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",),
+        export_config=_export_config(kind),
+        description=kind.description,
+        stacked=lambda hparams: ("layers",) if hparams.get("scan_layers") else (),
+        honoured=HONOURED[kind.name],
+        inert=INERT[kind.name],
+    )
+
+
+FAMILIES = tuple(register_family(_family(kind)) for kind in KINDS)
