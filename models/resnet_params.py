@@ -16,7 +16,16 @@ width) and `pretrained_cfg` (`input_size`, `mean`, `std`). For torchvision's wei
 safetensors, write `{"architecture": "resnet50", "num_classes": 1000}` beside them.
 
 Inputs are normalised by the model itself (`pixel_mean`/`pixel_std`): timm's `pretrained_cfg`
-statistics where given, else ImageNet's, which torchvision's and Hugging Face's ResNets use.
+statistics where given, a Hugging Face checkpoint's `preprocessor_config.json` (`image_mean`,
+`image_std`, `do_normalize`, `do_rescale`, `rescale_factor`) where it has one, else ImageNet's,
+which torchvision's and Hugging Face's ResNets use. The network pools globally, so it takes
+images of any size; the `input_shape` a checkpoint implies is the size it was trained at.
+
+Every key of both layouts' configs is accounted for (`Family.honoured`, `inert`): the depths,
+widths, block kind, activation, classes, pooling and normalisation are honoured (a timm
+`global_pool` other than `avg` refused); the backbone outputs of Hugging Face's `ResNetBackbone`
+(`out_features`, `out_indices`, `stage_names`), timm's `pretrained_cfg` provenance and crop
+settings and the image processor's resizing and format settings are inert.
 """
 
 from __future__ import annotations
@@ -25,9 +34,17 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from zoo.models.hf_config import class_labels
+from zoo.models.hf_config import (
+    PREPROCESSOR,
+    PREPROCESSOR_HONOURED,
+    PREPROCESSOR_INERT,
+    class_labels,
+    pixel_statistics,
+    preprocessor_config,
+)
 from zoo.models.resnet import BOTTLENECK_EXPANSION
 from zoo.models.torch_layout import conv_load, conv_save, input_conv_load, linear_load, linear_save
+from zoo.models.vit_params import TIMM_PRETRAINED_HONOURED, TIMM_PRETRAINED_INERT
 
 from zoo.plugin import Rule, ZooError, register_families
 
@@ -158,6 +175,11 @@ def _is_timm(config: Mapping[str, Any]) -> bool:
 
 def _timm_hparams(config: Mapping[str, Any]) -> dict[str, Any]:
     architecture = _TIMM_ARCHITECTURE.fullmatch(config["architecture"])[1]
+    if config.get("global_pool", "avg") != "avg":
+        raise ZooError(
+            f"This timm ResNet pools with global_pool={config['global_pool']!r}: resnet loads "
+            "global_pool avg, the average of the last stage's features."
+        )
     block, stage_sizes = DEPTHS[architecture]
     features = int(
         config.get("num_features", 512 * (BOTTLENECK_EXPANSION if block == "bottleneck" else 1))
@@ -228,7 +250,8 @@ def _hf_hparams(config: Mapping[str, Any]) -> dict[str, Any]:
         len(labels),
         [*_IMAGE_SIZE[:2], channels],
     )
-    hparams["pixel_mean"], hparams["pixel_std"] = IMAGENET_MEAN, IMAGENET_STD
+    mean, std = (statistic[:channels] for statistic in (IMAGENET_MEAN, IMAGENET_STD))
+    hparams["pixel_mean"], hparams["pixel_std"] = pixel_statistics(config, mean, std)
     return hparams
 
 
@@ -248,12 +271,52 @@ def _hf_config(hparams: Mapping[str, Any]) -> dict[str, Any]:
         "downsample_in_first_stage": False,
         "downsample_in_bottleneck": False,
         **class_labels(hparams["num_classes"]),
+        "preprocessor_config": preprocessor_config(
+            "ConvNextImageProcessor",
+            {"shortest_edge": min(hparams["input_shape"][:2])},
+            hparams.get("pixel_mean") or IMAGENET_MEAN,
+            hparams.get("pixel_std") or IMAGENET_STD,
+        ),
     }
 
 
+_TIMM_KEYS = {
+    "honoured": (
+        "architecture",
+        "num_classes",
+        "num_features",
+        "global_pool",
+        *TIMM_PRETRAINED_HONOURED,
+    ),
+    "inert": ("label_names", "label_descriptions", *TIMM_PRETRAINED_INERT),
+}
+_HF_KEYS = {
+    "honoured": (
+        "depths",
+        "downsample_in_bottleneck",
+        "downsample_in_first_stage",
+        "embedding_size",
+        "hidden_act",
+        "hidden_sizes",
+        "layer_type",
+        "num_channels",
+        "id2label",
+        *PREPROCESSOR_HONOURED,
+    ),
+    "inert": ("out_features", "out_indices", "stage_names", *PREPROCESSOR_INERT),
+    "sidecars": (PREPROCESSOR,),
+}
 TIMM_RESNET, HF_RESNET = register_families(
     "resnet",
-    ("timm-resnet", _is_timm, _timm_hparams, _torchvision_rules, _timm_config, _TIMM_LISTING),
-    ("hf-resnet", _is_hf, _hf_hparams, _hf_rules, _hf_config, _HF_LISTING),
+    (
+        "timm-resnet",
+        _is_timm,
+        _timm_hparams,
+        _torchvision_rules,
+        _timm_config,
+        _TIMM_LISTING,
+        _TIMM_KEYS,
+    ),
+    ("hf-resnet", _is_hf, _hf_hparams, _hf_rules, _hf_config, _HF_LISTING, _HF_KEYS),
     ignore=_IGNORE,
 )

@@ -15,7 +15,16 @@ sizes the name implies for tiny/small/base/large) and may carry `model_args` (ti
 `pretrained_cfg` (`input_size`, `mean`, `std`). The model keeps the checkpoint's position grid
 and resizes it for images of another size as the family's own code does (module docstring of
 `zoo.models.vit`). Inputs are normalised by the model: timm's `pretrained_cfg` statistics, else
-0.5 and 0.5 per channel (`ViTImageProcessor`'s and timm's ViTs' default).
+0.5 and 0.5 per channel (`ViTImageProcessor`'s and timm's ViTs' default); a Hugging Face
+checkpoint's `preprocessor_config.json` (`image_mean`, `image_std`, `do_normalize`, `do_rescale`,
+`rescale_factor`) where it has one, which its export writes back.
+
+Every key of both layouts' configs is accounted for (`Family.honoured`, `inert`): the sizes,
+activation, epsilon, biases, pooling, classes and normalisation are honoured; dropout rates,
+`encoder_stride` (masked image modelling), the pooler of `ViTModel` (not part of the
+classifier), timm's `num_features` and its `pretrained_cfg`'s provenance and crop settings, and
+the image processor's resizing, cropping and format settings (`hf_config.PREPROCESSOR_INERT`)
+are inert.
 """
 
 from __future__ import annotations
@@ -25,7 +34,15 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-from zoo.models.hf_config import class_labels, transformer_config
+from zoo.models.hf_config import (
+    PREPROCESSOR,
+    PREPROCESSOR_HONOURED,
+    PREPROCESSOR_INERT,
+    class_labels,
+    pixel_statistics,
+    preprocessor_config,
+    transformer_config,
+)
 from zoo.models.torch_layout import conv_save, input_conv_load, linear_load, linear_save
 
 from zoo.plugin import Rule, ZooError, register_families
@@ -185,6 +202,7 @@ def _hf_hparams(config: Mapping[str, Any]) -> dict[str, Any]:
             f"(gelu or one of {', '.join(_TANH)})."
         )
     side, channels = int(config.get("image_size", 224)), int(config.get("num_channels", 3))
+    mean, std = pixel_statistics(config, HALF[:channels], HALF[:channels])
     return _vit(
         input_shape=[side, side, channels],
         num_classes=len(config.get("id2label") or {"0": 0, "1": 1}),
@@ -198,8 +216,8 @@ def _hf_hparams(config: Mapping[str, Any]) -> dict[str, Any]:
         class_token=True,
         pool="cls",
         position_resize="bicubic",
-        pixel_mean=HALF[:channels],
-        pixel_std=HALF[:channels],
+        pixel_mean=mean,
+        pixel_std=std,
     )
 
 
@@ -210,15 +228,22 @@ def _hf_config(hparams: Mapping[str, Any]) -> dict[str, Any]:
             "Only a vit with model.class_token=true model.pool=cls model.attention_bias=true "
             "has the Hugging Face ViT layout."
         )
+    side, channels = hparams["position_grid"][0] * hparams["patch_size"], hparams["input_shape"][-1]
     return {
         "architectures": ["ViTForImageClassification"],
         "model_type": "vit",
-        "image_size": hparams["position_grid"][0] * hparams["patch_size"],
+        "image_size": side,
         "patch_size": hparams["patch_size"],
-        "num_channels": hparams["input_shape"][-1],
+        "num_channels": channels,
         **transformer_config(hparams, _HF_SIZE_KEYS, "gelu_pytorch_tanh", _HF_DROPOUTS),
         "qkv_bias": True,
         **class_labels(hparams["num_classes"]),
+        "preprocessor_config": preprocessor_config(
+            "ViTImageProcessor",
+            {"height": side, "width": side},
+            hparams.get("pixel_mean") or HALF[:channels],
+            hparams.get("pixel_std") or HALF[:channels],
+        ),
     }
 
 
@@ -297,8 +322,90 @@ def _timm_config(hparams: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+_HF_KEYS = {
+    "honoured": (
+        *_HF_SIZE_KEYS,
+        "image_size",
+        "patch_size",
+        "num_channels",
+        "qkv_bias",
+        "id2label",
+        *PREPROCESSOR_HONOURED,
+    ),
+    "inert": (
+        *_HF_DROPOUTS,
+        "encoder_stride",
+        "pooler_act",
+        "pooler_output_size",
+        *PREPROCESSOR_INERT,
+    ),
+    "sidecars": (PREPROCESSOR,),
+}
+_TIMM_ARGS = (
+    "embed_dim",
+    "depth",
+    "num_heads",
+    "mlp_ratio",
+    "patch_size",
+    "img_size",
+    "in_chans",
+    "class_token",
+    "global_pool",
+    "fc_norm",
+    "no_embed_class",
+    "reg_tokens",
+)
+TIMM_PRETRAINED_INERT = tuple(
+    f"pretrained_cfg.{key}"
+    for key in (
+        "tag",
+        "custom_load",
+        "hf_hub_id",
+        "hf_hub_filename",
+        "source",
+        "architecture",
+        "url",
+        "file",
+        "state_dict",
+        "license",
+        "description",
+        "origin_url",
+        "paper_name",
+        "paper_ids",
+        "notes",
+        "fixed_input_size",
+        "interpolation",
+        "crop_pct",
+        "crop_mode",
+        "test_input_size",
+        "test_crop_pct",
+        "min_input_size",
+        "num_classes",
+        "pool_size",
+        "first_conv",
+        "classifier",
+        "label_offset",
+    )
+)
+"""The keys of timm's `pretrained_cfg` that say where weights came from and how its own
+evaluation resized and cropped images: none changes what the network computes."""
+TIMM_PRETRAINED_HONOURED = (
+    "pretrained_cfg.input_size",
+    "pretrained_cfg.mean",
+    "pretrained_cfg.std",
+)
+_TIMM_KEYS = {
+    "honoured": (
+        "architecture",
+        "num_classes",
+        "global_pool",
+        *(f"model_args.{key}" for key in _TIMM_ARGS),
+        *TIMM_PRETRAINED_HONOURED,
+    ),
+    "inert": ("num_features", "label_names", "label_descriptions", *TIMM_PRETRAINED_INERT),
+}
 HF_VIT, TIMM_VIT = register_families(
     "vit",
-    ("hf-vit", _is_hf, _hf_hparams, _hf_rules, _hf_config, _HF_LISTING),
-    ("timm-vit", _is_timm, _timm_hparams, _timm_rules, _timm_config, _TIMM_LISTING),
+    ("hf-vit", _is_hf, _hf_hparams, _hf_rules, _hf_config, _HF_LISTING, _HF_KEYS),
+    ("timm-vit", _is_timm, _timm_hparams, _timm_rules, _timm_config, _TIMM_LISTING, _TIMM_KEYS),
 )

@@ -625,13 +625,94 @@ def _substitute(template: str, groups: Sequence[str]) -> str:
     return re.sub(r"\\(\d+)", lambda m: groups[int(m[1]) - 1], template)
 
 
+DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
+"""The dtypes a checkpoint is written in, by the names transformers gives them."""
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
+_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
 def write_pretrained(
-    out_dir: str | os.PathLike, config: Mapping[str, Any], tensors: Mapping[str, np.ndarray]
+    out_dir: str | os.PathLike,
+    config: Mapping[str, Any],
+    tensors: Mapping[str, np.ndarray],
+    *,
+    dtype: str = "float32",
+    max_shard_size: int | str | None = None,
+    sidecars: Sequence[str] = (),
 ) -> str:
-    """Write `config.json` and `model.safetensors` into `out_dir`; returns its path."""
+    """Write `config.json` and the weights into `out_dir`; returns its path.
+
+    Floating-point tensors are written in `dtype` (`float32` or `bfloat16`, rounded to nearest;
+    the config's `dtype` names it where the config is transformers'). Above `max_shard_size`
+    (bytes, or transformers' strings: `"5GB"`, `"200MiB"`), the tensors are split, in order,
+    into shards `model-0000i-of-0000n.safetensors` that `model.safetensors.index.json` lists,
+    as transformers' `save_pretrained(max_shard_size=...)` writes them. `sidecars`: file names
+    (`preprocessor_config.json`) whose content the config holds under the file's stem, written
+    as files of their own."""
+    if dtype not in DTYPES:
+        raise ZooError(f"dtype={dtype!r}: checkpoints are written in {' or '.join(DTYPES)}.")
+    limit = None if max_shard_size is None else _bytes(max_shard_size)
     root = os.path.abspath(os.fspath(out_dir))
     os.makedirs(root, exist_ok=True)
-    with open(os.path.join(root, CONFIG), "w", encoding="utf-8") as f:
-        json.dump(dict(config), f, indent=2, sort_keys=True)
-    save_file(dict(tensors), os.path.join(root, WEIGHTS), metadata={"format": "pt"})
+    config = dict(config)
+    for name in sidecars:
+        stem = os.path.splitext(name)[0]
+        if stem in config:
+            _write_json(os.path.join(root, name), config.pop(stem))
+    if "model_type" in config:
+        config["dtype"] = dtype
+    cast = {key: _cast(array, DTYPES[dtype]) for key, array in tensors.items()}
+    for stale in os.listdir(root):  # the weights of an earlier export into the same directory
+        if stale in (WEIGHTS, INDEX) or _SHARD.fullmatch(stale):
+            os.remove(os.path.join(root, stale))
+    _write_json(os.path.join(root, CONFIG), config)
+    shards = _shards(cast, limit)
+    if len(shards) == 1:
+        save_file(cast, os.path.join(root, WEIGHTS), metadata={"format": "pt"})
+        return root
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for name, shard in zip(names, shards, strict=True):
+        save_file(shard, os.path.join(root, name), metadata={"format": "pt"})
+    index = {
+        "metadata": {"total_size": sum(a.nbytes for a in cast.values())},
+        "weight_map": {key: name for name, shard in zip(names, shards) for key in shard},
+    }
+    _write_json(os.path.join(root, INDEX), index)
     return root
+
+
+def _bytes(size: int | str) -> int:
+    """A shard size in bytes: an int, or a number and a unit as transformers writes them."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", str(size), re.IGNORECASE)
+    if match is None or float(match[1]) <= 0:
+        raise ZooError(
+            f"max_shard_size={size!r} is not a size: give bytes (an int) or a number and a unit, "
+            "e.g. '200MB', '5GB', '2GiB'."
+        )
+    return int(float(match[1]) * _UNITS[(match[2] or "").upper()])
+
+
+def _cast(array: np.ndarray, dtype: Any) -> np.ndarray:
+    if not np.issubdtype(array.dtype, np.floating) and array.dtype != ml_dtypes.bfloat16:
+        return array
+    return np.ascontiguousarray(array.astype(dtype))
+
+
+def _shards(tensors: Mapping[str, np.ndarray], limit: int | None) -> list[dict[str, np.ndarray]]:
+    """The tensors in order, a new shard begun where the next would pass `limit` bytes (a
+    tensor larger than `limit` has a shard of its own), as transformers splits them."""
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for key, array in tensors.items():
+        if limit is not None and shards[-1] and size + array.nbytes > limit:
+            shards.append({})
+            size = 0
+        shards[-1][key] = array
+        size += array.nbytes
+    return shards
+
+
+def _write_json(path: str, content: Any) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(content, f, indent=2, sort_keys=True)

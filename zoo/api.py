@@ -356,14 +356,14 @@ def predict(trained: Trained, inputs: np.ndarray) -> Any:
         batch = sharding.shard_batch({"inputs": padded}, trained.mesh, trained.rules)
         outputs = _forward(trained.model, batch["inputs"])
     outputs = jax.tree.map(lambda x: np.asarray(x)[: len(inputs)], jax.device_get(outputs))
-    return _within_vocabulary(trained.model, outputs)
+    return within_vocabulary(trained.model, outputs)
 
 
-def _within_vocabulary(model: nnx.Module, outputs: Any) -> Any:
+def within_vocabulary(model: nnx.Module, outputs: Any) -> Any:
     """A language model's logits over its vocabulary alone: a model whose embedding has rows
     past its `vocab_size` (padded so that it shards) masks their logits, and they are dropped."""
     vocab = getattr(model, "vocab_size", None)
-    if not isinstance(vocab, int) or not isinstance(outputs, np.ndarray):
+    if not isinstance(vocab, int) or not isinstance(outputs, np.ndarray | jax.Array):
         return outputs
     return outputs[..., :vocab] if outputs.ndim and outputs.shape[-1] > vocab else outputs
 

@@ -1,14 +1,23 @@
 """Writing a trained model out: `zoo.export(workdir, out_dir, format="hf" | "jax")`, and its CLI
-`python -m zoo.export WORKDIR OUT [format=hf|jax] [step=latest] [weights=raw|ema]`.
+`python -m zoo.export WORKDIR OUT [format=hf|jax] [step=latest] [weights=raw|ema]
+[dtype=float32|bfloat16] [max_shard_size=SIZE]`.
 
-- `hf`: `config.json` + `model.safetensors` (+ `tokenizer.json`) in the layout of the checkpoint
-  family the model loads (the one the run started from, else the model's first), which that
-  family's reference code reads; LoRA adapters are merged first. Generic over every registered
-  family: the family's key table, run backwards (`zoo.engine.weights.export_tensors`). A ViT trained
-  at another image size than its checkpoint's is written with its positions resized to the
-  images it takes, as each call resizes them, so that the config names that size; a language
-  model's config names its end-of-text token (`zoo.export.token_ids`).
-- `jax`: the inference function serialised with `jax.export` (StableHLO) in `model.jaxexport`,
+- `hf`: `config.json` + `model.safetensors` in the layout of the checkpoint family the model
+  loads (the one the run started from, else the model's first), which that family's reference
+  code reads; LoRA adapters are merged first. Generic over every registered family: the
+  family's key table, run backwards (`zoo.engine.weights.export_tensors`). The weights are
+  written in `dtype` (`float32` or `bfloat16`), split into shards listed by
+  `model.safetensors.index.json` above `max_shard_size` (`"5GB"`, as transformers takes it).
+  The tokenizer comes along: the one the run trained with (`data.tokenizer`), and, from the
+  pretrained directory the run started from (`finetune.init_from`), its tokenizer settings,
+  chat template and generation config (`CARRIED`), unless the run trained with another
+  tokenizer. A vision family's image-processor settings (`preprocessor_config.json`) are
+  written from the model's normalisation. A ViT trained at another image size than its
+  checkpoint's is written with its positions resized to the images it takes, as each call
+  resizes them, so that the config names that size; a language model's config names its
+  end-of-text token (`zoo.export.token_ids`).
+- `jax`: the inference function serialised with `jax.export` (StableHLO) in `model.jaxexport`
+  (a language model's logits over its vocabulary alone, as `zoo.predict` gives them),
   its weights in `weights.npz` (in the order the function takes them) and `signature.json`; a
   process with jax alone runs it: `jax.export.deserialize(...).call(*weights, inputs)`.
 
@@ -22,12 +31,13 @@ import json
 import os
 import shutil
 import sys
+from typing import Any
 
 import jax
 import numpy as np
 from flax import nnx
 
-from zoo.api import TrainedModel, load, resolved_hparams
+from zoo.api import TrainedModel, load, resolved_hparams, within_vocabulary
 from zoo.engine import registry
 from zoo.engine import weights as pretrained
 from zoo.engine.errors import ZooError
@@ -36,6 +46,18 @@ from zoo.export.token_ids import special_token_ids
 
 FORMATS = ("hf", "jax")
 FUNCTION, WEIGHTS, SIGNATURE = "model.jaxexport", "weights.npz", "signature.json"
+CARRIED = (
+    pretrained.TOKENIZER,
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+)
+"""The files of a pretrained directory that a run from it carries into its export: the
+tokenizer and its settings, the chat template and the generation config."""
 
 
 def export(
@@ -44,18 +66,32 @@ def export(
     format: str = "hf",
     step="latest",
     weights: str = "raw",
+    dtype: str = "float32",
+    max_shard_size: int | str | None = None,
 ) -> str:
     """Write the model of the run (or pretrained directory) `workdir` at `step` into `out_dir`
     as `format` (`hf` or `jax`, see the module docstring); returns `out_dir`'s path.
     `weights="ema"` writes the average of the params that `optimizer.ema_decay` kept (as
-    `zoo.load(..., weights="ema")` loads it) in place of the params themselves."""
+    `zoo.load(..., weights="ema")` loads it) in place of the params themselves. For `hf`:
+    `dtype` (`float32` or `bfloat16`) is the weights' dtype in the files, and
+    `max_shard_size` (bytes, or `"200MB"`, `"5GB"`, `"2GiB"`) splits them into shards above
+    that size."""
     if format not in FORMATS:
         raise ZooError(f"format={format!r} is not an export format: choose one of hf, jax.")
+    if format != "hf" and (dtype != "float32" or max_shard_size is not None):
+        raise ZooError(
+            f"dtype={dtype!r} and max_shard_size={max_shard_size!r} are options of format=hf; "
+            "format=jax writes the params as the model holds them."
+        )
+    if dtype not in pretrained.DTYPES:
+        raise ZooError(f"dtype={dtype!r}: format=hf writes {' or '.join(pretrained.DTYPES)}.")
     trained = load(workdir, step, devices=jax.devices()[:1], weights=weights)
     with trained.activate():
         merge_adapters(trained.model)
     out = os.path.abspath(os.fspath(out_dir))
-    return _hf(trained, out) if format == "hf" else _jax(trained, out)
+    if format == "jax":
+        return _jax(trained, out)
+    return _hf(trained, out, dtype=dtype, max_shard_size=max_shard_size)
 
 
 def _family(trained: TrainedModel) -> registry.Family:
@@ -71,22 +107,43 @@ def _family(trained: TrainedModel) -> registry.Family:
     return found[0]
 
 
-def _hf(trained: TrainedModel, out: str) -> str:
+def _hf(trained: TrainedModel, out: str, **writing: Any) -> str:
     family, hparams = _family(trained), resolved_hparams(trained.config)
     if hasattr(trained.model, "hold_positions_at_input_size"):
         with trained.activate():
             hparams["position_grid"] = list(trained.model.hold_positions_at_input_size())
     tensors = pretrained.export_tensors(trained.model, family, hparams)
     config = family.export_config(hparams)
-    tokenizer = trained.config.data.get("tokenizer")
+    carried = carried_files(trained.config)
+    if "vocab_size" in config:
+        config.update(special_token_ids(carried.get(pretrained.TOKENIZER), config["vocab_size"]))
+    pretrained.write_pretrained(out, config, tensors, sidecars=family.sidecars, **writing)
+    for name, path in carried.items():
+        shutil.copyfile(path, os.path.join(out, name))
+    return out
+
+
+def carried_files(config: Any) -> dict[str, str]:
+    """File name -> path of what an export of the run of `config` carries beside the weights:
+    the tokenizer it trained with (`data.tokenizer`) and what the pretrained directory it
+    started from holds of `CARRIED`; only the former where the two tokenizers differ (the
+    directory's settings are its own tokenizer's)."""
+    start = config.finetune.get("init_from")
+    source = start if start and pretrained.is_pretrained(start) else None
+    found = {
+        name: os.path.join(source, name)
+        for name in (CARRIED if source else ())
+        if os.path.isfile(os.path.join(source, name))
+    }
+    tokenizer = config.data.get("tokenizer")
     if tokenizer and os.path.isdir(tokenizer):
         tokenizer = os.path.join(tokenizer, pretrained.TOKENIZER)
-    if "vocab_size" in config:
-        config.update(special_token_ids(tokenizer, config["vocab_size"]))
-    pretrained.write_pretrained(out, config, tensors)
-    if tokenizer:
-        shutil.copyfile(tokenizer, os.path.join(out, pretrained.TOKENIZER))
-    return out
+    if not tokenizer:
+        return found
+    own = found.get(pretrained.TOKENIZER)
+    if own is None or not os.path.samefile(own, tokenizer):
+        return {pretrained.TOKENIZER: tokenizer}
+    return found
 
 
 def _jax(trained: TrainedModel, out: str) -> str:
@@ -95,7 +152,8 @@ def _jax(trained: TrainedModel, out: str) -> str:
     example = _example_input(trained)
 
     def infer(leaves, inputs):
-        return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))(inputs)
+        model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+        return within_vocabulary(model, model(inputs))
 
     with trained.activate():
         exported = jax.export.export(jax.jit(infer))(leaves, example)
@@ -123,11 +181,11 @@ def _example_input(trained: TrainedModel) -> jax.ShapeDtypeStruct:
 def main(argv: list[str]) -> int:
     positional = [a for a in argv if "=" not in a]
     options = dict(a.split("=", 1) for a in argv if "=" in a)
-    unknown = sorted(set(options) - {"format", "step", "weights"})
+    unknown = sorted(set(options) - {"format", "step", "weights", "dtype", "max_shard_size"})
     if len(positional) != 2 or unknown:
         print(
             "usage: python -m zoo.export WORKDIR OUT_DIR [format=hf|jax] [step=latest|best|N] "
-            "[weights=raw|ema]",
+            "[weights=raw|ema] [dtype=float32|bfloat16] [max_shard_size=SIZE]",
             file=sys.stderr,
         )
         return 2
