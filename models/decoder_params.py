@@ -53,10 +53,11 @@ _ROPE_KEYS = {
     },
 }
 
-_INERT = ("attention_dropout", "cache_implementation", "id2label")
+_INERT = ("attention_dropout", "cache_implementation", "id2label", "transformers.js_config")
 """Keys of these families' configs, besides the `COMMON_INERT` of every config, that do not
 change what the model computes: dropout (off at inference; `decoder`'s own `dropout_rate`
-decides it in training), the cache transformers' generation uses, labels' names."""
+decides it in training), the cache transformers' generation uses, labels' names, the settings
+of transformers.js (a JavaScript runtime)."""
 
 _SIZES = (
     "vocab_size",
@@ -97,6 +98,13 @@ class _Kind:
 
 
 def _llama_options(config: Mapping[str, Any], read: Callable[[str], Any]) -> dict[str, Any]:
+    if read("rope_interleaved"):
+        raise ZooError(
+            "This llama config has rope_interleaved=true (RoPE on neighbouring features, as "
+            "nanotron trains them), which transformers' LlamaForCausalLM does not read: it "
+            "rotates the two halves of each head, as decoder does. Convert the checkpoint's "
+            "q/k projections to the halves layout, or set rope_interleaved=false if they are."
+        )
     bias = bool(read("attention_bias"))
     return {
         "activation": _activation(read, "hidden_act"),
@@ -663,8 +671,8 @@ KINDS = (
         "LlamaForCausalLM",
         "Llama 2/3 (and SmolLM), transformers LlamaForCausalLM",
         _LLAMA_DEFAULTS,
-        ("hidden_act", "attention_bias", "mlp_bias"),
-        ("pretraining_tp",),
+        ("hidden_act", "attention_bias", "mlp_bias", "rope_interleaved"),
+        ("pretraining_tp", "is_llama_config"),
         _llama_options,
         _llama_export,
     ),

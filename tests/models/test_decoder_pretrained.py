@@ -1,0 +1,483 @@
+"""Llama, Qwen 2, Qwen 3, Mistral and Gemma 3 checkpoints written by transformers
+(`tests/fixtures/pretrained/make_decoders.py`), loaded into `decoder`. Their logits on one device
+and on the 2x2x2 mesh, and their export back bit for bit, are checked with every family's in
+tests/conformance/; here: transformers' greedy continuations, scanned layers on the mesh (both
+layer types in one scan) loading and exporting per layer, the export's config (transformers 5's
+layout) reading back to the same model, both config.json layouts giving the same model, every key
+of the fixtures' and of published checkpoints' configs accounted for, and each setting decoder
+does not implement refused by name."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+
+import jax
+import numpy as np
+import pytest
+from conformance.checks import MESH
+from pretrained_checks import (
+    FIXTURES,
+    assert_references_regenerate,
+    loaded,
+    logits,
+    needs_reference,
+    reference,
+    script,
+)
+from zoo.engine import registry, weights
+from zoo.models.generate import generate_tokens
+
+import zoo
+
+DECODER_FAMILIES = {family.name: family for family in registry.families("decoder")}
+NAMES = sorted(
+    directory.name
+    for directory in FIXTURES.iterdir()
+    if (directory / "reference.npz").is_file()
+    and json.loads((directory / "config.json").read_text()).get("model_type") in DECODER_FAMILIES
+)
+as_transformers_4 = script("config_layouts").as_transformers_4
+
+
+def config_of(name: str) -> dict:
+    return json.loads((FIXTURES / name / "config.json").read_text())
+
+
+def family_of(config: dict) -> registry.Family:
+    return DECODER_FAMILIES[config["model_type"]]
+
+
+def test_each_family_and_option_has_a_fixture():
+    configs = [config_of(name) for name in NAMES]
+    assert {c["model_type"] for c in configs} == set(DECODER_FAMILIES)
+    hparams = [family_of(c).hparams(c) for c in configs]
+    seen = {
+        "gqa": any(1 < h["num_kv_heads"] < h["num_heads"] for h in hparams),
+        "mqa": any(h["num_kv_heads"] == 1 for h in hparams),
+        "tied": any(h["tie_embeddings"] for h in hparams),
+        "separate": any(not h["tie_embeddings"] for h in hparams),
+        "qk_norm": any(h["qk_norm"] and not h["post_norms"] for h in hparams),
+        "biases": any(h["qkv_bias"] and not h["out_bias"] for h in hparams),
+        "rope": {h["rope_type"] for h in hparams} == {"default", "linear", "llama3"},
+        "local_rope": any(h["local_rope_theta"] for h in hparams),
+        "window": any(0 < h["sliding_window"] < 16 and not h["layer_types"] for h in hparams),
+        "pattern": any(len(set(h["layer_types"] or ())) == 2 for h in hparams),
+        "layouts": {"rope_parameters" in c for c in configs} == {True, False},
+        "sharded": any((FIXTURES / n / weights.INDEX).is_file() for n in NAMES),
+        "bf16": any(c.get("dtype", c.get("torch_dtype")) == "bfloat16" for c in configs),
+    }
+    assert all(seen.values()), seen
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def checkpoint(request) -> tuple[str, zoo.TrainedModel]:
+    return request.param, zoo.load(FIXTURES / request.param, devices=jax.devices()[:1])
+
+
+def test_greedy_continuation_equals_transformers(checkpoint):
+    name, trained = checkpoint
+    expected = reference(name)
+    with trained.activate(), jax.default_matmul_precision("highest"):
+        new = generate_tokens(
+            trained.model, expected["prompt_tokens"], len(expected["greedy_tokens"]), 0.0
+        )
+    np.testing.assert_array_equal(new, expected["greedy_tokens"])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_scanned_layers_on_the_mesh_load_and_export_per_layer(name):
+    """Stacked layers (a Gemma 3 pattern runs both layer types in one scan) on the 2x2x2 mesh
+    give transformers' logits, and export the checkpoint's tensors, key for key."""
+    model, hparams = loaded(FIXTURES / name, MESH, scan_layers=True)
+    expected = reference(name)
+    tokens = np.concatenate([expected["tokens"]] * 2)  # a batch that splits 4 ways
+    out = logits(model, tokens, MESH)[: len(expected["tokens"])]
+    vocab = expected["logits"].shape[-1]
+    np.testing.assert_allclose(out[..., :vocab], expected["logits"], atol=1e-5, rtol=0)
+    pretrained = weights.open_pretrained(FIXTURES / name)
+    exported = weights.export_tensors(model, pretrained.family, hparams)
+    source = dict(pretrained.tensors())
+    assert sorted(exported) == sorted(source)
+    for key, array in source.items():
+        np.testing.assert_array_equal(exported[key], array, err_msg=key)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_exported_config_is_transformers_5s_and_reads_back_the_same(name):
+    config = config_of(name)
+    family = family_of(config)
+    hparams = family.hparams(config)
+    exported = family.export_config(hparams)
+    assert "rope_parameters" in exported and "rope_theta" not in exported
+    assert family.hparams(exported) == hparams
+    assert family.unaccounted(exported) == {}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_both_config_layouts_give_the_same_model(name):
+    config = config_of(name)
+    family = family_of(config)
+    hparams = family.hparams(config)
+    new = config if "rope_parameters" in config else family.export_config(hparams)
+    old = as_transformers_4(new)
+    assert "rope_parameters" not in old and "rope_theta" in old
+    assert family.hparams(new) == family.hparams(old) == hparams
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_key_of_the_fixtures_configs_is_accounted_for(name):
+    config = config_of(name)
+    family = family_of(config)
+    assert family.unaccounted(config) == {}
+    assert family.unaccounted({**config, "made_up_key": 1}) == {"made_up_key": 1}
+
+
+# config.json of checkpoints on the hub, as transformers 4 saved them.
+PUBLISHED = {
+    "Llama-3.2-1B": {
+        "architectures": ["LlamaForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+        "head_dim": 64,
+        "hidden_act": "silu",
+        "hidden_size": 2048,
+        "initializer_range": 0.02,
+        "intermediate_size": 8192,
+        "max_position_embeddings": 131072,
+        "mlp_bias": False,
+        "model_type": "llama",
+        "num_attention_heads": 32,
+        "num_hidden_layers": 16,
+        "num_key_value_heads": 8,
+        "pretraining_tp": 1,
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": {
+            "factor": 32.0,
+            "high_freq_factor": 4.0,
+            "low_freq_factor": 1.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
+        },
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.45.0.dev0",
+        "use_cache": True,
+        "vocab_size": 128256,
+    },
+    "SmolLM2-135M": {
+        "architectures": ["LlamaForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+        "hidden_act": "silu",
+        "hidden_size": 576,
+        "initializer_range": 0.041666666666666664,
+        "intermediate_size": 1536,
+        "is_llama_config": True,
+        "max_position_embeddings": 8192,
+        "mlp_bias": False,
+        "model_type": "llama",
+        "num_attention_heads": 9,
+        "num_hidden_layers": 30,
+        "num_key_value_heads": 3,
+        "pretraining_tp": 1,
+        "rms_norm_eps": 1e-05,
+        "rope_interleaved": False,
+        "rope_scaling": None,
+        "rope_theta": 100000,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.40.1",
+        "transformers.js_config": {"kv_cache_dtype": {"q4f16": "float16", "fp16": "float16"}},
+        "use_cache": True,
+        "vocab_size": 49152,
+    },
+    "Qwen2.5-0.5B-Instruct": {
+        "architectures": ["Qwen2ForCausalLM"],
+        "attention_dropout": 0.0,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "hidden_act": "silu",
+        "hidden_size": 896,
+        "initializer_range": 0.02,
+        "intermediate_size": 4864,
+        "max_position_embeddings": 32768,
+        "max_window_layers": 21,
+        "model_type": "qwen2",
+        "num_attention_heads": 14,
+        "num_hidden_layers": 24,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0,
+        "sliding_window": 32768,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.43.1",
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": 151936,
+    },
+    "Qwen3-0.6B": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "hidden_size": 1024,
+        "initializer_range": 0.02,
+        "intermediate_size": 3072,
+        "max_position_embeddings": 40960,
+        "max_window_layers": 28,
+        "model_type": "qwen3",
+        "num_attention_heads": 16,
+        "num_hidden_layers": 28,
+        "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": None,
+        "rope_theta": 1000000,
+        "sliding_window": None,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.51.0",
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": 151936,
+    },
+    "Mistral-7B-v0.1": {
+        "architectures": ["MistralForCausalLM"],
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "hidden_act": "silu",
+        "hidden_size": 4096,
+        "initializer_range": 0.02,
+        "intermediate_size": 14336,
+        "max_position_embeddings": 32768,
+        "model_type": "mistral",
+        "num_attention_heads": 32,
+        "num_hidden_layers": 32,
+        "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 10000.0,
+        "sliding_window": 4096,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.34.0.dev0",
+        "use_cache": True,
+        "vocab_size": 32000,
+    },
+    "gemma-3-1b-it": {
+        "architectures": ["Gemma3ForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "attn_logit_softcapping": None,
+        "bos_token_id": 2,
+        "cache_implementation": "hybrid",
+        "eos_token_id": [1, 106],
+        "final_logit_softcapping": None,
+        "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size": 1152,
+        "initializer_range": 0.02,
+        "intermediate_size": 6912,
+        "max_position_embeddings": 32768,
+        "model_type": "gemma3_text",
+        "num_attention_heads": 4,
+        "num_hidden_layers": 26,
+        "num_key_value_heads": 1,
+        "pad_token_id": 0,
+        "query_pre_attn_scalar": 256,
+        "rms_norm_eps": 1e-06,
+        "rope_local_base_freq": 10000,
+        "rope_scaling": None,
+        "rope_theta": 1000000,
+        "sliding_window": 512,
+        "sliding_window_pattern": 6,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.50.0.dev0",
+        "use_cache": True,
+        "vocab_size": 262144,
+    },
+}
+
+# What each published config implies that a misreading would change.
+PUBLISHED_HPARAMS = {
+    "Llama-3.2-1B": {
+        "head_dim": 64,
+        "num_kv_heads": 8,
+        "tie_embeddings": True,
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "rope_factor": 32.0,
+        "rope_original_context": 8192,
+    },
+    "SmolLM2-135M": {"head_dim": 64, "num_kv_heads": 3, "rope_theta": 100000.0},
+    "Qwen2.5-0.5B-Instruct": {
+        "head_dim": 64,
+        "qkv_bias": True,
+        "out_bias": False,
+        "sliding_window": 0,
+        "layer_types": None,
+    },
+    "Qwen3-0.6B": {"head_dim": 128, "qk_norm": True, "qkv_bias": False, "sliding_window": 0},
+    "Mistral-7B-v0.1": {"sliding_window": 4096, "layer_types": None, "tie_embeddings": False},
+    "gemma-3-1b-it": {
+        "num_kv_heads": 1,
+        "query_scale": 256.0,
+        "local_rope_theta": 10000.0,
+        "rope_theta": 1000000.0,
+        "sliding_window": 512,
+        "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 4
+        + ["sliding_attention"] * 2,
+        "tie_embeddings": True,
+        "embed_scale": True,
+        "activation": "gelu_tanh",
+    },
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_published_configs_are_read_as_transformers_reads_them(name):
+    config = PUBLISHED[name]
+    family = family_of(config)
+    assert family.unaccounted(config) == {}
+    hparams = family.hparams(config)
+    assert {key: hparams[key] for key in PUBLISHED_HPARAMS[name]} == PUBLISHED_HPARAMS[name]
+    assert family.hparams(family.export_config(hparams)) == hparams
+
+
+def edited(name: str, **changes) -> dict:
+    """The fixture's config with `changes` (a value of None: the key removed; a key with dots:
+    within a nested dict)."""
+    config = copy.deepcopy(config_of(name))
+    for key, value in changes.items():
+        *outer, last = key.split("__")
+        target = config
+        for part in outer:
+            target = target[part]
+        if value is None:
+            target.pop(last, None)
+        else:
+            target[last] = value
+    return config
+
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+REFUSED = {
+    "yarn (transformers 4)": (
+        edited("llama3-rope", rope_scaling=YARN),
+        r"rope_scaling\.rope_type is 'yarn'.*'default', 'linear', 'llama3'",
+    ),
+    "yarn (transformers 5)": (
+        edited("llama-tiny", rope_parameters__rope_type="yarn"),
+        r"rope_parameters\.rope_type is 'yarn'",
+    ),
+    "dynamic": (
+        edited("qwen2-tiny", rope_scaling={"type": "dynamic", "factor": 2.0}),
+        r"rope_type is 'dynamic'",
+    ),
+    "longrope": (
+        edited("qwen3-tiny", rope_parameters__rope_type="longrope"),
+        r"rope_type is 'longrope'",
+    ),
+    "gemma3 global yarn": (
+        edited("gemma3-tiny", rope_parameters__full_attention=YARN),
+        r"rope_parameters\.full_attention\.rope_type is 'yarn'",
+    ),
+    "gemma3 local scaling": (
+        edited("gemma3-v4", rope_local_base_freq=None, rope_scaling=None)
+        | {"rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2.0}}},
+        r"rope_type='linear' for sliding_attention",
+    ),
+    "partial rotary (top level)": (
+        edited("mistral-window", partial_rotary_factor=0.5),
+        r"partial_rotary_factor=0\.5",
+    ),
+    "partial rotary (in the dict)": (
+        edited("llama-linear", rope_parameters__partial_rotary_factor=0.25),
+        r"partial_rotary_factor=0\.25",
+    ),
+    "a RoPE key decoder does not read": (
+        edited("llama-linear", rope_parameters__mscale=1.5),
+        r"rope_parameters has mscale=1\.5.*rope_type 'linear'",
+    ),
+    "llama3 without its factors": (
+        edited("llama3-rope", rope_scaling={"rope_type": "llama3", "factor": 8.0}),
+        r"rope_type 'llama3' but no low_freq_factor",
+    ),
+    "exact gelu": (edited("qwen3-tiny", hidden_act="gelu"), r"hidden_act='gelu'"),
+    "relu in gemma": (
+        edited("gemma3-tiny", hidden_activation="relu"),
+        r"hidden_activation='relu'.*gelu_pytorch_tanh",
+    ),
+    "quantized": (
+        edited("qwen2-tiny", quantization_config={"quant_method": "gptq", "bits": 4}),
+        r"quantization_config with quant_method='gptq'",
+    ),
+    "bidirectional": (
+        edited("gemma3-tiny", use_bidirectional_attention=True),
+        r"use_bidirectional_attention=true",
+    ),
+    "gemma3 attention softcap": (
+        edited("gemma3-v4", attn_logit_softcapping=50.0),
+        r"attn_logit_softcapping=50\.0.*does not\s+apply",
+    ),
+    "mistral layer_types": (
+        edited("mistral-window", layer_types=["full_attention", "sliding_attention"]),
+        r"mistral config has layer_types=.*does not read",
+    ),
+    "layer_types of another depth": (
+        edited("gemma3-tiny", layer_types=["full_attention"] * 3),
+        r"layer_types=.*num_hidden_layers=4",
+    ),
+    "an unknown layer type": (
+        edited(
+            "qwen3-tiny",
+            use_sliding_window=True,
+            sliding_window=4,
+            layer_types=["chunked_attention", "full_attention"],
+        ),
+        r"'chunked_attention'",
+    ),
+    "kv heads that do not divide": (
+        edited("llama-tiny", num_key_value_heads=3),
+        r"num_attention_heads=4 and num_key_value_heads=3",
+    ),
+    "interleaved rope": (edited("llama-tiny", rope_interleaved=True), r"rope_interleaved=true"),
+}
+
+
+@pytest.mark.parametrize("config, message", REFUSED.values(), ids=REFUSED.keys())
+def test_a_setting_decoder_does_not_implement_is_refused_by_name(config, message):
+    with pytest.raises(zoo.ZooError, match=message):
+        family_of(config).hparams(config)
+
+
+def test_a_refused_setting_stops_the_load_before_anything_is_built(tmp_path):
+    directory = tmp_path / "yarn"
+    shutil.copytree(FIXTURES / "llama3-rope", directory)
+    (directory / "config.json").write_text(json.dumps(REFUSED["yarn (transformers 4)"][0]))
+    with pytest.raises(zoo.ZooError, match=r"rope_scaling\.rope_type is 'yarn'"):
+        zoo.load(directory)
+
+
+def test_qwens_sliding_layers_follow_max_window_layers_or_layer_types():
+    config = edited("qwen2-tiny")
+    family = family_of(config)
+    assert family.hparams(config)["layer_types"] == ["full_attention", "sliding_attention"]
+    given = {**config, "layer_types": ["sliding_attention", "full_attention"]}
+    assert family.hparams(given)["layer_types"] == given["layer_types"]
+    off = {**config, "use_sliding_window": False}
+    assert (family.hparams(off)["sliding_window"], family.hparams(off)["layer_types"]) == (0, None)
+
+
+@needs_reference
+def test_references_regenerate(tmp_path):
+    assert_references_regenerate("make_decoders", NAMES, tmp_path)
