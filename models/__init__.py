@@ -2,6 +2,8 @@
 
 from zoo.models import (  # noqa: F401
     cnn,
+    decoder,
+    decoder_params,
     gpt,
     gpt_params,
     mlp,

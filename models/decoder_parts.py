@@ -1,0 +1,307 @@
+"""The parts of `decoder`'s layer: RMSNorm, grouped-query attention with rotary positions and
+an optional sliding window, a gated MLP, and the layer that composes them.
+
+Every param is created in the model's param dtype (float32, or bfloat16 to hold a checkpoint
+as it is stored) and the layers compute in it; RMSNorm's statistics and the attention softmax
+are float32 whatever it is. Params carry logical axes: query heads on `heads`, key and value
+heads on `kv_heads` (which the rules may leave unsplit when the key/value heads are too few to
+divide among the devices: the activations follow the params, see `kv_heads_spec`).
+
+How the layer is wired follows the checkpoints it loads: Llama, Mistral and Qwen are
+x + attention(norm(x)), then x + mlp(norm(x)); Gemma adds a norm after each branch
+(`post_norms`) and scales its norms by 1 + w (`unit_offset`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+from zoo.models.attention_route import current_platform, route
+from zoo.models.rope import Rotation, rotate
+from zoo.models.transformer import KVCache, tokens_spec
+
+from zoo.plugin import logical_spec, partitioned
+
+ACTIVATIONS = {
+    "silu": jax.nn.silu,  # SwiGLU (Llama, Mistral, Qwen)
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),  # GeGLU (Gemma's gelu_pytorch_tanh)
+}
+FULL, SLIDING = "full_attention", "sliding_attention"
+LAYER_TYPES = (FULL, SLIDING)
+
+_LECUN, _ZEROS, _ONES = (
+    nnx.initializers.lecun_normal(),
+    nnx.initializers.zeros_init(),
+    nnx.initializers.ones_init(),
+)
+_NO_ATTENTION = -1e30  # a logit that softmax turns into exactly zero weight
+_FLOAT32 = jnp.dtype(jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerOptions:
+    """Everything a layer's structure and arithmetic depend on (the same for every layer; what
+    differs between layers, full or sliding attention, comes at call time)."""
+
+    dim: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    mlp_dim: int
+    activation: str = "silu"
+    norm_epsilon: float = 1e-6
+    norm_unit_offset: bool = False
+    post_norms: bool = False
+    qk_norm: bool = False
+    qkv_bias: bool = False
+    out_bias: bool = False
+    mlp_bias: bool = False
+    query_scale: float = 0.0  # 0: head_dim
+    attention_softcap: float = 0.0
+    dropout_rate: float = 0.0
+    dtype: jnp.dtype = _FLOAT32
+
+    def norm(self, features: int, rngs: nnx.Rngs) -> RMSNorm:
+        offset, dtype = self.norm_unit_offset, self.dtype
+        return RMSNorm(features, self.norm_epsilon, unit_offset=offset, dtype=dtype, rngs=rngs)
+
+
+class RMSNorm(nnx.Module):
+    """x / rms(x) times a learned scale, the statistics in float32. `unit_offset` (Gemma): the
+    scale is 1 + w, w starting at zero and multiplied in float32 before rounding back; without
+    it (Llama): the normalised x is rounded to its dtype first, then multiplied by w."""
+
+    def __init__(
+        self, features: int, epsilon: float, *, unit_offset: bool, dtype: jnp.dtype, rngs: nnx.Rngs
+    ):
+        init = partitioned(_ZEROS if unit_offset else _ONES, (None,))
+        self.scale = nnx.Param(init(rngs.params(), (features,), dtype))
+        self.epsilon, self.unit_offset = epsilon, unit_offset
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        wide = x.astype(jnp.float32)
+        normed = wide * jax.lax.rsqrt(jnp.mean(wide * wide, axis=-1, keepdims=True) + self.epsilon)
+        scale = self.scale[...]
+        if self.unit_offset:
+            return (normed * (1.0 + scale.astype(jnp.float32))).astype(x.dtype)
+        return scale * normed.astype(x.dtype)
+
+
+def _linear(din: int, dout: int, axes: tuple, *, bias: bool, dtype, rngs: nnx.Rngs) -> nnx.Linear:
+    return nnx.Linear(
+        din,
+        dout,
+        use_bias=bias,
+        param_dtype=dtype,
+        kernel_init=partitioned(_LECUN, axes),
+        bias_init=partitioned(_ZEROS, (None if axes[1] == "embed" else axes[1],)),
+        rngs=rngs,
+    )
+
+
+def _projection(features_in, features_out, axis, axes, bias_axes, *, bias, dtype, rngs):
+    return nnx.LinearGeneral(
+        features_in,
+        features_out,
+        axis=axis,
+        use_bias=bias,
+        param_dtype=dtype,
+        kernel_init=partitioned(_LECUN, axes),
+        bias_init=partitioned(_ZEROS, bias_axes),
+        rngs=rngs,
+    )
+
+
+def kv_heads_spec(num_kv_heads: int, *names: str | None) -> P:
+    """The spec of an activation with logical axes `names` (one of them `kv_heads`), with the
+    key/value heads unsplit where the mesh axes that `kv_heads` maps to cannot divide them
+    (as the params' are: multi-query attention on a tensor-parallel mesh)."""
+    spec = logical_spec(*names)
+    position = names.index("kv_heads")
+    axes = spec[position]
+    if axes is None:
+        return spec
+    mesh = jax.sharding.get_abstract_mesh()
+    if num_kv_heads % math.prod(mesh.shape[a] for a in _as_tuple(axes)) == 0:
+        return spec
+    return P(*(None if i == position else entry for i, entry in enumerate(spec)))
+
+
+class Attention(nnx.Module):
+    """Causal self-attention with `num_kv_heads` key/value heads shared by groups of the
+    `num_heads` query heads (grouped-query; 1: multi-query), rotary positions, and optional
+    q/k/v and output biases, RMSNorm of each query and key head (`qk_norm`), logits scaled by
+    `query_scale ** -0.5` and soft-capped (`attention_softcap`)."""
+
+    def __init__(self, options: LayerOptions, *, rngs: nnx.Rngs):
+        o, dtype = options, options.dtype
+        heads, kv = (o.num_heads, o.head_dim), (o.num_kv_heads, o.head_dim)
+
+        def to_heads(shape, axis):
+            axes, bias_axes = ("embed", axis, None), (axis, None)
+            return _projection(
+                o.dim, shape, -1, axes, bias_axes, bias=o.qkv_bias, dtype=dtype, rngs=rngs
+            )
+
+        self.query = to_heads(heads, "heads")
+        self.key, self.value = to_heads(kv, "kv_heads"), to_heads(kv, "kv_heads")
+        out_axes = ("heads", None, "embed")
+        self.out = _projection(
+            heads, o.dim, (-2, -1), out_axes, (None,), bias=o.out_bias, dtype=dtype, rngs=rngs
+        )
+        self.query_norm = o.norm(o.head_dim, rngs) if o.qk_norm else None
+        self.key_norm = o.norm(o.head_dim, rngs) if o.qk_norm else None
+        self.num_kv_heads, self.softcap = o.num_kv_heads, o.attention_softcap
+        self.scale = (o.query_scale or o.head_dim) ** -0.5
+
+    def __call__(
+        self,
+        x: jax.Array,
+        angles: Rotation,
+        window: int,
+        cache: KVCache | None,
+        start: jax.Array | int,
+    ) -> tuple[jax.Array, KVCache | None]:
+        """Attention of the tokens at positions start, start+1, ... to themselves and earlier
+        ones (with a cache: its positions too, after writing theirs into it), each seeing the
+        last `window` positions only, itself included (0: all of them)."""
+        heads = logical_spec("batch", None, "heads", None)
+        kv = kv_heads_spec(self.num_kv_heads, "batch", None, "kv_heads", None)
+        q = self.query(x, out_sharding=heads)
+        k, v = self.key(x, out_sharding=kv), self.value(x, out_sharding=kv)
+        if self.query_norm is not None:
+            q, k = self.query_norm(q), self.key_norm(k)
+        q, k = rotate(q, angles), rotate(k, angles)
+        if cache is not None:
+            k = jax.lax.dynamic_update_slice_in_dim(cache[0], k.astype(cache[0].dtype), start, 1)
+            v = jax.lax.dynamic_update_slice_in_dim(cache[1], v.astype(cache[1].dtype), start, 1)
+            cache = (k, v)
+        mixed = self._attend(q, k, v, window, cache is not None, start)
+        return self.out(mixed, out_sharding=tokens_spec()), cache
+
+    def _attend(self, q, k, v, window: int, cached: bool, start) -> jax.Array:
+        # Soft-capping has no fused kernel: it takes the written-out path, as Dropout on the
+        # attention weights does in the shared block.
+        path = route(
+            current_platform(),
+            q.dtype,
+            q.shape[-1],
+            causal=True,
+            cached=cached,
+            dropout=self.softcap > 0,
+        )
+        if k.shape[2] != q.shape[2] and (path.kernel == "einsum" or _grouped_fails(q, k)):
+            k, v = (_repeat_heads(t, q) for t in (k, v))
+        visible = None
+        if path.mask == "positions":
+            queries = start + jnp.arange(q.shape[1])
+            distance = queries[:, None] - jnp.arange(k.shape[1])[None, :]
+            visible = (distance >= 0) & ((distance < window) if window else True)
+        if path.kernel == "einsum":
+            return self._written_out(q, k, v, visible)
+        return jax.nn.dot_product_attention(
+            q,
+            k,
+            v,
+            mask=None if visible is None else visible[None, None],
+            scale=self.scale,
+            is_causal=path.mask == "causal",
+            local_window_size=(window - 1, 0) if window and path.mask == "causal" else None,
+            implementation=path.kernel,
+        )
+
+    def _written_out(self, q, k, v, visible) -> jax.Array:
+        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) * self.scale
+        if self.softcap:
+            logits = self.softcap * jnp.tanh(logits / self.softcap)
+        logits = jnp.where(visible, logits, _NO_ATTENTION)
+        weights = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+        return jnp.einsum("bhqk,bkhd->bqhd", weights, v)
+
+
+def _grouped_fails(q: jax.Array, k: jax.Array) -> bool:
+    """Whether `jax.nn.dot_product_attention` cannot take these grouped heads as they are: it
+    splits the query heads into (key/value heads, group) and maps over the group, which fails
+    under explicit sharding for a single key/value head (with a mask, or where the mesh axis of
+    the heads has size 1) and where the query heads' split does not divide the key/value heads
+    (measured, jax 0.10.2)."""
+    groups = k.shape[2]
+    if groups == 1:
+        return True
+    axes = jax.typeof(q).sharding.spec[2]
+    if axes is None:
+        return False
+    mesh = jax.sharding.get_abstract_mesh()
+    return groups % math.prod(mesh.shape[a] for a in _as_tuple(axes)) != 0
+
+
+def _as_tuple(axes: str | tuple[str, ...]) -> tuple[str, ...]:
+    return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def _repeat_heads(t: jax.Array, q: jax.Array) -> jax.Array:
+    """Key or value heads `t` repeated to one per query head of `q` (grouped-query attention is
+    multi-head attention with each key/value head repeated for its group), placed as `q` is."""
+    batch, length, groups, head_dim = t.shape
+    per_group = q.shape[2] // groups
+    wide = jnp.broadcast_to(t[:, :, :, None, :], (batch, length, groups, per_group, head_dim))
+    spec = jax.typeof(q).sharding.spec
+    return jnp.reshape(wide, (batch, length, q.shape[2], head_dim), out_sharding=spec)
+
+
+class GatedMLP(nnx.Module):
+    """down(act(gate(x)) * up(x)): SwiGLU with silu, GeGLU with tanh-approximated GELU."""
+
+    def __init__(self, options: LayerOptions, *, rngs: nnx.Rngs):
+        o = options
+        self.gate, self.up = (
+            _linear(o.dim, o.mlp_dim, ("embed", "mlp"), bias=o.mlp_bias, dtype=o.dtype, rngs=rngs)
+            for _ in range(2)
+        )
+        self.down = _linear(
+            o.mlp_dim, o.dim, ("mlp", "embed"), bias=o.mlp_bias, dtype=o.dtype, rngs=rngs
+        )
+        self.activation = o.activation
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        hidden = logical_spec("batch", None, "mlp")
+        gate = ACTIVATIONS[self.activation](self.gate(x, out_sharding=hidden))
+        return self.down(gate * self.up(x, out_sharding=hidden), out_sharding=tokens_spec())
+
+
+class DecoderLayer(nnx.Module):
+    """x + post(attention(norm(x))), then x + post(mlp(norm(x))); `post` is a norm with
+    `post_norms` (Gemma), else nothing. Dropout on each branch's output at `dropout_rate`."""
+
+    def __init__(self, options: LayerOptions, *, rngs: nnx.Rngs):
+        self.attention_norm = options.norm(options.dim, rngs)
+        self.attention = Attention(options, rngs=rngs)
+        self.post_attention_norm = options.norm(options.dim, rngs) if options.post_norms else None
+        self.mlp_norm = options.norm(options.dim, rngs)
+        self.mlp = GatedMLP(options, rngs=rngs)
+        self.post_mlp_norm = options.norm(options.dim, rngs) if options.post_norms else None
+        self.dropout = nnx.Dropout(options.dropout_rate)
+
+    def __call__(
+        self,
+        x: jax.Array,
+        key: jax.Array,
+        angles: Rotation,
+        window: int,
+        cache: KVCache | None,
+        start: jax.Array | int,
+    ) -> tuple[jax.Array, KVCache | None]:
+        attention_key, mlp_key = jax.random.split(key)
+        h, cache = self.attention(self.attention_norm(x), angles, window, cache, start)
+        x = x + self.dropout(_after(self.post_attention_norm, h), rngs=attention_key)
+        h = self.mlp(self.mlp_norm(x))
+        return x + self.dropout(_after(self.post_mlp_norm, h), rngs=mlp_key), cache
+
+
+def _after(norm: RMSNorm | None, h: jax.Array) -> jax.Array:
+    return h if norm is None else norm(h)
