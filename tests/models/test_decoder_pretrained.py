@@ -17,19 +17,19 @@ import jax
 import numpy as np
 import pytest
 from conformance.checks import MESH
+from flax import nnx
 from pretrained_checks import (
     FIXTURES,
     assert_references_regenerate,
-    loaded,
-    logits,
     needs_reference,
     reference,
     script,
 )
-from zoo.engine import registry, weights
+from zoo.engine import registry, sharding, weights
 from zoo.models.generate import generate_tokens
 
 import zoo
+from zoo.api import checkpoint_hparams, plan_pretrained
 
 DECODER_FAMILIES = {family.name: family for family in registry.families("decoder")}
 NAMES = sorted(
@@ -88,15 +88,19 @@ def test_greedy_continuation_equals_transformers(checkpoint):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_scanned_layers_on_the_mesh_load_and_export_per_layer(name):
-    """Stacked layers (a Gemma 3 pattern runs both layer types in one scan) on the 2x2x2 mesh
-    give transformers' logits, and export the checkpoint's tensors, key for key."""
-    model, hparams = loaded(FIXTURES / name, MESH, scan_layers=True)
+    """Stacked layers (a Gemma 3 pattern runs both layer types in one scan), loaded as
+    `zoo.load` loads onto the 2x2x2 mesh, give transformers' logits and export the checkpoint's
+    tensors, key for key."""
+    pretrained = weights.open_pretrained(FIXTURES / name)
+    hparams = {**checkpoint_hparams(pretrained), "scan_layers": True}
+    planned = plan_pretrained(pretrained, hparams, MESH, None)
+    model = planned.fill()
     expected = reference(name)
     tokens = np.concatenate([expected["tokens"]] * 2)  # a batch that splits 4 ways
-    out = logits(model, tokens, MESH)[: len(expected["tokens"])]
+    with sharding.activate(planned.mesh, planned.rules), jax.default_matmul_precision("highest"):
+        out = np.asarray(nnx.jit(lambda m, x: m(x))(model, tokens))[: len(expected["tokens"])]
     vocab = expected["logits"].shape[-1]
     np.testing.assert_allclose(out[..., :vocab], expected["logits"], atol=1e-5, rtol=0)
-    pretrained = weights.open_pretrained(FIXTURES / name)
     exported = weights.export_tensors(model, pretrained.family, hparams)
     source = dict(pretrained.tensors())
     assert sorted(exported) == sorted(source)
@@ -354,8 +358,8 @@ def test_published_configs_are_read_as_transformers_reads_them(name):
 
 
 def edited(name: str, **changes) -> dict:
-    """The fixture's config with `changes` (a value of None: the key removed; a key with dots:
-    within a nested dict)."""
+    """The fixture's config with `changes` (a value of None: the key removed; `outer__inner`:
+    a key within a nested dict)."""
     config = copy.deepcopy(config_of(name))
     for key, value in changes.items():
         *outer, last = key.split("__")
