@@ -118,7 +118,7 @@ def _llama_options(config: Mapping[str, Any], read: Callable[[str], Any]) -> dic
 def _llama_export(hparams: Mapping[str, Any]) -> dict[str, Any]:
     return {
         "hidden_act": _hidden_act(hparams),
-        "attention_bias": _same_biases(hparams, "attention_bias"),
+        "attention_bias": hparams["qkv_bias"],
         "mlp_bias": hparams["mlp_bias"],
         "pretraining_tp": 1,
         "rope_parameters": _rope_parameters(hparams),
@@ -135,12 +135,6 @@ def _qwen2_options(config: Mapping[str, Any], read: Callable[[str], Any]) -> dic
 
 
 def _qwen2_export(hparams: Mapping[str, Any]) -> dict[str, Any]:
-    if not hparams["qkv_bias"] or hparams["out_bias"] or hparams["mlp_bias"]:
-        raise ZooError(
-            "Qwen 2's layout has biases on q, k and v and none on the attention output or the "
-            f"MLP; this model has qkv_bias={hparams['qkv_bias']}, out_bias={hparams['out_bias']}"
-            f", mlp_bias={hparams['mlp_bias']}."
-        )
     return {
         "hidden_act": _hidden_act(hparams),
         "rope_parameters": _rope_parameters(hparams),
@@ -163,7 +157,7 @@ def _qwen3_options(config: Mapping[str, Any], read: Callable[[str], Any]) -> dic
 def _qwen3_export(hparams: Mapping[str, Any]) -> dict[str, Any]:
     return {
         "hidden_act": _hidden_act(hparams),
-        "attention_bias": _same_biases(hparams, "attention_bias"),
+        "attention_bias": hparams["qkv_bias"],
         "rope_parameters": _rope_parameters(hparams),
         **_qwen_windows_config(hparams),
     }
@@ -185,12 +179,6 @@ def _mistral_options(config: Mapping[str, Any], read: Callable[[str], Any]) -> d
 
 
 def _mistral_export(hparams: Mapping[str, Any]) -> dict[str, Any]:
-    if hparams.get("layer_types") or hparams["qkv_bias"] or hparams["out_bias"]:
-        raise ZooError(
-            "Mistral's layout has one sliding window for every layer and no biases; this model "
-            f"has layer_types={hparams.get('layer_types')!r}, qkv_bias={hparams['qkv_bias']}, "
-            f"out_bias={hparams['out_bias']}."
-        )
     return {
         "hidden_act": _hidden_act(hparams),
         "sliding_window": hparams["sliding_window"] or None,
@@ -243,9 +231,9 @@ def _gemma3_export(hparams: Mapping[str, Any]) -> dict[str, Any]:
     local_theta = hparams["local_rope_theta"] or global_rope["rope_theta"]
     return {
         "hidden_activation": _hidden_act(hparams),
-        "attention_bias": _same_biases(hparams, "attention_bias"),
-        "query_pre_attn_scalar": _whole(hparams, "query_scale", "query_pre_attn_scalar"),
-        "attn_logit_softcapping": _no_attention_softcap(hparams),
+        "attention_bias": hparams["qkv_bias"],
+        "query_pre_attn_scalar": int(hparams["query_scale"]),
+        "attn_logit_softcapping": None,
         "final_logit_softcapping": hparams["final_softcap"] or None,
         "sliding_window": hparams["sliding_window"] or None,
         "layer_types": _layer_types(hparams),
@@ -255,23 +243,6 @@ def _gemma3_export(hparams: Mapping[str, Any]) -> dict[str, Any]:
         },
         "use_bidirectional_attention": False,
     }
-
-
-def _whole(hparams: Mapping[str, Any], key: str, name: str) -> int:
-    """A size that transformers' config takes as a whole number only."""
-    value = hparams[key] or hparams["head_dim"] or hparams["dim"] // hparams["num_heads"]
-    if value != int(value):
-        raise ZooError(f"This model has {key}={value}; the layout's {name} is a whole number.")
-    return int(value)
-
-
-def _no_attention_softcap(hparams: Mapping[str, Any]) -> None:
-    if hparams["attention_softcap"]:
-        raise ZooError(
-            f"Gemma 3's layout has no soft-capping of attention (transformers' Gemma3ForCausalLM "
-            f"does not apply attn_logit_softcapping); this model has attention_softcap="
-            f"{hparams['attention_softcap']}."
-        )
 
 
 def _gemma3_ropes(config: Mapping[str, Any], read) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -446,21 +417,11 @@ def _hidden_act(hparams: Mapping[str, Any]) -> str:
     return "silu" if hparams["activation"] == "silu" else "gelu_pytorch_tanh"
 
 
-def _same_biases(hparams: Mapping[str, Any], key: str) -> bool:
-    """One switch of a layout for the q/k/v and the output projections' biases."""
-    if hparams["qkv_bias"] != hparams["out_bias"]:
-        raise ZooError(
-            f"This layout's {key} puts biases on q, k, v and the attention output alike; this "
-            f"model has qkv_bias={hparams['qkv_bias']} and out_bias={hparams['out_bias']}."
-        )
-    return hparams["qkv_bias"]
-
-
 def _hparams(kind: _Kind) -> Callable[[Mapping[str, Any]], dict[str, Any]]:
     def hparams(config: Mapping[str, Any]) -> dict[str, Any]:
         def read(key: str) -> Any:
-            value = config.get(key)
-            return kind.defaults.get(key) if value is None else value
+            """The key's value (null included, as transformers takes it), else the default."""
+            return config[key] if key in config else kind.defaults.get(key)
 
         if config.get("quantization_config") is not None:
             method = (config["quantization_config"] or {}).get("quant_method", "?")
@@ -515,8 +476,8 @@ _PLAIN = {
 
 def _export_config(kind: _Kind) -> Callable[[Mapping[str, Any]], dict[str, Any]]:
     def export_config(hparams: Mapping[str, Any]) -> dict[str, Any]:
-        hparams = {**_PLAIN, **hparams}
-        return {
+        hparams = _effective(hparams)
+        config = {
             "architectures": [kind.architecture],
             "model_type": kind.name,
             "vocab_size": hparams["vocab_size"],
@@ -524,17 +485,52 @@ def _export_config(kind: _Kind) -> Callable[[Mapping[str, Any]], dict[str, Any]]
             "hidden_size": hparams["dim"],
             "num_hidden_layers": hparams["depth"],
             "num_attention_heads": hparams["num_heads"],
-            "num_key_value_heads": hparams["num_kv_heads"] or hparams["num_heads"],
-            "head_dim": hparams["head_dim"] or hparams["dim"] // hparams["num_heads"],
-            "intermediate_size": hparams["mlp_dim"] or 4 * hparams["dim"],
+            "num_key_value_heads": hparams["num_kv_heads"],
+            "head_dim": hparams["head_dim"],
+            "intermediate_size": hparams["mlp_dim"],
             "rms_norm_eps": hparams["norm_epsilon"],
             "tie_word_embeddings": hparams["tie_embeddings"],
             "attention_dropout": 0.0,
             "use_cache": True,
             **kind.export(hparams),
         }
+        _check_expressed(kind, hparams, config)
+        return config
 
     return export_config
+
+
+def _effective(hparams: Mapping[str, Any]) -> dict[str, Any]:
+    """`decoder`'s arguments with each 0 or null that stands for a default made explicit (as
+    `decoder` computes them), so that a model built with defaults compares with a checkpoint's."""
+    h = {**_PLAIN, **hparams}
+    heads, dim = h["num_heads"], h["dim"]
+    h["num_kv_heads"] = h["num_kv_heads"] or heads
+    h["head_dim"] = h["head_dim"] or dim // heads
+    h["mlp_dim"] = h["mlp_dim"] or -(-8 * dim // 3 // 64) * 64
+    h["layer_types"] = _layer_types(h)
+    if SLIDING not in h["layer_types"]:
+        h["sliding_window"] = 0
+    h["query_scale"] = float(h["query_scale"] or h["head_dim"])
+    if not h["local_rope_theta"] and h.get("rope_type", "default") == "default":
+        h["local_rope_theta"] = h.get("rope_theta", DEFAULT_THETA)
+    return h
+
+
+def _check_expressed(kind: _Kind, hparams: Mapping[str, Any], config: dict[str, Any]) -> None:
+    """Refuse to write a config that reads back as another model than `hparams`' (a setting
+    the family's layout cannot hold), naming each setting."""
+    back = _effective(_hparams(kind)(config))
+    differ = [
+        f"{key}={hparams.get(key)!r} (the layout gives {value!r})"
+        for key, value in back.items()
+        if key in hparams and hparams[key] != value
+    ]
+    if differ:
+        raise ZooError(
+            f"The {kind.name} layout ({kind.architecture}) cannot hold this model: "
+            f"{'; '.join(differ)}. Export it to a family that has these settings."
+        )
 
 
 def _rules(kind: _Kind) -> Callable[[Mapping[str, Any]], list[Rule]]:

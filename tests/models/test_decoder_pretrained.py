@@ -9,7 +9,9 @@ does not implement refused by name."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
 import json
 import shutil
 
@@ -355,6 +357,61 @@ def test_published_configs_are_read_as_transformers_reads_them(name):
     hparams = family.hparams(config)
     assert {key: hparams[key] for key in PUBLISHED_HPARAMS[name]} == PUBLISHED_HPARAMS[name]
     assert family.hparams(family.export_config(hparams)) == hparams
+
+
+DEFAULTS = {
+    field.name: field.default
+    for field in dataclasses.fields(registry.get_model("decoder").config)
+    if field.name != "name"
+}
+BUILT = {
+    "llama": {"mlp_bias": True},
+    "mistral": {"sliding_window": 8},
+    "qwen2": {"qkv_bias": True, "num_kv_heads": 2},
+    "qwen3": {
+        "qk_norm": True,
+        "head_dim": 64,
+        "layer_types": ["full_attention"] * 3 + ["sliding_attention"],
+        "sliding_window": 8,
+    },
+    "gemma3_text": {
+        "norm_unit_offset": True,
+        "post_norms": True,
+        "qk_norm": True,
+        "embed_scale": True,
+        "activation": "gelu_tanh",
+        "query_scale": 24.0,
+        "local_rope_theta": 10000.0,
+        "rope_theta": 1e6,
+        "sliding_window": 8,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+    },
+}
+
+
+def test_a_plain_decoder_exports_as_a_llama_or_a_mistral_without_a_window():
+    exported = {}
+    for family in DECODER_FAMILIES.values():
+        with contextlib.suppress(zoo.ZooError):
+            exported[family.name] = family.export_config(DEFAULTS)
+    assert sorted(exported) == ["llama", "mistral"]
+    assert exported["mistral"]["sliding_window"] is None
+
+
+@pytest.mark.parametrize("name", sorted(BUILT))
+def test_a_model_built_by_zoo_exports_to_the_one_layout_that_holds_it(name):
+    """Each family's export config reads back as the model itself, or is refused naming the
+    settings its layout cannot hold (a Llama's MLP biases are no Mistral's)."""
+    hparams = {**DEFAULTS, **BUILT[name]}
+    for family in DECODER_FAMILIES.values():
+        if family.name == name:
+            back = family.hparams(family.export_config(hparams))
+            assert {key: hparams[key] for key in BUILT[name]} == {
+                key: back[key] for key in BUILT[name]
+            }
+        else:
+            with pytest.raises(zoo.ZooError, match=rf"The {family.name} layout .* cannot hold"):
+                family.export_config(hparams)
 
 
 def edited(name: str, **changes) -> dict:
