@@ -8,7 +8,8 @@ resized, a 1-channel stem summed, a head named in `finetune.reinit` started fres
 text data set the directory's `tokenizer.json` unless `data.tokenizer` is set. A tokenizer with
 more ids than the model's vocabulary is an error before anything is built. Its model normalises
 pixels itself, with the checkpoint's statistics, so an image data set's own normalisation is
-turned off.
+turned off. A text data set's default lengths are fitted to the model's context (`fit_context`),
+each said in one line.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def pretrained_args(overrides: Sequence[str]) -> list[str]:
         return []
     models = [o.partition("=")[2] for o in overrides if o.startswith("model=")]
     pretrained = weights.open_pretrained(starts[-1], models[-1] if models else None)
-    given = {o.split("=")[0].lstrip("+~") for o in overrides}
+    given = _keys(overrides)
     data = [o.partition("=")[2] for o in overrides if o.startswith("data=")]
     entry = registry.get_model(pretrained.family.model)
     data_entry = registry.get_data(data[-1] if data else entry.default_data)
@@ -64,7 +65,7 @@ def fit_normalisation(cfg: DictConfig, overrides: Sequence[str]) -> None:
     off = False if isinstance(setting, bool) else "none"
     if setting == off:
         return
-    if "data.normalize" in {o.split("=")[0].lstrip("+~") for o in overrides}:
+    if "data.normalize" in _keys(overrides):
         raise ZooError(
             f"data.normalize={_shown(setting)} would normalise the pixels twice: model "
             f"'{cfg.model.name}' normalises its inputs itself (model.pixel_mean="
@@ -80,6 +81,56 @@ def fit_normalisation(cfg: DictConfig, overrides: Sequence[str]) -> None:
         cfg.model.name,
         cfg.data.name,
     )
+
+
+def fit_context(cfg: DictConfig, overrides: Sequence[str]) -> None:
+    """A model with fewer positions (`model.context_length`, a checkpoint's `n_positions`)
+    than a text data set's default lengths would be refused at its first batch: zoo's defaults
+    are fitted to it instead, each said in one line. `windows` mode cuts windows of the
+    context's length (`data.window`); `lines` mode keeps the buckets shorter than the context
+    and adds the context itself (`data.buckets`). A length the overrides set that is longer
+    than the context is a `ZooError`, before anything is built."""
+    context, data = cfg.model.get("context_length"), cfg.data
+    if context is None:
+        return
+    given, lines = _keys(overrides), _shown(data.get("mode")) == "lines"
+    window = data.get("window")
+    if window is not None and not lines and window > context:
+        _refuse_given("data.window", window, cfg, given)
+        data.window = context
+        _said_fitted("data.window", cfg, f"windows of {window} tokens", f"windows of {context}")
+    buckets = list(data.get("buckets") or [])
+    if buckets and lines and max(buckets) > context:
+        _refuse_given("data.buckets", buckets, cfg, given)
+        data.buckets = sorted({b for b in buckets if b < context} | {context})
+        _said_fitted("data.buckets", cfg, f"buckets {buckets}", f"buckets {list(data.buckets)}")
+
+
+def _refuse_given(key: str, value: object, cfg: DictConfig, given: set[str]) -> None:
+    if key in given:
+        raise ZooError(
+            f"{key}={value} is longer than model '{cfg.model.name}' can read: it has "
+            f"model.context_length={cfg.model.context_length} positions. Use a {key} of at most "
+            f"{cfg.model.context_length}, or leave {key} out to have it fitted."
+        )
+
+
+def _said_fitted(key: str, cfg: DictConfig, default: str, fitted: str) -> None:
+    log.info(
+        "%s: model '%s' has model.context_length=%d positions, fewer than data set '%s' takes "
+        "by default (%s); using %s instead (set %s to choose).",
+        key,
+        cfg.model.name,
+        cfg.model.context_length,
+        cfg.data.name,
+        default,
+        fitted,
+        key,
+    )
+
+
+def _keys(overrides: Sequence[str]) -> set[str]:
+    return {o.split("=")[0].lstrip("+~") for o in overrides}
 
 
 def _shown(value: object) -> str:
