@@ -34,6 +34,7 @@ from zoo.engine.loop import RunResult, Trainer, evaluate_batches
 from zoo.engine.lora import merge_adapters
 from zoo.engine.steps import make_eval_step
 from zoo.engine.validate import check_split
+from zoo.hub import local
 from zoo.overrides import compose
 
 
@@ -135,7 +136,9 @@ def load(
 
     `workdir` may also be a pretrained checkpoint directory (`config.json` + safetensors of a
     family some model loads, see `zoo.list_models(families=True)`): its model, at step 0, with
-    the config a run starting from it would have."""
+    the config a run starting from it would have; or a Hugging Face Hub name,
+    `hf://ORG/NAME[@REVISION]`, read from the hub's cache (downloaded first; see `zoo.hub`)."""
+    workdir = local(workdir)
     if is_pretrained_dir(workdir):
         if weights != "raw":
             raise ZooError(

@@ -9,7 +9,8 @@ text data set the directory's `tokenizer.json` unless `data.tokenizer` is set. A
 more ids than the model's vocabulary is an error before anything is built. Its model normalises
 pixels itself, with the checkpoint's statistics, so an image data set's own normalisation is
 turned off. A text data set's default lengths are fitted to the model's context (`fit_context`),
-each said in one line.
+each said in one line. The directory may be named by its Hugging Face Hub name (`hf://ORG/NAME`,
+see `zoo.hub`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from omegaconf import DictConfig
 from zoo.data.text import load_tokenizer
 from zoo.engine import registry, weights
 from zoo.engine.errors import ZooError
+from zoo.hub import local
 
 INIT_FROM = "finetune.init_from="
 
@@ -32,17 +34,22 @@ log = logging.getLogger("zoo")
 def pretrained_args(overrides: Sequence[str]) -> list[str]:
     """The overrides a run from the pretrained directory that `overrides` name implies, less
     those `overrides` set themselves and, when they name a data set, those it decides (its
-    input shape, its classes); [] when `finetune.init_from` is not one."""
+    input shape, its classes); [] when `finetune.init_from` is not one. An `hf://` name there
+    is replaced by the directory it resolves to (`zoo.hub`): the engine reads directories."""
     starts = [o[len(INIT_FROM) :] for o in overrides if o.startswith(INIT_FROM)]
-    if not starts or not weights.is_pretrained(starts[-1]):
+    if not starts:
         return []
+    start = local(starts[-1])
+    resolved = [] if start == starts[-1] else [f"{INIT_FROM}{start}"]
+    if not weights.is_pretrained(start):
+        return resolved
     models = [o.partition("=")[2] for o in overrides if o.startswith("model=")]
-    pretrained = weights.open_pretrained(starts[-1], models[-1] if models else None)
+    pretrained = weights.open_pretrained(start, models[-1] if models else None)
     given = _keys(overrides)
     data = [o.partition("=")[2] for o in overrides if o.startswith("data=")]
     entry = registry.get_model(pretrained.family.model)
     data_entry = registry.get_data(data[-1] if data else entry.default_data)
-    args = [] if models else [f"model={pretrained.family.model}"]
+    args = resolved + ([] if models else [f"model={pretrained.family.model}"])
     args += [
         f"model.{key}={json.dumps(value)}"
         for key, value in pretrained.hparams().items()

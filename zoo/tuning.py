@@ -32,6 +32,7 @@ from zoo.engine.errors import ZooError
 from zoo.engine.freeze import Filter
 from zoo.engine.loop import RunResult, Trainer
 from zoo.engine.validate import check_finetune
+from zoo.hub import local
 from zoo.overrides import compose
 
 USER_DATA = "user"
@@ -90,7 +91,8 @@ def finetune(
 
     - `start`: the workdir of a run, a `RunResult` or `TrainedModel` (its weights at its step),
       a pretrained checkpoint directory (its family's model, sizes and tokenizer; see
-      `zoo.list_models(families=True)`), or a registered model's name (fresh weights; its
+      `zoo.list_models(families=True)`) or a Hugging Face Hub name (`hf://ORG/NAME`, see
+      `zoo.hub`), or a registered model's name (fresh weights; its
       `model.*` keys from `overrides`).
     - `overrides`: the CLI's keys, e.g. `"trainer.steps=200"`, `"optimizer.learning_rate=1e-3"`,
       `"workdir=runs/ft"`, `"mesh.fsdp=2"`; the model's own defaults fill the rest.
@@ -206,7 +208,9 @@ def _model_args(
 
 
 def _pretrained(start: Any, step: str | int | None) -> weights.Pretrained | None:
-    """The pretrained checkpoint directory `start` names, if it is one (not a run's workdir)."""
+    """The pretrained checkpoint directory `start` names, if it is one (not a run's workdir);
+    an `hf://` name is resolved to its directory in the hub's cache (see `zoo.hub`)."""
+    start = local(start)
     if not isinstance(start, str | os.PathLike) or not is_pretrained_dir(start):
         return None
     if step is not None:

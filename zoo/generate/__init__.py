@@ -2,7 +2,8 @@
 `python -m zoo.generate DIR prompt=TEXT [max_new_tokens=100] [temperature=1.0] [top_k=0]
 [seed=0] [step=latest]`.
 
-`model` is a run (`RunResult`, `TrainedModel`), a workdir or a pretrained directory, or a bare
+`model` is a run (`RunResult`, `TrainedModel`), a workdir or a pretrained directory, a Hugging
+Face Hub name (`hf://ORG/NAME[@REVISION]`, read through the hub's cache: `zoo.hub`), or a bare
 module. A run's model is called under its own mesh and speaks its data set's tokenizer
 (`data.tokenizer`, which a run from a pretrained directory takes from it); a bare module is
 byte-level unless `tokenizer` is given, and is called under the mesh the caller activated. A
@@ -29,8 +30,8 @@ from zoo.models.generate import generate as generate_text
 
 OPTIONS = {"prompt": str, "max_new_tokens": int, "temperature": float, "top_k": int, "seed": int}
 USAGE = (
-    "usage: python -m zoo.generate DIR prompt=TEXT [max_new_tokens=100] [temperature=1.0] "
-    "[top_k=0] [seed=0] [step=latest|best|N]"
+    "usage: python -m zoo.generate DIR|hf://ORG/NAME prompt=TEXT [max_new_tokens=100] "
+    "[temperature=1.0] [top_k=0] [seed=0] [step=latest|best|N]"
 )
 
 
