@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from zoo.models import hparams as model_hparams
+
 from zoo.plugin import ZooError
 
 
@@ -110,11 +112,17 @@ def _per_channel(
 
 
 def preprocessor_config(
-    processor: str, size: Mapping[str, int], mean: Sequence[float], std: Sequence[float]
+    processor: str,
+    size: Mapping[str, int],
+    mean: Sequence[float],
+    std: Sequence[float],
+    input_shape: Sequence[int],
 ) -> dict[str, Any]:
     """The `preprocessor_config.json` written on export for the image processor `processor`:
     images resized as `size` says (that processor's layout), pixels rescaled from 0-255 to
-    [0, 1] and normalised with the model's statistics."""
+    [0, 1] and normalised with the statistics the model of `input_shape` uses (a 1-channel
+    model's: the averages of three channels')."""
+    mean, std = model_hparams.pixel_statistics(list(mean), list(std), list(input_shape))
     return {
         "image_processor_type": processor,
         "do_resize": True,

@@ -276,6 +276,7 @@ def _hf_config(hparams: Mapping[str, Any]) -> dict[str, Any]:
             {"shortest_edge": min(hparams["input_shape"][:2])},
             hparams.get("pixel_mean") or IMAGENET_MEAN,
             hparams.get("pixel_std") or IMAGENET_STD,
+            hparams["input_shape"],
         ),
     }
 

@@ -243,6 +243,7 @@ def _hf_config(hparams: Mapping[str, Any]) -> dict[str, Any]:
             {"height": side, "width": side},
             hparams.get("pixel_mean") or HALF[:channels],
             hparams.get("pixel_std") or HALF[:channels],
+            hparams["input_shape"],
         ),
     }
 
