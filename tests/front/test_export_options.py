@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import shutil
 
 import jax
@@ -134,3 +135,10 @@ def test_bad_export_options_are_refused_by_name(source, tmp_path, options, named
     with pytest.raises(zoo.ZooError, match=named):
         zoo.export(source, tmp_path / "out", **options)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_source_directory_that_is_gone_is_said(tmp_path, caplog):
+    config = OmegaConf.create({"finetune": {"init_from": str(tmp_path / "gone")}, "data": {}})
+    with caplog.at_level(logging.WARNING, logger="zoo"):
+        assert zoo_export.carried_files(config) == {}
+    assert f"started from {tmp_path / 'gone'}, which is gone" in caplog.text

@@ -28,6 +28,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import sys
@@ -44,6 +45,7 @@ from zoo.engine.errors import ZooError
 from zoo.engine.lora import merge_adapters
 from zoo.export.token_ids import special_token_ids
 
+log = logging.getLogger("zoo")
 FORMATS = ("hf", "jax")
 FUNCTION, WEIGHTS, SIGNATURE = "model.jaxexport", "weights.npz", "signature.json"
 CARRIED = (
@@ -130,6 +132,12 @@ def carried_files(config: Any) -> dict[str, str]:
     directory's settings are its own tokenizer's)."""
     start = config.finetune.get("init_from")
     source = start if start and pretrained.is_pretrained(start) else None
+    if start and not os.path.exists(start):
+        log.warning(
+            "The run started from %s, which is gone: the export carries no tokenizer settings, "
+            "chat template or generation config of it.",
+            start,
+        )
     found = {
         name: os.path.join(source, name)
         for name in (CARRIED if source else ())
