@@ -269,7 +269,8 @@ class Family:
         if not self.honoured:
             return {}
         _refuse_common(self.name, config)
-        return _unaccounted(config, {*self.honoured, *self.inert, *COMMON_INERT}, "")
+        known = {*self.honoured, *self.inert, *COMMON_INERT, *COMMON_REFUSED}
+        return _unaccounted(config, known, "")
 
 
 COMMON_INERT = (
@@ -300,6 +301,7 @@ COMMON_INERT = (
     "prefix",
     "task_specific_params",
     "label2id",
+    "_num_labels",
     "bos_token_id",
     "eos_token_id",
     "pad_token_id",
