@@ -1,6 +1,8 @@
-"""A fine-tune of a pretrained GPT-2 checkpoint (the tiny fixture, with its tokenizer, on a text
-file) killed with SIGKILL mid-run and run again ends with the bits and the logged losses of an
-uninterrupted fine-tune."""
+"""A fine-tune of a pretrained checkpoint (a tiny fixture, with its tokenizer, on a text file)
+killed with SIGKILL mid-run and run again ends with the bits and the logged losses of an
+uninterrupted fine-tune: GPT-2 with every param trained, and Qwen 3 with LoRA adapters on its
+attention and MLP projections (the adapters, their optimizer state and the data position are
+what the resume must restore)."""
 
 from __future__ import annotations
 
@@ -12,8 +14,7 @@ from helpers import ROOT, read_events, scalar_steps
 
 FIXTURES = ROOT / "tests" / "fixtures" / "pretrained"
 STEPS, KILL_AFTER = 80, 20
-ARGS = (
-    f"finetune.init_from={FIXTURES / 'gpt2-tiny'}",
+COMMON = (
     f"data.path={FIXTURES / 'tiny.txt'}",
     "data.window=16",
     "trainer.batch_size=8",  # 35 batches an epoch: the run crosses epoch boundaries
@@ -24,15 +25,27 @@ ARGS = (
     "optimizer.warmup_steps=0",
     "logging.norms_every=0",
 )
+STARTS = {
+    "gpt2": (f"finetune.init_from={FIXTURES / 'gpt2-tiny'}",),
+    "qwen3-lora": (
+        f"finetune.init_from={FIXTURES / 'qwen3-tiny'}",
+        "finetune.lora_rank=4",
+        "finetune.lora_layers=layers",
+    ),
+}
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
+@pytest.fixture(scope="module", params=sorted(STARTS))
+def case(request, tmp_path_factory):
+    """(the run's arguments, the final arrays and logged losses of it run uninterrupted)."""
+    args = (*STARTS[request.param], *COMMON)
     workdir = tmp_path_factory.mktemp("uninterrupted")
-    status, stderr, _ = run(*ARGS, f"workdir={workdir}")
+    status, stderr, _ = run(*args, f"workdir={workdir}")
     assert status == 0, stderr
-    assert "Starting from the gpt2 checkpoint" in (workdir / "train.log").read_text()
-    return final_arrays(workdir, STEPS), scalar_steps(read_events(workdir), "train/loss")
+    family = request.param.split("-")[0]
+    assert f"Starting from the {family} checkpoint" in (workdir / "train.log").read_text()
+    losses = scalar_steps(read_events(workdir), "train/loss")
+    return args, final_arrays(workdir, STEPS), losses
 
 
 def saved(workdir) -> list[int]:
@@ -45,9 +58,9 @@ def saved(workdir) -> list[int]:
     )
 
 
-def test_a_killed_fine_tune_run_again_ends_with_the_same_bits(uninterrupted, tmp_path):
-    final, losses = uninterrupted
-    process = start(*ARGS, f"workdir={tmp_path}")
+def test_a_killed_fine_tune_run_again_ends_with_the_same_bits(case, tmp_path):
+    args, final, losses = case
+    process = start(*args, f"workdir={tmp_path}")
     logged = logged_step(tmp_path, KILL_AFTER, STEPS)
     wait_for(lambda: logged() and bool(saved(tmp_path)), process)
     process.send_signal(signal.SIGKILL)
@@ -55,7 +68,7 @@ def test_a_killed_fine_tune_run_again_ends_with_the_same_bits(uninterrupted, tmp
     assert process.returncode == -signal.SIGKILL
     resumed_from = max(saved(tmp_path))
     assert 0 < resumed_from < STEPS  # killed mid-run: the second run resumes
-    status, stderr, _ = run(*ARGS, f"workdir={tmp_path}")
+    status, stderr, _ = run(*args, f"workdir={tmp_path}")
     assert status == 0, stderr
     assert_same_arrays(final_arrays(tmp_path, STEPS), final)
     # Every loss logged after the checkpoint it resumed from, as the uninterrupted run logged
