@@ -13,8 +13,11 @@ the config takes transformers' default for the family.
 Every key of a family's config is accounted for: read by `hparams` (`HONOURED`), known not to
 change what the model computes (`INERT`, besides the `COMMON_INERT` of every config: dropout,
 which inference skips, and the cache transformers generates with), or refused with a `ZooError`
-naming the key, its value and what `decoder` implements: RoPE scalings other than default, linear and llama3, a partial rotary
-factor, an activation other than SiLU and tanh GELU, bidirectional attention, quantized weights.
+naming the key, its value and what `decoder` implements: RoPE scalings other than default,
+linear and llama3, a partial rotary factor, an activation other than SiLU and tanh GELU,
+interleaved RoPE, bidirectional attention, Gemma 3's attention soft-capping (which transformers
+does not apply), quantized weights. Export writes the family's config in transformers 5's
+layout, and refuses a model that the layout cannot hold (it would read back as another).
 
 Projections are stored (out, in) by torch's `nn.Linear`; `decoder` holds them (in, out) with
 the heads split out: q/k/v (dim, heads, head_dim), o (heads, head_dim, dim). Embedding rows and
@@ -83,9 +86,9 @@ _SIZES = (
 @dataclasses.dataclass(frozen=True)
 class _Kind:
     """What tells one family apart: its names, transformers' defaults for absent keys, the
-    keys it reads besides `_SIZES` and those it ignores, and its options as `decoder`'s
-    constructor arguments (`options(config, read)`, `read(key)` giving a key's value or its
-    default)."""
+    keys it reads besides `_SIZES` and those that do not change the computation, its options
+    as `decoder`'s constructor arguments (`options(config, read)`, `read(key)` giving a key's
+    value or its default) and the config keys that write them back (`export(hparams)`)."""
 
     name: str
     architecture: str
