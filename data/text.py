@@ -2,6 +2,8 @@
 Python standard library's own source files (present on every machine, nothing to download).
 With `tokenizer` (a Hugging Face `tokenizer.json`, or a directory holding one), the text is
 encoded into that tokenizer's ids instead (int32), for a model with its vocabulary (GPT-2's);
+`tokenizer=bpe:N` trains a byte-level BPE tokenizer of N ids on the training split first (with
+`tokenizers`, deterministically; cached beside the tokens, see `zoo.data.tokens`);
 in `windows` mode those ids are cached on disk and memory-mapped (`zoo.data.tokens`), so a corpus
 larger than memory trains.
 
@@ -29,12 +31,15 @@ from typing import Any
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
-from zoo.data.tokens import Segment, tokenized
+from zoo.data.tokens import Segment, tokenized, trained_bpe
 
 from zoo.plugin import Batch, Splits, ZooError, register_data
 
 TOKENS, LENGTH = "tokens", "length"
 TOKENIZER_FILE = "tokenizer.json"
+BPE = "bpe:"
+"""`data.tokenizer=bpe:N`: a BPE tokenizer of N ids trained on the training text."""
+BYTES = 256
 
 
 class TextMode(str, enum.Enum):
@@ -110,6 +115,41 @@ def _read_segment(segment: Segment) -> bytes:
     with open(segment.file, "rb") as f:
         f.seek(segment.start)
         return f.read(segment.end - segment.start)
+
+
+def bpe_size(tokenizer: str | None) -> int | None:
+    """N of a `bpe:N` tokenizer setting; None for a file, a directory or bytes."""
+    if tokenizer is None or not str(tokenizer).startswith(BPE):
+        return None
+    size = str(tokenizer)[len(BPE) :]
+    if not size.isdigit() or int(size) <= BYTES:
+        raise ZooError(
+            f"data.tokenizer={tokenizer}: a trained BPE tokenizer takes its number of ids, more "
+            f"than the {BYTES} bytes it starts from plus its end-of-text token, e.g. "
+            f"data.tokenizer={BPE}4096."
+        )
+    return int(size)
+
+
+def trained_tokenizer(
+    path: str | None = None, pattern: str = "**/*", tokenizer: str | None = None, **_: Any
+) -> Path | None:
+    """The `tokenizer.json` that a `text` config's `tokenizer` names: the file (or the one in
+    a directory), or for `bpe:N` the one trained on its training split (cached: trained on
+    first use); None for bytes. Takes the data set's config as keywords."""
+    if bpe_size(tokenizer) is None:
+        return None if tokenizer is None else tokenizer_file(tokenizer)
+    where = "The Python standard library" if path is None else f"data.path={path}"
+    train, _ = _split(_text_segments(_text_files(path, pattern), where))
+    return _tokenizer_for(tokenizer, train)
+
+
+def _tokenizer_for(tokenizer: str | None, train: list[Segment]) -> Path | None:
+    """The `tokenizer.json` of a `tokenizer` setting, one trained on `train` for `bpe:N`."""
+    if tokenizer is None:
+        return None
+    size = bpe_size(tokenizer)
+    return tokenizer_file(tokenizer) if size is None else trained_bpe(train, size)
 
 
 def tokenizer_file(path: str | Path) -> Path:
@@ -195,13 +235,15 @@ def text(
     # Bytes of held-out text evaluated (0: all of it), to keep an eval short.
     eval_bytes: int = 262_144,
     # A Hugging Face `tokenizer.json`, or a directory holding one, whose ids replace the bytes;
-    # null: bytes.
+    # `bpe:N`: a byte-level BPE tokenizer of N ids trained on the training text (cached); null:
+    # bytes.
     tokenizer: str | None = None,
 ) -> Splits:
     """Bytes of text for a byte-level language model. `path`: a text file or a directory
     (its files matching `pattern`); unset: the Python standard library's sources. `eval_bytes`
     caps the held-out text (0: all of it), which keeps an eval to seconds. `tokenizer`: a
-    `tokenizer.json` (or a directory with one) whose ids replace the bytes."""
+    `tokenizer.json` (or a directory with one) whose ids replace the bytes, or `bpe:N`, one of
+    N ids trained on the training split (never on the held-out text)."""
     if window < 1 or eval_bytes < 0:
         raise ZooError(
             f"data.window={window} must be at least 1 and data.eval_bytes={eval_bytes} at "
@@ -212,7 +254,8 @@ def text(
     where = "The Python standard library" if path is None else f"data.path={path}"
     train, test = _split(_text_segments(_text_files(path, pattern), where))
     test = _slice(test, 0, eval_bytes or None)
-    encoder = None if tokenizer is None else load_tokenizer(tokenizer)
+    file = _tokenizer_for(tokenizer, train)
+    encoder = None if file is None else load_tokenizer(file)
     if mode == TextMode.lines:
         longest = max(buckets)
         return Splits(
@@ -224,8 +267,8 @@ def text(
     if encoder is None:
         train_tokens, test_tokens = encode(_read(train), None), encode(_read(test), None)
     else:
-        train_tokens = tokenized(train, tokenizer_file(tokenizer), encoder)
-        test_tokens = tokenized(test, tokenizer_file(tokenizer), encoder)
+        train_tokens = tokenized(train, file, encoder)
+        test_tokens = tokenized(test, file, encoder)
     return Splits(
         train=_windows(train_tokens, window, "training"),
         eval=_windows(test_tokens, window, "held-out"),

@@ -1,8 +1,10 @@
 """Tokenized text kept on disk: a split's text encoded once into a file of int32 ids in the data
-cache, then memory-mapped, so a corpus larger than memory trains and a rerun skips tokenizing.
+cache, then memory-mapped, so a corpus larger than memory trains and a rerun skips tokenizing;
+and BPE tokenizers trained on a split's text (`data.tokenizer=bpe:N`), kept beside them.
 
 The file's name is a hash of everything its ids depend on: each input file's path, size and
-modification time, the tokenizer file's bytes, and which bytes of the files the split takes. A
+modification time, the tokenizer file's bytes (for a trained tokenizer: its size), and which
+bytes of the files the split takes. A
 changed file or tokenizer makes a new entry; the old one is never read again. An entry is
 written to a temporary file and renamed into place, so a killed run leaves no partial entry.
 
@@ -47,17 +49,54 @@ class Segment:
 def tokenized(segments: Sequence[Segment], tokenizer_file: Path, tokenizer: Any) -> np.ndarray:
     """The ids of the segments' text (int32, memory-mapped read-only), from the cache, or
     encoded into it first."""
-    target = cache_root() / "tokens" / f"{_key(segments, tokenizer_file)}.i32"
+    tokenizer_hash = hashlib.sha256(tokenizer_file.read_bytes()).digest()
+    target = cache_root() / "tokens" / f"{_key(segments, tokenizer_hash)}.i32"
     if not target.is_file():
-        _write(target, (_encode(piece, tokenizer) for piece in _pieces(_blocks(segments))))
+        pieces = _pieces(_blocks(segments))
+        _write(target, (_encode(piece, tokenizer).tobytes() for piece in pieces))
     if target.stat().st_size == 0:
         return np.empty(0, TOKEN)
     return np.memmap(target, TOKEN, mode="r")
 
 
-def _key(segments: Sequence[Segment], tokenizer_file: Path) -> str:
+def trained_bpe(segments: Sequence[Segment], size: int) -> Path:
+    """The `tokenizer.json` of a byte-level BPE tokenizer of `size` ids (fewer if the text
+    holds fewer pairs to merge) trained on the segments' text, from the cache, or trained into
+    it first. Training is deterministic: the same text and size give the same file, byte for
+    byte. Its one special token, `END_OF_TEXT`, is id 0."""
+    target = cache_root() / "tokenizers" / f"{_key(segments, f'bpe:{size}'.encode())}.json"
+    if not target.is_file():
+        _write(target, iter([_train_bpe(segments, size).to_str().encode()]))
+    return target
+
+
+END_OF_TEXT = "<|endoftext|>"
+
+
+def _train_bpe(segments: Sequence[Segment], size: int) -> Any:
+    """GPT-2's kind of tokenizer: text split into words and runs of whitespace, each word's
+    UTF-8 bytes merged into tokens; every byte is a token, so any text encodes."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=size,
+        special_tokens=[END_OF_TEXT],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    pieces = _pieces(_blocks(segments))
+    tokenizer.train_from_iterator((p.decode("utf-8", errors="replace") for p in pieces), trainer)
+    return tokenizer
+
+
+def _key(segments: Sequence[Segment], made_by: bytes) -> str:
+    """The cache's name for what `made_by` (a tokenizer's hash, a training's settings) makes
+    of the segments' text."""
     digest = hashlib.sha256(FORMAT.encode())
-    digest.update(hashlib.sha256(tokenizer_file.read_bytes()).digest())
+    digest.update(made_by)
     for segment in segments:
         info = segment.file.stat()
         described = f"{segment.file.resolve()}\0{info.st_size}\0{info.st_mtime_ns}"
@@ -100,19 +139,19 @@ def _encode(piece: bytes, tokenizer: Any) -> np.ndarray:
     return np.asarray(tokenizer.encode(text, add_special_tokens=False).ids, TOKEN)
 
 
-def _write(target: Path, chunks: Iterator[np.ndarray]) -> None:
+def _write(target: Path, chunks: Iterator[bytes]) -> None:
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=".", suffix=".part")
     except OSError as e:
         raise ZooError(
-            f"Cannot write tokenized text to the data cache {target.parent} ({e.strerror}): set "
+            f"Cannot write to the data cache {target.parent} ({e.strerror}): set "
             f"{CACHE_ENV} to a writable directory."
         ) from None
     try:
         with os.fdopen(handle, "wb") as out:
             for chunk in chunks:
-                out.write(chunk.tobytes())
+                out.write(chunk)
         os.replace(temporary, target)
     finally:
         if os.path.exists(temporary):

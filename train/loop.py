@@ -303,7 +303,7 @@ class Trainer:
             stack.callback(checkpointer.close)  # waits for the last save, the log still open
             zeros = self._start(checkpointer, iterator, saved_config)
             if primary:
-                rundir.record(self.workdir, self.cfg, overrides)
+                rundir.record(self.workdir, self.cfg, overrides, self.tokenizer)
             run_log.write_to(self.workdir)
             total = int(self.cfg.trainer.steps)
             reporter = Reporter(self.workdir, total, start_step=self.resumed_from, primary=primary)

@@ -28,7 +28,7 @@ import logging.handlers
 import os
 import socket
 from collections.abc import Iterator, Sequence
-from typing import Self
+from typing import Any, Self
 
 from omegaconf import DictConfig, OmegaConf
 from zoo.engine.errors import ZooError
@@ -40,7 +40,8 @@ LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] %(message)s"
 # itself (event files, its lock, the callbacks' record): the directories it adds files to and the
 # files it opens for writing.
 WRITTEN_DIRECTORIES = (".hydra", "checkpoints")
-WRITTEN_FILES = (LOG,)
+TOKENIZER = "tokenizer.json"
+WRITTEN_FILES = (LOG, TOKENIZER)
 
 _held: dict[str, list[int]] = {}  # lock path -> [file descriptor, holds]
 
@@ -169,11 +170,17 @@ def _read_holder(fd: int) -> str:
         return "its pid is not recorded yet"
 
 
-def record(workdir: str, config: DictConfig, overrides: Sequence[str] | None = None) -> None:
-    """The run's resolved config and its command-line overrides, under `<workdir>/.hydra/`."""
+def record(
+    workdir: str, config: DictConfig, overrides: Sequence[str] | None = None, tokenizer: Any = None
+) -> None:
+    """The run's resolved config and its command-line overrides, under `<workdir>/.hydra/`; its
+    data's tokenizer (a `tokenizers.Tokenizer`), if any, as `<workdir>/tokenizer.json`, where
+    generation finds it whatever becomes of the file the run read it from."""
     directory = os.path.join(workdir, ".hydra")
     try:
         os.makedirs(directory, exist_ok=True)
+        if tokenizer is not None:
+            replace_file(os.path.join(workdir, TOKENIZER), tokenizer.to_str())
         replace_file(
             os.path.join(directory, "config.yaml"), OmegaConf.to_yaml(config, resolve=True)
         )

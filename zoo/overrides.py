@@ -23,7 +23,7 @@ from zoo.engine.dispatch import CADENCES
 from zoo.engine.errors import ZooError
 from zoo.engine.validate import validate
 from zoo.hydra_store import store_registry
-from zoo.pretrained import check_tokenizer, fit_context, fit_normalisation, pretrained_args
+from zoo.pretrained import fit_context, fit_normalisation, fit_tokenizer, pretrained_args
 
 log = logging.getLogger("zoo")
 
@@ -48,7 +48,7 @@ def compose(overrides: Sequence[str] = ()) -> DictConfig:
         fit_normalisation(cfg, overrides)
         fit_context(cfg, overrides)
         validate(cfg)
-        check_tokenizer(cfg)
+        fit_tokenizer(cfg, overrides)
     except ZooError:
         raise
     except OmegaConfBaseException as e:

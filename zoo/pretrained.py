@@ -9,8 +9,8 @@ text data set the directory's `tokenizer.json` unless `data.tokenizer` is set. A
 more ids than the model's vocabulary is an error before anything is built. Its model normalises
 pixels itself, with the checkpoint's statistics, so an image data set's own normalisation is
 turned off. A text data set's default lengths are fitted to the model's context (`fit_context`),
-each said in one line. The directory may be named by its Hugging Face Hub name (`hf://ORG/NAME`,
-see `zoo.hub`).
+and the model's default vocabulary to the data's tokenizer (`fit_tokenizer`), each said in one
+line. The directory may be named by its Hugging Face Hub name (`hf://ORG/NAME`, see `zoo.hub`).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import json
 import logging
 from collections.abc import Sequence
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from zoo.data.text import load_tokenizer
+from zoo.data.text import bpe_size, load_tokenizer, trained_tokenizer
 from zoo.engine import registry, weights
 from zoo.engine.errors import ZooError
 from zoo.hub import local
@@ -145,13 +145,42 @@ def _shown(value: object) -> str:
     return str(getattr(value, "value", value)).lower()
 
 
-def check_tokenizer(cfg: DictConfig) -> None:
-    """A tokenizer and a model that agree on the vocabulary, or a `ZooError` naming both."""
-    path, vocab = cfg.data.get("tokenizer"), cfg.model.get("vocab_size")
-    if path is None or vocab is None:
+def fit_tokenizer(cfg: DictConfig, overrides: Sequence[str]) -> None:
+    """The data's tokenizer and the model's vocabulary made to agree. `data.tokenizer=bpe:N`
+    becomes the `tokenizer.json` trained on the text data set's training split (trained on
+    first use, then cached: see `zoo.data.tokens`), so that the run's config names the very
+    file its ids come from (a fine-tune from the run reuses it, whatever data it reads). A
+    model whose `model.vocab_size` the overrides leave at zoo's default takes the tokenizer's
+    number of ids (said in one line); one they set (a checkpoint's) that is too small is a
+    `ZooError` naming both."""
+    setting = cfg.data.get("tokenizer")
+    if setting is None:
         return
+    if bpe_size(setting) is not None:
+        params = OmegaConf.to_container(cfg.data, enum_to_str=True)
+        cfg.data.tokenizer = str(trained_tokenizer(**params))
+        log.info(
+            "data.tokenizer=%s: the BPE tokenizer trained on data set '%s''s training text, "
+            "cached as %s (the run keeps a copy as tokenizer.json in its workdir).",
+            setting,
+            cfg.data.name,
+            cfg.data.tokenizer,
+        )
+    if "vocab_size" not in cfg.model:
+        return
+    path, vocab = cfg.data.tokenizer, cfg.model.vocab_size
     size = load_tokenizer(path).get_vocab_size()
-    if size > vocab:
+    if "model.vocab_size" not in _keys(overrides) and vocab != size:
+        cfg.model.vocab_size = size
+        log.info(
+            "model.vocab_size=%d: the ids of the tokenizer data.tokenizer=%s (model '%s' has %s "
+            "by default; set model.vocab_size to choose).",
+            size,
+            setting,
+            cfg.model.name,
+            vocab,
+        )
+    elif vocab is not None and size > vocab:
         raise ZooError(
             f"The tokenizer data.tokenizer={path} has {size} ids, more than the model's "
             f"vocabulary of model.vocab_size={vocab}: use the tokenizer that came with the "

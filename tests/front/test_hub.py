@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from helpers import ROOT, run_cli
+from zoo.data.text import load_tokenizer
 
 import zoo
 
@@ -111,6 +112,8 @@ def test_finetune_starts_from_a_hub_name(cache, tmp_path):
     assert result.step == 2
     assert result.config.finetune.init_from == str(cache)
     assert result.config.model.vocab_size == 300  # the checkpoint's sizes and tokenizer
+    kept = load_tokenizer(tmp_path)  # the run keeps its tokenizer in its workdir
+    assert kept.to_str() == load_tokenizer(TINY).to_str()
 
 
 def test_the_cli_fine_tunes_from_a_hub_name_and_resumes_offline(cache, tmp_path):

@@ -5,7 +5,8 @@
 `model` is a run (`RunResult`, `TrainedModel`), a workdir or a pretrained directory, a Hugging
 Face Hub name (`hf://ORG/NAME[@REVISION]`, read through the hub's cache: `zoo.hub`), or a bare
 module. A run's model is called under its own mesh and speaks its data set's tokenizer
-(`data.tokenizer`, which a run from a pretrained directory takes from it); a bare module is
+(`data.tokenizer`, which a run from a pretrained directory takes from it, kept in the run's
+workdir as `tokenizer.json`); a bare module is
 byte-level unless `tokenizer` is given, and is called under the mesh the caller activated. A
 run trained with `trainer.precision=bf16` generates in bfloat16, as it trained.
 Sampling itself is `zoo.models.generate`.
@@ -22,7 +23,7 @@ from typing import Any
 import jax
 
 from zoo.api import TrainedModel, load
-from zoo.data.text import load_tokenizer
+from zoo.data.text import TOKENIZER_FILE, load_tokenizer
 from zoo.engine import precision
 from zoo.engine.errors import ZooError
 from zoo.engine.loop import RunResult
@@ -30,8 +31,9 @@ from zoo.models.generate import generate as generate_text
 
 OPTIONS = {"prompt": str, "max_new_tokens": int, "temperature": float, "top_k": int, "seed": int}
 USAGE = (
-    "usage: python -m zoo.generate DIR|hf://ORG/NAME prompt=TEXT [max_new_tokens=100] "
-    "[temperature=1.0] [top_k=0] [seed=0] [step=latest|best|N]"
+    "usage: python -m zoo.generate DIR prompt=TEXT [max_new_tokens=100] [temperature=1.0] "
+    "[top_k=0] [seed=0] [step=latest|best|N]\n"
+    "DIR: a run's workdir, a pretrained directory, or a Hugging Face Hub name hf://ORG/NAME"
 )
 
 
@@ -56,12 +58,18 @@ def generate(
     args = (prompt, max_new_tokens, temperature, top_k, seed)
     if not isinstance(model, RunResult | TrainedModel):
         return generate_text(model, *args, tokenizer=tokenizer)
-    path = model.config.data.get("tokenizer")
-    if tokenizer is None and path:
-        tokenizer = load_tokenizer(path)
+    if tokenizer is None and model.config.data.get("tokenizer"):
+        tokenizer = load_tokenizer(run_tokenizer(model))
     with model.activate():
         computing = precision.computing(model.model, model.config.trainer.precision)
         return generate_text(computing, *args, tokenizer=tokenizer)
+
+
+def run_tokenizer(trained: RunResult | TrainedModel) -> str:
+    """The `tokenizer.json` of a run whose data set had one: the copy the run kept in its
+    workdir, else the file its config names (a pretrained directory's own)."""
+    kept = os.path.join(trained.workdir, TOKENIZER_FILE)
+    return kept if os.path.isfile(kept) else trained.config.data.tokenizer
 
 
 def main(argv: list[str]) -> int:
