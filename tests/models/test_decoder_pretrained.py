@@ -140,6 +140,17 @@ def test_every_key_of_the_fixtures_configs_is_accounted_for(name):
     assert family.unaccounted({**config, "made_up_key": 1}) == {"made_up_key": 1}
 
 
+def test_a_key_zoo_does_not_know_is_named_in_a_warning_at_load(tmp_path, caplog):
+    directory = tmp_path / "qwen3"
+    shutil.copytree(FIXTURES / "qwen3-tiny", directory)
+    weights.open_pretrained(directory)
+    assert "does not know" not in caplog.text
+    config = {**config_of("qwen3-tiny"), "rope_wobble": 0.5}
+    (directory / "config.json").write_text(json.dumps(config))
+    weights.open_pretrained(directory)
+    assert "rope_wobble=0.5" in caplog.text and "qwen3" in caplog.text
+
+
 # config.json of checkpoints on the hub, as transformers 4 saved them.
 PUBLISHED = {
     "Llama-3.2-1B": {
