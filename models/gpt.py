@@ -74,19 +74,12 @@ def padded_vocab(vocab_size: int) -> int:
     return -(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
 
 
-def _attention_scale(head_dim: int, by_head_size: bool, divisor: int) -> float | None:
-    """The factor of a block's attention logits; None for the usual 1/sqrt(head size)."""
-    if by_head_size and divisor == 1:
-        return None
-    return (1 / math.sqrt(head_dim) if by_head_size else 1.0) / divisor
-
-
 def _cache_spec():
     return logical_spec(None, "batch", None, "heads", None)
 
 
-def _apply_block(block: Block, x, key, cache, start):
-    return block(x, key, cache, start)
+def _apply_block(block: Block, x, key, cache, start, query_scale=None):
+    return block(x, key, cache, start, query_scale)
 
 
 _remat_block = nnx.remat(_apply_block)
@@ -162,7 +155,7 @@ class GPT(nnx.Module):
         # they are (GPT-2's scale_attn_weights=false).
         scale_attention: bool = True,
         # Also divide block i's attention logits by i + 1 (GPT-2's
-        # scale_attn_by_inverse_layer_idx); needs scan_layers=false.
+        # scale_attn_by_inverse_layer_idx).
         scale_attention_by_layer: bool = False,
         *,
         rngs: nnx.Rngs,
@@ -181,12 +174,6 @@ class GPT(nnx.Module):
         hparams.rates("gpt", dropout_rate=dropout_rate)
         if dim % num_heads:
             raise ZooError(f"gpt: dim={dim} must be a multiple of num_heads={num_heads}.")
-        if scale_attention_by_layer and scan_layers:
-            raise ZooError(
-                "gpt: model.scale_attention_by_layer=true gives each block its own attention "
-                "scale, which a stack of blocks (model.scan_layers=true) cannot hold: set "
-                "model.scan_layers=false."
-            )
         normal = nnx.initializers.normal(0.02)
         self.embedding = nnx.Param(
             partitioned(normal, ("vocab", "embed"))(rngs.params(), (padded_vocab(vocab_size), dim))
@@ -195,8 +182,7 @@ class GPT(nnx.Module):
             partitioned(normal, (None, None))(rngs.params(), (context_length, dim))
         )
 
-        head_dim = dim // num_heads
-        scale = _attention_scale(head_dim, scale_attention, 1)
+        scale = None if scale_attention else 1.0  # None: 1/sqrt(head size)
         options = BlockOptions(mlp_ratio, attention_bias, norm_epsilon, exact_gelu, scale)
 
         def block(key: jax.Array) -> Block:
@@ -215,8 +201,6 @@ class GPT(nnx.Module):
             self.blocks = nnx.vmap(block, transform_metadata={nnx.PARTITION_NAME: None})(layer_keys)
         else:
             self.blocks = nnx.List(repeated(lambda i: block(layer_keys[i]), depth))
-            for i, each in enumerate(self.blocks if scale_attention_by_layer else ()):
-                each.attention.scale = _attention_scale(head_dim, scale_attention, i + 1)
         self.norm = layer_norm(dim, rngs=rngs, epsilon=norm_epsilon)
         self.unembed = (
             None
@@ -227,6 +211,10 @@ class GPT(nnx.Module):
         self.vocab_size = vocab_size
         self.head_dim = dim // num_heads
         self.scan_layers, self.remat, self.dropout_rate = scan_layers, remat, dropout_rate
+        # Block i's queries times 1 / (i + 1): its attention logits divided by i + 1.
+        self.query_scales = (
+            tuple(1 / (i + 1) for i in range(depth)) if scale_attention_by_layer else None
+        )
 
     def __call__(self, tokens: jax.Array, *, rngs: nnx.Rngs | None = None) -> jax.Array:
         """Next-token logits (batch x length x padded vocabulary; the padded rows' are masked)
@@ -280,15 +268,17 @@ class GPT(nnx.Module):
         apply = _remat_block if self.remat else _apply_block
         if self.scan_layers:
 
-            @nnx.scan(in_axes=(0, nnx.Carry, 0, 0, None), out_axes=(nnx.Carry, 0))
-            def scan(block, x, key, layer_cache, start):
-                return apply(block, x, key, layer_cache, start)
+            @nnx.scan(in_axes=(0, nnx.Carry, 0, 0, None, 0), out_axes=(nnx.Carry, 0))
+            def scan(block, x, key, layer_cache, start, query_scale):
+                return apply(block, x, key, layer_cache, start, query_scale)
 
-            return scan(self.blocks, x, keys, cache, start)
+            scales = None if self.query_scales is None else jnp.asarray(self.query_scales)
+            return scan(self.blocks, x, keys, cache, start, scales)
         layer_caches = []
         for i, block in enumerate(self.blocks):
             layer_cache = None if cache is None else (cache[0][i], cache[1][i])
-            x, layer_cache = apply(block, x, keys[i], layer_cache, start)
+            scale = None if self.query_scales is None else self.query_scales[i]
+            x, layer_cache = apply(block, x, keys[i], layer_cache, start, scale)
             layer_caches.append(layer_cache)
         if cache is None:
             return x, None

@@ -85,13 +85,22 @@ class Attention(nnx.Module):
         self.causal, self.scale = causal, scale
 
     def __call__(
-        self, x: jax.Array, key: jax.Array, cache: KVCache | None, start: jax.Array | int
+        self,
+        x: jax.Array,
+        key: jax.Array,
+        cache: KVCache | None,
+        start: jax.Array | int,
+        query_scale: jax.Array | float | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         """Attention of the tokens at positions start, start+1, ...: to each other without a
         cache; with one, to the cache's positions too, after writing their own keys and values
-        into it. `key`: the attention weights' Dropout masks."""
+        into it. `key`: the attention weights' Dropout masks. `query_scale`: a factor of the
+        queries, which a layer of a stack may be given as a traced value (where `scale` is
+        the same for every layer)."""
         heads = logical_spec("batch", None, "heads", None)
         q, k, v = (proj(x, out_sharding=heads) for proj in (self.query, self.key, self.value))
+        if query_scale is not None:
+            q = q * jnp.asarray(query_scale, q.dtype)
         if cache is not None:
             k = jax.lax.dynamic_update_slice_in_dim(cache[0], k, start, axis=1)
             v = jax.lax.dynamic_update_slice_in_dim(cache[1], v, start, axis=1)
@@ -174,9 +183,11 @@ class Block(nnx.Module):
         key: jax.Array,
         cache: KVCache | None = None,
         start: jax.Array | int = 0,
+        query_scale: jax.Array | float | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         attention_key, mlp_key, weights_key = jax.random.split(key, 3)
-        h, cache = self.attention(self.attention_norm(x), weights_key, cache, start)
+        normed = self.attention_norm(x)
+        h, cache = self.attention(normed, weights_key, cache, start, query_scale)
         x = x + self.dropout(h, rngs=attention_key)
         h = self.mlp_in(self.mlp_norm(x), out_sharding=logical_spec("batch", None, "mlp"))
         h = nnx.gelu(h, approximate=not self.exact_gelu)

@@ -90,9 +90,17 @@ def test_gpt2_attention_scale_options_give_transformers_logits(name, option, wit
     assert np.abs(ignored - logits).max() > 1e-2  # the option matters at this tolerance
 
 
-def test_attention_scaled_by_layer_is_refused_in_stacked_layers():
-    with pytest.raises(zoo.ZooError, match="scale_attention_by_layer=true.*scan_layers=false"):
-        zoo.create_model("gpt", scale_attention_by_layer=True, scan_layers=True)
+@pytest.mark.parametrize("name", ["gpt2-tiny-unscaled", "gpt2-tiny-scaled-by-layer"])
+def test_gpt2_attention_scale_options_hold_in_stacked_layers(name):
+    """Each layer of the stack (`scan_layers`) takes its own scale as a scanned input."""
+    tokens, logits = reference(FIXTURES / name)
+    pretrained = weights.open_pretrained(FIXTURES / name)
+    hparams = {**checkpoint_hparams(pretrained), "scan_layers": True}
+    planned = plan_pretrained(pretrained, hparams, None, ONE)
+    model = planned.fill()
+    with sharding.activate(planned.mesh, planned.rules), jax.default_matmul_precision("highest"):
+        out = np.asarray(model(tokens))[..., : logits.shape[-1]]
+    np.testing.assert_allclose(out, logits, atol=1e-5, rtol=0)
 
 
 def test_gpt2_predictions_have_a_column_per_token_of_the_vocabulary():
