@@ -17,7 +17,7 @@ import jax
 from flax import nnx
 from zoo.models import hparams
 from zoo.models.classification import classification_loss, report_classifier
-from zoo.models.layers import batch_norm, conv, dense
+from zoo.models.layers import batch_norm, conv, dense, split_by_fsdp
 
 from zoo.plugin import logical_spec, register_model
 
@@ -69,8 +69,11 @@ class CNN(nnx.Module):
         height, width = input_shape[0], input_shape[1]
         for _ in channels[1:]:
             height, width = -(-height // 2), -(-width // 2)
-        # Flattened (height, width, channel) features: only the channel part is sharded.
-        self.head = dense(height * width * channels[-1], num_classes, (None, None), rngs=rngs)
+        # The flattened (height, width, channel) features are whole on each device: the
+        # kernel's rows are split by FSDP alone.
+        self.head = dense(
+            height * width * channels[-1], num_classes, (split_by_fsdp(None), None), rngs=rngs
+        )
 
     def __call__(self, x: jax.Array) -> jax.Array:
         for block in self.blocks:

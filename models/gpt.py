@@ -179,7 +179,7 @@ class GPT(nnx.Module):
             partitioned(normal, ("vocab", "embed"))(rngs.params(), (padded_vocab(vocab_size), dim))
         )
         self.positions = nnx.Param(
-            partitioned(normal, (None, None))(rngs.params(), (context_length, dim))
+            partitioned(normal, (None, "embed"))(rngs.params(), (context_length, dim))
         )
 
         scale = None if scale_attention else 1.0  # None: 1/sqrt(head size)
@@ -248,7 +248,9 @@ class GPT(nnx.Module):
             )
         table = self.embedding[...]
         x = _embed(tokens, table)
-        x = x + jax.lax.dynamic_slice_in_dim(self.positions[...], start, length)
+        # Stored split by FSDP; whole on every device where they meet the batch-sharded tokens.
+        held = jax.sharding.reshard(self.positions[...], P())
+        x = x + jax.lax.dynamic_slice_in_dim(held, start, length)
         x, cache = self._run_blocks(x, jax.random.split(key, self.depth), cache, start)
         x = self.norm(x)
         vocab = logical_spec("batch", None, "vocab")

@@ -1,7 +1,8 @@
 """Layers with logical sharding annotations, so every model of the zoo shards the same way.
 
 Each param names its dimensions with logical axes (`embed`, `mlp`, `heads`, `conv_in`,
-`conv_out`); the run's `mesh.rules` map them onto the mesh. A 1-D param (bias, norm scale) is
+`conv_out`); the run's `mesh.rules` map them onto the mesh. Every kernel has a dimension named
+for FSDP (`embed` or `conv_in`), so that under `mesh.fsdp=N` each device holds 1/N of it. A 1-D param (bias, norm scale) is
 never put on an axis that also shards the batch (`embed` -> `fsdp` by default): the elementwise
 op with a batch-sharded activation would use that mesh axis twice.
 """
@@ -16,7 +17,8 @@ from flax import nnx
 
 from zoo.plugin import logical_spec, partitioned
 
-Axes = tuple[str | None, ...]
+Axis = str | tuple[str, ...] | None  # one logical name, several (split on all their axes), none
+Axes = tuple[Axis, ...]
 _ZEROS, _ONES = nnx.initializers.zeros_init(), nnx.initializers.ones_init()
 _LECUN = nnx.initializers.lecun_normal()
 
@@ -69,6 +71,13 @@ def head_projections(
     return query, key, value, out
 
 
+def split_by_fsdp(axis: str | None) -> Axis:
+    """The logical names of a kernel's input features that `axis` names (None: none), split by
+    FSDP too (`embed`): for a layer, such as a classifier head, whose output features no axis
+    splits, so that its kernel still has a dimension that FSDP divides."""
+    return "embed" if axis in (None, "embed") else (axis, "embed")
+
+
 def conv(
     cin: int,
     cout: int,
@@ -78,10 +87,13 @@ def conv(
     strides: int = 1,
     use_bias: bool = False,
     padding: str | Sequence[tuple[int, int]] = "SAME",
+    in_axis: str | None = "conv_in",
     out_axis: str = "conv_out",
 ) -> nnx.Conv:
-    """A 2-D convolution, channels last, kernel annotated (None, None, conv_in, `out_axis`).
-    No bias by default: convolutions here are followed by a BatchNorm, whose shift replaces it."""
+    """A 2-D convolution, channels last, kernel annotated (None, None, `in_axis`, `out_axis`).
+    No bias by default: convolutions here are followed by a BatchNorm, whose shift replaces it.
+    A convolution whose output is `embed` (`fsdp`) leaves its input channels unnamed (`conv_in`
+    is `fsdp` too)."""
     bias_axis = None if out_axis == "embed" else out_axis
     return nnx.Conv(
         cin,
@@ -90,7 +102,7 @@ def conv(
         strides=strides,
         padding=padding,
         use_bias=use_bias,
-        kernel_init=partitioned(nnx.initializers.he_normal(), (None, None, "conv_in", out_axis)),
+        kernel_init=partitioned(nnx.initializers.he_normal(), (None, None, in_axis, out_axis)),
         bias_init=partitioned(_ZEROS, (bias_axis,)),
         rngs=rngs,
     )

@@ -12,7 +12,7 @@ import jax
 from flax import nnx
 from zoo.models import hparams
 from zoo.models.classification import classification_loss, report_classifier
-from zoo.models.layers import dense, dense_stack, run_stack, stack_output_axis
+from zoo.models.layers import dense, dense_stack, run_stack, split_by_fsdp, stack_output_axis
 
 from zoo.plugin import logical_spec, register_model
 
@@ -46,7 +46,7 @@ class MLP(nnx.Module):
         # Module-bound: each Dropout keeps its own stream, carried in the state between steps.
         self.dropout = nnx.Dropout(dropout_rate, rngs=rngs)
         last_axis = stack_output_axis(self.hidden)
-        self.head = dense(sizes[-1], num_classes, (last_axis, None), rngs=rngs)
+        self.head = dense(sizes[-1], num_classes, (split_by_fsdp(last_axis), None), rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         h = run_stack(self.hidden, x.reshape(x.shape[0], -1), lambda h: self.dropout(nnx.relu(h)))

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 from zoo.models import hparams
 from zoo.models.classification import classification_loss, report_classifier
-from zoo.models.layers import batch_norm, conv, dense
+from zoo.models.layers import batch_norm, conv, dense, split_by_fsdp
 
 from zoo.plugin import logical_spec, register_model, repeated
 
@@ -179,7 +179,7 @@ class ResNet(nnx.Module):
             alike = functools.partial(kind, cin, stage_width, 1, padding, rngs=rngs)
             blocks += repeated(lambda _, alike=alike: alike(), size - 1)
         self.blocks = nnx.List(blocks)
-        self.head = dense(cin, num_classes, ("conv_out", None), rngs=rngs)
+        self.head = dense(cin, num_classes, (split_by_fsdp("conv_out"), None), rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         if self.pixel_mean is not None:

@@ -29,7 +29,7 @@ import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 from zoo.models import hparams
-from zoo.models.layers import dense, dense_stack, run_stack, stack_output_axis
+from zoo.models.layers import dense, dense_stack, run_stack, split_by_fsdp, stack_output_axis
 
 from zoo.plugin import (
     image_grid,
@@ -107,10 +107,12 @@ class VAE(nnx.Module):
         )
         pixels = math.prod(input_shape)
         self.encoder = MLPStack([pixels, *hidden_sizes], rngs=rngs)
-        self.mean = dense(hidden_sizes[-1], latent_dim, (self.encoder.out_axis, None), rngs=rngs)
-        self.log_var = dense(hidden_sizes[-1], latent_dim, (self.encoder.out_axis, None), rngs=rngs)
+        latent_axes = (split_by_fsdp(self.encoder.out_axis), None)
+        self.mean = dense(hidden_sizes[-1], latent_dim, latent_axes, rngs=rngs)
+        self.log_var = dense(hidden_sizes[-1], latent_dim, latent_axes, rngs=rngs)
         self.decoder = MLPStack([latent_dim, *reversed(hidden_sizes)], rngs=rngs)
-        self.pixels = dense(hidden_sizes[0], pixels, (self.decoder.out_axis, None), rngs=rngs)
+        pixel_axes = (split_by_fsdp(self.decoder.out_axis), None)
+        self.pixels = dense(hidden_sizes[0], pixels, pixel_axes, rngs=rngs)
         self.noise = rngs["noise"].fork()  # module-bound: carried and checkpointed in the state
         self.deterministic = False  # model.eval() sets it: the latent is the posterior mean
         self.latent_dim = latent_dim

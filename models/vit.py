@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 from zoo.models import hparams, positions
 from zoo.models.classification import classification_loss_with_rngs, report_classifier
-from zoo.models.layers import conv, dense, layer_norm
+from zoo.models.layers import conv, dense, layer_norm, split_by_fsdp
 from zoo.models.transformer import Block, BlockOptions, dropout_key
 
 from zoo.plugin import ZooError, logical_spec, partitioned, register_model, repeated
@@ -134,11 +134,12 @@ class ViT(nnx.Module):
             strides=patch_size,
             padding="VALID",
             use_bias=True,
+            in_axis=None,
             out_axis="embed",
             rngs=rngs,
         )
         self.positions = nnx.Param(
-            partitioned(nnx.initializers.normal(0.02), (None, None))(
+            partitioned(nnx.initializers.normal(0.02), (None, "embed"))(
                 rngs.params(), (self.prefix + grid[0] * grid[1], dim)
             )
         )
@@ -167,7 +168,7 @@ class ViT(nnx.Module):
         self.dropout_rate = dropout_rate
         self.pool, self.norm_after_pool = pool, norm_after_pool
         self.norm = layer_norm(dim, rngs=rngs, epsilon=norm_epsilon)
-        self.head = dense(dim, num_classes, (None, None), rngs=rngs)
+        self.head = dense(dim, num_classes, (split_by_fsdp(None), None), rngs=rngs)
 
     def __call__(self, x: jax.Array, *, rngs: nnx.Rngs | None = None) -> jax.Array:
         if self.pixel_mean is not None:
@@ -191,8 +192,9 @@ class ViT(nnx.Module):
         return self.head(pooled, out_sharding=logical_spec("batch", None))
 
     def _positions(self, grid: tuple[int, int]) -> jax.Array:
-        """The learned positions of the prefix tokens and of a `grid` of patches."""
-        table = self.positions[...]
+        """The learned positions of the prefix tokens and of a `grid` of patches, whole on every
+        device (FSDP stores them split; the batch-sharded tokens they are added to use `fsdp`)."""
+        table = jax.sharding.reshard(self.positions[...], logical_spec(None, None))
         if tuple(grid) == self.position_grid:
             return table
         held = table[self.prefix :].reshape(*self.position_grid, -1)

@@ -12,11 +12,12 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import jax
 from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from zoo.engine.abstract import eval_shape
-from zoo.engine.sharding import AxisRules
+from zoo.engine.sharding import AxisRules, Placement
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +29,7 @@ class PlanRow:
     shape: tuple[int, ...]
     bytes_total: int
     bytes_per_device: int
+    notes: tuple[str, ...] = ()  # why it is whole on an axis, see `AxisRules.placement`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +67,17 @@ class ShardingPlan:
             text.append(
                 f"  {group}: {readable_size(per_device)} per device of {readable_size(total)} in all"
             )
-        return "\n".join(text)
+        return "\n".join(text + [f"  {line}" for line in self.notes()])
+
+    def notes(self) -> list[str]:
+        """One line per reason that params stay whole on a mesh axis (see
+        `zoo.engine.sharding.AxisRules.placement`), naming the params it holds for."""
+        held: dict[str, list[str]] = {}
+        for row in self.rows:
+            if row.group == "params":
+                for note in row.notes:
+                    held.setdefault(note, []).append(row.path)
+        return [f"{note}: {_listed(paths)}" for note, paths in held.items()]
 
 
 def plan_state(state: nnx.State, mesh: Mesh, rules: AxisRules) -> ShardingPlan:
@@ -83,7 +95,10 @@ def plan_state(state: nnx.State, mesh: Mesh, rules: AxisRules) -> ShardingPlan:
         logical = variable.get_metadata().get("out_sharding")
         shape = tuple(variable.shape)
         what = f"'{name}' (shape {shape})"
-        spec = P() if logical is None else rules.spec(logical, shape, mesh, what)
+        placement = (
+            Placement(P()) if logical is None else rules.placement(logical, shape, mesh, what)
+        )
+        spec = placement.spec
         itemsize = variable.dtype.itemsize  # also right for typed PRNG keys
         total = math.prod(shape) * itemsize
         ways = math.prod(
@@ -91,19 +106,39 @@ def plan_state(state: nnx.State, mesh: Mesh, rules: AxisRules) -> ShardingPlan:
             for e in spec
             if e is not None
         )
-        rows.append(PlanRow(name, group, logical, spec, shape, total, total // ways))
+        rows.append(
+            PlanRow(name, group, logical, spec, shape, total, total // ways, placement.notes)
+        )
     return ShardingPlan(dict(mesh.shape), rows)
 
 
 def create_sharded(
     create: Callable[[], Any], mesh: Mesh, rules: AxisRules
 ) -> tuple[Any, ShardingPlan]:
-    """Run `create()` (returning `(model, optimizer)`) so every param is born with its planned
-    sharding; call under `zoo.engine.sharding.activate(mesh, rules)`."""
+    """Run `create()` (returning `(model, optimizer)`) so every array is born where the plan
+    puts it; call under `zoo.engine.sharding.activate(mesh, rules)`. The plan, not Flax's
+    renaming of logical axes, places them: only the plan knows the dimensions that a mesh axis
+    cannot divide (see `zoo.engine.sharding.AxisRules.placement`)."""
     with nnx.use_eager_sharding(False):
         abstract = eval_shape(create)
-    plan = plan_state(nnx.state(abstract), mesh, rules)
-    return nnx.jit(create)(), plan
+        plan = plan_state(nnx.state(abstract), mesh, rules)
+        specs = [row.spec for row in plan.rows]
+
+        @nnx.jit
+        def placed():
+            created = create()
+            for (_, variable), spec in zip(
+                nnx.to_flat_state(nnx.state(created)), specs, strict=True
+            ):
+                variable.set_value(jax.sharding.reshard(variable.get_value(), spec))
+            return created
+
+        return placed(), plan
+
+
+def _listed(paths: list[str], shown: int = 3) -> str:
+    more = len(paths) - shown
+    return ", ".join(paths[:shown]) + (f" and {more} more" if more > 0 else "")
 
 
 def readable_size(num_bytes: int) -> str:

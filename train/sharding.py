@@ -7,8 +7,22 @@ any mix by changing the mesh and the rules alone. Every axis is `AxisType.Explic
 array's sharding is part of its type and checked at trace time.
 
 The rules are strict: a logical name without a rule, a dimension the mesh cannot divide, or one
-mesh axis used twice in one array is an error naming the param, the dimension and the axes,
-never a silent fall-back to replication.
+mesh axis used twice in one array is an error naming the param, the dimension and the axes.
+Two exceptions leave an array whole on an axis instead, and the plan says so in a line of its
+own, so that nothing falls back silently:
+- `fsdp` only decides where params are stored, never how the computation splits, so a dimension
+  it cannot divide is stored whole on it (the run works as it would without it), and the params
+  it leaves whole are listed.
+- `kv_heads` (the key/value heads of grouped-query attention) are fewer than the query heads by
+  design: two KV heads cannot split four tensor ways, and each tensor device then computes with
+  all of them (they are few) rather than refusing the mesh.
+
+A dimension may name several logical axes, `(("mlp", "embed"), None)`: it is split on all of
+their mesh axes. That is how a kernel whose input features are sharded on `tensor` (a classifier
+head after a column-parallel layer) is split by FSDP too: under `fsdp=N` each device then holds
+1/N of every kernel and embedding with a dimension named for `fsdp` that N divides. The plan
+lists the params of two or more dimensions that FSDP leaves whole. 1-D params (biases, norm
+scales) stay whole: they meet batch-sharded activations, which already use `fsdp`.
 """
 
 from __future__ import annotations
@@ -34,11 +48,30 @@ DEFAULT_RULES: dict[str, Any] = {
     "embed": "fsdp",
     "mlp": "tensor",
     "heads": "tensor",
+    "kv_heads": "tensor",
     "vocab": "tensor",
-    "conv_in": None,
+    "conv_in": "fsdp",
     "conv_out": "tensor",
 }
 """Logical axis -> mesh axes: one axis, a list of axes, or None (replicated)."""
+
+Logical = str | tuple[str, ...] | None
+"""A dimension's logical name: one name, several (split on all of their mesh axes), or None."""
+
+FSDP = "fsdp"
+WHOLE_WHERE_INDIVISIBLE = frozenset({"kv_heads"})
+"""Logical axes that stay whole on mesh axes that cannot divide them (see the module
+docstring)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where an array lives (`spec`), and why it is whole on an axis its annotations name or
+    that FSDP would use (`notes`: one line each, without the array's name, so that alike params
+    share them)."""
+
+    spec: P
+    notes: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,32 +103,76 @@ class AxisRules:
             )
         return self.table[name]
 
-    def spec(self, logical: Sequence[str | None], shape: Sequence[int], mesh: Mesh, what: str) -> P:
+    def spec(self, logical: Sequence[Logical], shape: Sequence[int], mesh: Mesh, what: str) -> P:
         """The PartitionSpec for an array of `shape` annotated with `logical` names."""
-        entries: list[Any] = []
-        used: dict[str, int] = {}
-        for dim, (name, size) in enumerate(zip(logical, shape, strict=True)):
-            axes = () if name is None else self.mesh_axes(name, f"{what} on dimension {dim}")
-            for axis in axes:
-                if axis in used:
-                    raise ZooError(
-                        f"{what} would use mesh axis '{axis}' twice: on dimension {used[axis]} "
-                        f"and on dimension {dim} ('{name}'). Change mesh.rules so that its "
-                        f"logical axes {tuple(logical)} map to distinct mesh axes."
-                    )
-                used[axis] = dim
-            ways = math.prod(mesh.shape[axis] for axis in axes)
-            if size % ways:
+        return self.placement(logical, shape, mesh, what).spec
+
+    def placement(
+        self, logical: Sequence[Logical], shape: Sequence[int], mesh: Mesh, what: str
+    ) -> Placement:
+        """Where an array of `shape` annotated with `logical` names lives on `mesh`, and why it
+        is whole on an axis where it is (see the module docstring)."""
+        dims = [self._dim_axes(logical, shape, mesh, what, dim) for dim in range(len(shape))]
+        notes = [note for _, note in dims if note]
+        fsdp = mesh.shape.get(FSDP, 1)
+        if len(shape) >= 2 and fsdp > 1 and all(FSDP not in axes for axes, _ in dims):
+            named = any(FSDP in self.names_axes(name) for name in logical)
+            notes.append(
+                f"whole on every device: fsdp={fsdp} cannot divide the dimension named for it"
+                if named
+                else "whole on every device: no dimension named for fsdp"
+            )
+        return Placement(P(*(_entry(axes) for axes, _ in dims)), tuple(notes))
+
+    def names_axes(self, name: Logical) -> tuple[str, ...]:
+        """The mesh axes of a dimension's logical name (several names: all of their axes)."""
+        names = () if name is None else (name,) if isinstance(name, str) else tuple(name)
+        return tuple(axis for each in names for axis in self.table.get(each, ()))
+
+    def _dim_axes(
+        self, logical: Sequence[Logical], shape: Sequence[int], mesh: Mesh, what: str, dim: int
+    ) -> tuple[tuple[str, ...], str]:
+        """The mesh axes of one dimension, checked, and a note where it stays whole on some."""
+        name, size = logical[dim], shape[dim]
+        for each in () if name is None else (name,) if isinstance(name, str) else name:
+            self.mesh_axes(each, f"{what} on dimension {dim}")
+        axes = self.names_axes(name)
+        for i, axis in enumerate(axes):
+            earlier = [d for d in range(dim) if axis in self.names_axes(logical[d])]
+            if earlier or axis in axes[:i]:
                 raise ZooError(
-                    f"{what} has dimension {dim} of size {size} ('{name}'), which mesh axes "
-                    f"{list(axes)} cannot split {ways} ways. Use mesh sizes whose product along "
-                    f"{list(axes)} divides {size}, or map '{name}' elsewhere in mesh.rules."
+                    f"{what} would use mesh axis '{axis}' twice: on dimension "
+                    f"{earlier[0] if earlier else dim} and on dimension {dim} ('{name}'). Change "
+                    f"mesh.rules so that its logical axes {tuple(logical)} map to distinct mesh "
+                    "axes."
                 )
-            entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
-        return P(*entries)
+        ways = _ways(axes, mesh)
+        if size % ways == 0:
+            return axes, ""
+        if name in WHOLE_WHERE_INDIVISIBLE:
+            return (), f"{name} of size {size} replicated on {_named(axes, mesh)} ({ways} ways)"
+        if FSDP in axes and size % (ways // mesh.shape[FSDP]) == 0:
+            return tuple(a for a in axes if a != FSDP), ""  # said once for the array
+        raise ZooError(
+            f"{what} has dimension {dim} of size {size} ('{name}'), which mesh axes "
+            f"{list(axes)} cannot split {ways} ways. Use mesh sizes whose product along "
+            f"{list(axes)} divides {size}, or map '{name}' elsewhere in mesh.rules."
+        )
 
     def as_flax_rules(self) -> tuple[tuple[str, Any], ...]:
         return tuple((name, axes or None) for name, axes in self.table.items())
+
+
+def _ways(axes: Sequence[str], mesh: Mesh) -> int:
+    return math.prod(mesh.shape[axis] for axis in axes)
+
+
+def _named(axes: Sequence[str], mesh: Mesh) -> str:
+    return "x".join(f"{axis}={mesh.shape[axis]}" for axis in axes)
+
+
+def _entry(axes: Sequence[str]) -> Any:
+    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
 
 
 _ACTIVE_RULES: contextvars.ContextVar[AxisRules | None] = contextvars.ContextVar(
