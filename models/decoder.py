@@ -166,7 +166,7 @@ class Decoder(nnx.Module):
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
-            mlp_dim=mlp_dim or -(-8 * dim // 3 // 64) * 64,
+            mlp_dim=mlp_dim or _default_mlp_dim(dim),
             activation=activation,
             norm_epsilon=norm_epsilon,
             norm_unit_offset=norm_unit_offset,
@@ -259,10 +259,12 @@ class Decoder(nnx.Module):
         if self.embed_scale:
             x = x * jnp.asarray(self.embed_scale, table.dtype)
         positions = start + jnp.arange(length)
-        angles = {
-            kind: rotation(rope, self.head_dim, positions, x.dtype)
-            for kind, rope in ((FULL, self.rope), (SLIDING, self.local_rope))
-        }
+        angles = {FULL: rotation(self.rope, self.head_dim, positions, x.dtype)}
+        angles[SLIDING] = (
+            angles[FULL]
+            if self.local_rope == self.rope
+            else rotation(self.local_rope, self.head_dim, positions, x.dtype)
+        )
         x, cache = self._run_layers(x, jax.random.split(key, self.depth), angles, cache, start)
         x = self.norm(x)
         vocab = logical_spec("batch", None, "vocab")
@@ -316,6 +318,12 @@ class Decoder(nnx.Module):
             return nnx.cond(is_sliding, steps[SLIDING], steps[FULL], *args)
 
         return scan(self.layers, x, keys, cache, sliding, start, angles)
+
+
+def _default_mlp_dim(dim: int) -> int:
+    """8/3 of `dim` rounded up to a multiple of 64: a gated MLP's three matrices then hold about
+    the weights of a two-matrix MLP 4 x `dim` wide."""
+    return 64 * -(-8 * dim // (3 * 64))
 
 
 def _checked(params: dict) -> list[str]:

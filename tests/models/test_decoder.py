@@ -108,9 +108,16 @@ def _flat(module) -> dict:
     }
 
 
-@pytest.mark.parametrize("num_kv_heads", [1, 2, 4], ids=["mqa", "gqa", "mha"])
-@pytest.mark.parametrize("window", [0, 1, 5, 16], ids=lambda w: f"window{w}")
-@pytest.mark.parametrize("qk_norm", [False, True], ids=["", "qk_norm"])
+ATTENTION_CASES = [(4, 0, False), (2, 0, True), (1, 0, False), (2, 1, False), (2, 5, False)]
+ATTENTION_CASES += [(1, 5, True), (4, 5, False), (2, 16, False)]
+"""(key/value heads of 4 query heads, window, qk_norm): multi-head, grouped and multi-query."""
+
+
+@pytest.mark.parametrize(
+    ("num_kv_heads", "window", "qk_norm"),
+    ATTENTION_CASES,
+    ids=[f"kv{k}-window{w}{'-qk_norm' * n}" for k, w, n in ATTENTION_CASES],
+)
 def test_attention_equals_the_explicit_mask_and_repeated_heads(num_kv_heads, window, qk_norm):
     """Against numpy: a window of 1 sees only itself, one of 16 (the sequence's length) is full
     attention; with qk_norm the heads are normalised (random scales) before the rotation."""
