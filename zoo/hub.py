@@ -64,10 +64,11 @@ def resolve(name: str) -> str:
         )
     directory = _download(name, repo, revision or None)
     if not weights.is_pretrained(directory):
+        found = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
         raise ZooError(
             f"{name} holds no checkpoint zoo reads: its repository has no config.json with "
-            f"safetensors weights beside it (downloaded: {', '.join(sorted(os.listdir(directory)))}"
-            "). zoo loads checkpoints saved as safetensors; see zoo.list_models(families=True)."
+            f"safetensors weights beside it (downloaded: {', '.join(found) or 'nothing'}). zoo "
+            "loads checkpoints saved as safetensors; see zoo.list_models(families=True)."
         )
     return directory
 

@@ -1,6 +1,7 @@
 """zoo's own text lengths fitted to a model with fewer positions, each said in one line: the
 tiny GPT-2 checkpoint (64 positions) on `data=text`, whose default window is 128 and whose
-default buckets reach 256; a length the user set that does not fit stays an error."""
+default buckets reach 256; a length the user set that does not fit stays an error. (The
+checkpoint fine-tunes on text with the fitted window: tests/front/test_hub.py.)"""
 
 from __future__ import annotations
 
@@ -53,11 +54,3 @@ def test_a_length_the_user_set_that_does_not_fit_stays_an_error(setting, tmp_pat
     shown = value.replace(",", ", ")
     assert job.error.startswith(f"{key}={shown} is longer than model 'gpt' can read")
     assert "model.context_length=64" in job.error and f"leave {key} out" in job.error
-
-
-def test_the_checkpoint_fine_tunes_on_text_with_the_default_window(tmp_path):
-    text = ROOT / "tests" / "fixtures" / "pretrained" / "tiny.txt"
-    result = zoo.finetune(
-        TINY, f"data.path={text}", "trainer.steps=1", "trainer.batch_size=8", f"workdir={tmp_path}"
-    )
-    assert result.step == 1 and result.config.data.window == 64

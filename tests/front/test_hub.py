@@ -58,6 +58,9 @@ def cache(tmp_path_factory):
     """The hub's cache holding the fixture, offline, for this process and its children."""
     root = tmp_path_factory.mktemp("hf-cache")
     snapshot = hub_cache(root, REPO, TINY)
+    config_only = tmp_path_factory.mktemp("config-only")
+    shutil.copyfile(TINY / "config.json", config_only / "config.json")
+    hub_cache(root, "zoo-test/no-weights", config_only)
     from huggingface_hub import constants
 
     with pytest.MonkeyPatch.context() as patch:
@@ -94,6 +97,7 @@ def test_load_reads_a_hub_name_from_the_cache(cache):
         ("hf://zoo-test/missing", "is not in the Hugging Face cache"),
         (f"{NAME}@v2", "is not in the Hugging Face cache"),
         ("hf://zoo-test/gpt2-tiny/extra", "is not a Hugging Face Hub name"),
+        ("hf://zoo-test/no-weights", "holds no checkpoint zoo reads"),
     ],
 )
 def test_names_the_cache_cannot_give_are_refused_by_name(cache, name, said):
@@ -112,6 +116,7 @@ def test_finetune_starts_from_a_hub_name(cache, tmp_path):
     assert result.step == 2
     assert result.config.finetune.init_from == str(cache)
     assert result.config.model.vocab_size == 300  # the checkpoint's sizes and tokenizer
+    assert result.config.data.window == 64  # fitted to its 64 positions (data.window unset)
     kept = load_tokenizer(tmp_path)  # the run keeps its tokenizer in its workdir
     assert kept.to_str() == load_tokenizer(TINY).to_str()
 
