@@ -103,22 +103,24 @@ def fit_context(cfg: DictConfig, overrides: Sequence[str]) -> None:
     given, lines = _keys(overrides), _shown(data.get("mode")) == "lines"
     window = data.get("window")
     if window is not None and not lines and window > context:
-        _refuse_given("data.window", window, cfg, given)
+        _refuse_given("data.window", window, window, cfg, given)
         data.window = context
         _said_fitted("data.window", cfg, f"windows of {window} tokens", f"windows of {context}")
     buckets = list(data.get("buckets") or [])
     if buckets and lines and max(buckets) > context:
-        _refuse_given("data.buckets", buckets, cfg, given)
+        _refuse_given("data.buckets", buckets, max(buckets), cfg, given)
         data.buckets = sorted({b for b in buckets if b < context} | {context})
         _said_fitted("data.buckets", cfg, f"buckets {buckets}", f"buckets {list(data.buckets)}")
 
 
-def _refuse_given(key: str, value: object, cfg: DictConfig, given: set[str]) -> None:
+def _refuse_given(key: str, value: object, length: int, cfg: DictConfig, given: set[str]) -> None:
+    """A `ZooError` when the overrides set `key`, whose `value` makes sequences of `length`."""
     if key in given:
+        context = cfg.model.context_length
         raise ZooError(
-            f"{key}={value} is longer than model '{cfg.model.name}' can read: it has "
-            f"model.context_length={cfg.model.context_length} positions. Use a {key} of at most "
-            f"{cfg.model.context_length}, or leave {key} out to have it fitted."
+            f"{key}={value} would give model '{cfg.model.name}' sequences of {length} tokens, "
+            f"more than model.context_length={context}, the positions it has: use a {key} of "
+            f"at most {context}, or leave {key} out to have it fitted."
         )
 
 
