@@ -175,7 +175,7 @@ def record(
 ) -> None:
     """The run's resolved config and its command-line overrides, under `<workdir>/.hydra/`; its
     data's tokenizer (a `tokenizers.Tokenizer`), if any, as `<workdir>/tokenizer.json`, where
-    generation finds it whatever becomes of the file the run read it from."""
+    generation and export find it whatever becomes of the file the run read it from."""
     directory = os.path.join(workdir, ".hydra")
     try:
         os.makedirs(directory, exist_ok=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Sequence
 
 from omegaconf import DictConfig, OmegaConf
@@ -188,6 +189,18 @@ def fit_tokenizer(cfg: DictConfig, overrides: Sequence[str]) -> None:
             f"vocabulary of model.vocab_size={vocab}: use the tokenizer that came with the "
             f"checkpoint, or a model with model.vocab_size={size}."
         )
+
+
+def run_tokenizer(config: DictConfig, workdir: str | os.PathLike | None) -> str | None:
+    """The `tokenizer.json` a run's model speaks: the file its `data.tokenizer` names (the one
+    in a directory), or, where that is gone (a data cache cleared, a run copied to another
+    machine), the copy the run kept in its `workdir`; None for a byte-level run."""
+    setting = config.data.get("tokenizer")
+    if not setting:
+        return None
+    named = os.path.join(setting, weights.TOKENIZER) if os.path.isdir(setting) else setting
+    kept = os.path.join(workdir, weights.TOKENIZER) if workdir is not None else None
+    return kept if not os.path.isfile(named) and kept and os.path.isfile(kept) else named
 
 
 def _fields(entry: registry.DataEntry) -> set[str]:

@@ -1,7 +1,7 @@
 """`data.tokenizer=bpe:N`: a byte-level BPE tokenizer trained by `tokenizers` on the text data's
 training split alone, deterministically (the same text, the same file byte for byte), cached
 beside the token cache; the model's vocabulary set from it when the user leaves it; a run keeps
-it in its workdir, where generation finds it after the cache is gone."""
+it in its workdir, where generation and export find it after the cache is gone."""
 
 from __future__ import annotations
 
@@ -95,8 +95,10 @@ def test_a_cli_run_keeps_its_tokenizer_for_generation(tmp_path):
     (trained,) = (cache / "tokenizers").iterdir()
     kept = workdir / "tokenizer.json"
     assert load_tokenizer(kept).to_str() == load_tokenizer(trained).to_str()
-    shutil.rmtree(cache)  # generation reads the run's own copy
+    shutil.rmtree(cache)  # generation and export read the run's own copy
     text = zoo.generate(workdir, "def ", max_new_tokens=6, temperature=0)
     loaded = zoo.load(workdir)
     assert text == zoo.generate(loaded, "def ", max_new_tokens=6, temperature=0, tokenizer=kept)
     assert loaded.model.vocab_size == 300
+    exported = zoo.export(workdir, tmp_path / "hf")
+    assert load_tokenizer(exported).to_str() == load_tokenizer(kept).to_str()

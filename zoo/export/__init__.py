@@ -44,6 +44,7 @@ from zoo.engine import weights as pretrained
 from zoo.engine.errors import ZooError
 from zoo.engine.lora import merge_adapters
 from zoo.export.token_ids import special_token_ids
+from zoo.pretrained import run_tokenizer
 
 log = logging.getLogger("zoo")
 FORMATS = ("hf", "jax")
@@ -116,7 +117,7 @@ def _hf(trained: TrainedModel, out: str, **writing: Any) -> str:
             hparams["position_grid"] = list(trained.model.hold_positions_at_input_size())
     tensors = pretrained.export_tensors(trained.model, family, hparams)
     config = family.export_config(hparams)
-    carried = carried_files(trained.config)
+    carried = carried_files(trained.config, trained.workdir)
     if "vocab_size" in config:
         config.update(special_token_ids(carried.get(pretrained.TOKENIZER), config["vocab_size"]))
     pretrained.write_pretrained(out, config, tensors, sidecars=family.sidecars, **writing)
@@ -125,11 +126,12 @@ def _hf(trained: TrainedModel, out: str, **writing: Any) -> str:
     return out
 
 
-def carried_files(config: Any) -> dict[str, str]:
+def carried_files(config: Any, workdir: str | None = None) -> dict[str, str]:
     """File name -> path of what an export of the run of `config` carries beside the weights:
-    the tokenizer it trained with (`data.tokenizer`) and what the pretrained directory it
-    started from holds of `CARRIED`; only the former where the two tokenizers differ (the
-    directory's settings are its own tokenizer's)."""
+    the tokenizer it trained with (`data.tokenizer`, or where that is gone the copy the run
+    kept in its `workdir`) and what the pretrained directory it started from holds of
+    `CARRIED`; only the former where the two tokenizers differ (the directory's settings are
+    its own tokenizer's)."""
     start = config.finetune.get("init_from")
     source = start if start and pretrained.is_pretrained(start) else None
     if start and not os.path.exists(start):
@@ -143,9 +145,7 @@ def carried_files(config: Any) -> dict[str, str]:
         for name in (CARRIED if source else ())
         if os.path.isfile(os.path.join(source, name))
     }
-    tokenizer = config.data.get("tokenizer")
-    if tokenizer and os.path.isdir(tokenizer):
-        tokenizer = os.path.join(tokenizer, pretrained.TOKENIZER)
+    tokenizer = run_tokenizer(config, workdir)
     if not tokenizer:
         return found
     own = found.get(pretrained.TOKENIZER)

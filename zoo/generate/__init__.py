@@ -5,10 +5,10 @@
 `model` is a run (`RunResult`, `TrainedModel`), a workdir or a pretrained directory, a Hugging
 Face Hub name (`hf://ORG/NAME[@REVISION]`, read through the hub's cache: `zoo.hub`), or a bare
 module. A run's model is called under its own mesh and speaks its data set's tokenizer
-(`data.tokenizer`, which a run from a pretrained directory takes from it, kept in the run's
-workdir as `tokenizer.json`); a bare module is
-byte-level unless `tokenizer` is given, and is called under the mesh the caller activated. A
-run trained with `trainer.precision=bf16` generates in bfloat16, as it trained.
+(`data.tokenizer`, which a run from a pretrained directory takes from it; where that file is
+gone, the copy the run kept in its workdir); a bare module is byte-level unless `tokenizer` is
+given, and is called under the mesh the caller activated. A run trained with
+`trainer.precision=bf16` generates in bfloat16, as it trained.
 Sampling itself is `zoo.models.generate`.
 
 (`zoo.generate` is the function once `import zoo` ran; the package's `__main__` is the CLI.)
@@ -23,11 +23,12 @@ from typing import Any
 import jax
 
 from zoo.api import TrainedModel, load
-from zoo.data.text import TOKENIZER_FILE, load_tokenizer
+from zoo.data.text import load_tokenizer
 from zoo.engine import precision
 from zoo.engine.errors import ZooError
 from zoo.engine.loop import RunResult
 from zoo.models.generate import generate as generate_text
+from zoo.pretrained import run_tokenizer
 
 OPTIONS = {"prompt": str, "max_new_tokens": int, "temperature": float, "top_k": int, "seed": int}
 USAGE = (
@@ -59,17 +60,10 @@ def generate(
     if not isinstance(model, RunResult | TrainedModel):
         return generate_text(model, *args, tokenizer=tokenizer)
     if tokenizer is None and model.config.data.get("tokenizer"):
-        tokenizer = load_tokenizer(run_tokenizer(model))
+        tokenizer = load_tokenizer(run_tokenizer(model.config, model.workdir))
     with model.activate():
         computing = precision.computing(model.model, model.config.trainer.precision)
         return generate_text(computing, *args, tokenizer=tokenizer)
-
-
-def run_tokenizer(trained: RunResult | TrainedModel) -> str:
-    """The `tokenizer.json` of a run whose data set had one: the copy the run kept in its
-    workdir, else the file its config names (a pretrained directory's own)."""
-    kept = os.path.join(trained.workdir, TOKENIZER_FILE)
-    return kept if os.path.isfile(kept) else trained.config.data.tokenizer
 
 
 def main(argv: list[str]) -> int:
