@@ -40,6 +40,7 @@ TOKENIZER_FILE = "tokenizer.json"
 BPE = "bpe:"
 """`data.tokenizer=bpe:N`: a BPE tokenizer of N ids trained on the training text."""
 BYTES = 256
+"""The ids a byte-level BPE tokenizer starts from, before its first merge."""
 
 
 class TextMode(str, enum.Enum):
@@ -83,6 +84,12 @@ def _is_text(file: Path) -> bool:
         blocks = iter(lambda: f.read(1 << 20), b"")
         first = next(blocks, b"")
         return bool(first) and b"\0" not in first and not any(b"\0" in b for b in blocks)
+
+
+def _train_and_held_out(path: str | None, pattern: str) -> tuple[list[Segment], list[Segment]]:
+    """The text of the files `path` and `pattern` name, split into training and held-out text."""
+    where = "The Python standard library" if path is None else f"data.path={path}"
+    return _split(_text_segments(_text_files(path, pattern), where))
 
 
 def _split(texts: list[Segment]) -> tuple[list[Segment], list[Segment]]:
@@ -139,8 +146,7 @@ def trained_tokenizer(
     first use); None for bytes. Takes the data set's config as keywords."""
     if bpe_size(tokenizer) is None:
         return None if tokenizer is None else tokenizer_file(tokenizer)
-    where = "The Python standard library" if path is None else f"data.path={path}"
-    train, _ = _split(_text_segments(_text_files(path, pattern), where))
+    train, _ = _train_and_held_out(path, pattern)
     return _tokenizer_for(tokenizer, train)
 
 
@@ -251,8 +257,7 @@ def text(
         )
     if not buckets or min(buckets) < 1:
         raise ZooError(f"data.buckets={list(buckets)} must be one or more positive lengths.")
-    where = "The Python standard library" if path is None else f"data.path={path}"
-    train, test = _split(_text_segments(_text_files(path, pattern), where))
+    train, test = _train_and_held_out(path, pattern)
     test = _slice(test, 0, eval_bytes or None)
     file = _tokenizer_for(tokenizer, train)
     encoder = None if file is None else load_tokenizer(file)
