@@ -34,6 +34,7 @@ from zoo.engine.loop import RunResult, Trainer
 from zoo.engine.validate import check_finetune
 from zoo.hub import local
 from zoo.overrides import compose
+from zoo.pretrained import run_tokenizer
 
 USER_DATA = "user"
 """`data.name` in the config of a run on the caller's own data (`finetune(..., data=Splits)`)."""
@@ -222,7 +223,9 @@ def _pretrained(start: Any, step: str | int | None) -> weights.Pretrained | None
 
 
 def _start(start: Any, step: str | int | None) -> tuple[str | None, int | None, DictConfig | None]:
-    """(workdir, step, its config) of the run a fine-tune starts from; Nones for a fresh one."""
+    """(workdir, step, its config) of the run a fine-tune starts from; Nones for a fresh one.
+    The config's tokenizer is the run's own copy where the file it names is gone (see
+    `zoo.pretrained.run_tokenizer`), so that the fine-tune reads the ids the run read."""
     if isinstance(start, RunResult | TrainedModel):
         workdir, which = start.workdir, start.step if step is None else step
     elif isinstance(start, str) and start in registry.list_models():
@@ -232,7 +235,10 @@ def _start(start: Any, step: str | int | None) -> tuple[str | None, int | None, 
     else:
         workdir, which = os.fspath(start), "latest" if step is None else step
     step_number, path = locate(workdir, which)
-    return os.path.abspath(workdir), step_number, saved_config(path)
+    config = saved_config(path)
+    if config.data.get("tokenizer"):
+        config.data.tokenizer = run_tokenizer(config, workdir)
+    return os.path.abspath(workdir), step_number, config
 
 
 def _data_decides(data: Any, user_data: bool) -> set[str]:

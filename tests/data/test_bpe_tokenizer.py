@@ -1,7 +1,7 @@
 """`data.tokenizer=bpe:N`: a byte-level BPE tokenizer trained by `tokenizers` on the text data's
 training split alone, deterministically (the same text, the same file byte for byte), cached
 beside the token cache; the model's vocabulary set from it when the user leaves it; a run keeps
-it in its workdir, where generation and export find it after the cache is gone."""
+it in its workdir, where generation, export and a fine-tune find it after the cache is gone."""
 
 from __future__ import annotations
 
@@ -102,3 +102,5 @@ def test_a_cli_run_keeps_its_tokenizer_for_generation(tmp_path):
     assert loaded.model.vocab_size == 300
     exported = zoo.export(workdir, tmp_path / "hf")
     assert load_tokenizer(exported).to_str() == load_tokenizer(kept).to_str()
+    tuned = zoo.finetune(workdir, "trainer.steps=3", f"workdir={tmp_path / 'tuned'}")
+    assert tuned.config.data.tokenizer == str(kept)  # the ids the run read
