@@ -41,7 +41,13 @@ from zoo.models.decoder_parts import (
     kv_heads_spec,
 )
 from zoo.models.generate import sample_on_eval
-from zoo.models.gpt import _MASKED, VOCAB, _embed, language_model_loss, padded_vocab
+from zoo.models.gpt import (
+    VOCAB,
+    embed_tokens,
+    language_model_loss,
+    mask_padding,
+    padded_vocab,
+)
 from zoo.models.rope import ROPE_TYPES, Rope, Rotation, rotation
 from zoo.models.transformer import KVCache, dropout_key
 
@@ -255,7 +261,7 @@ class Decoder(nnx.Module):
                 f"{self.context_length}, or a larger model.context_length."
             )
         table = self.embedding[...]
-        x = _embed(tokens, table)
+        x = embed_tokens(tokens, table)
         if self.embed_scale:
             x = x * jnp.asarray(self.embed_scale, table.dtype)
         positions = start + jnp.arange(length)
@@ -274,13 +280,7 @@ class Decoder(nnx.Module):
             logits = self.unembed(x, out_sharding=vocab)
         if self.final_softcap:
             logits = self.final_softcap * jnp.tanh(logits / self.final_softcap)
-        return self._mask_padding(logits), cache
-
-    def _mask_padding(self, logits: jax.Array) -> jax.Array:
-        if logits.shape[-1] == self.vocab_size:
-            return logits
-        real = jnp.arange(logits.shape[-1]) < self.vocab_size
-        return jnp.where(real, logits, jnp.asarray(_MASKED, logits.dtype))
+        return mask_padding(logits, self.vocab_size), cache
 
     def _step(self, kind: str):
         """One layer of type `kind` as a function of the layer and its inputs (rematerialised

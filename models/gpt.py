@@ -57,7 +57,7 @@ that divides it shards the vocabulary."""
 _MASKED = -1e30  # the logit of a padded row: softmax gives it exactly zero probability
 
 
-def _embed(tokens: jax.Array, table: jax.Array) -> jax.Array:
+def embed_tokens(tokens: jax.Array, table: jax.Array) -> jax.Array:
     """The rows of `table` that `tokens` name: a gather, except for a table of at most `VOCAB`
     rows (the byte-level default), which keeps the one-hot matmul it was trained with: the two
     compute the same rows, but their gradients sum repeated tokens in a different order, and
@@ -67,6 +67,14 @@ def _embed(tokens: jax.Array, table: jax.Array) -> jax.Array:
         return jnp.einsum("btv,vd->btd", one_hot, table, out_sharding=tokens_spec())
     rows = jax.sharding.reshard(table, P())  # every device looks up any token's row
     return rows.at[tokens].get(out_sharding=tokens_spec())
+
+
+def mask_padding(logits: jax.Array, vocab_size: int) -> jax.Array:
+    """`logits` over a padded vocabulary with the padded rows' masked out."""
+    if logits.shape[-1] == vocab_size:
+        return logits
+    real = jnp.arange(logits.shape[-1]) < vocab_size
+    return jnp.where(real, logits, jnp.asarray(_MASKED, logits.dtype))
 
 
 def padded_vocab(vocab_size: int) -> int:
@@ -247,7 +255,7 @@ class GPT(nnx.Module):
                 f"{self.context_length}, or a larger model.context_length."
             )
         table = self.embedding[...]
-        x = _embed(tokens, table)
+        x = embed_tokens(tokens, table)
         # Stored split by FSDP; whole on every device where they meet the batch-sharded tokens.
         held = jax.sharding.reshard(self.positions[...], P())
         x = x + jax.lax.dynamic_slice_in_dim(held, start, length)
@@ -258,13 +266,7 @@ class GPT(nnx.Module):
             logits = jnp.einsum("btd,vd->btv", x, table, out_sharding=vocab)
         else:
             logits = self.unembed(x, out_sharding=vocab)
-        return self._mask_padding(logits), cache
-
-    def _mask_padding(self, logits: jax.Array) -> jax.Array:
-        if logits.shape[-1] == self.vocab_size:
-            return logits
-        real = jnp.arange(logits.shape[-1]) < self.vocab_size
-        return jnp.where(real, logits, jnp.asarray(_MASKED, logits.dtype))
+        return mask_padding(logits, self.vocab_size), cache
 
     def _run_blocks(self, x, keys, cache, start):
         apply = _remat_block if self.remat else _apply_block
