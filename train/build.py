@@ -2,9 +2,10 @@
 `zoo.create_model` make a model, so each of them gets the same params, born sharded.
 
 The model is the registered constructor's, with the LoRA adapters its run's `finetune` section
-asks for; with an optax transformation it comes with its `nnx.Optimizer`. Both are created inside
-`jax.jit` under the mesh and the rules (`zoo.engine.plan.create_sharded`): no device ever holds a full
-copy of a param that the plan shards.
+asks for; with an optax transformation it comes with its `nnx.Optimizer` (keeping float32 master
+weights where it trains low-precision params, see `zoo.engine.master`). Both are created inside
+`jax.jit` under the mesh and the rules (`zoo.engine.plan.create_sharded`): no device ever holds a
+full copy of a param that the plan shards.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 import optax
 from flax import nnx
 from jax.sharding import Mesh
-from zoo.engine import rngs, sharding
+from zoo.engine import master, rngs, sharding
 from zoo.engine.abstract import eval_shape
 from zoo.engine.lora import add_adapters
 from zoo.engine.plan import ShardingPlan, create_sharded
@@ -74,7 +75,7 @@ def build_on_mesh(
 
     def create():
         model = build_model(entry, hparams, seed, finetune)
-        return (model,) if tx is None else (model, nnx.Optimizer(model, tx, wrt=wrt))
+        return (model,) if tx is None else (model, master.optimizer_for(model, tx, wrt))
 
     with sharding.activate(mesh, rules):
         created, plan = create_sharded(create, mesh, rules)

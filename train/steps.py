@@ -132,7 +132,8 @@ def _accumulated(model: nnx.Module, loss_fn: Callable, trainable: Trainable, bat
 
     first = jax.eval_shape(lambda: objective(params, rest, _first(slices), key)[1][0])
     zeros = {name: jnp.zeros(s.shape, jnp.float32) for name, s in first.items()}
-    grad_zeros = jax.tree.map(jnp.zeros_like, params)
+    # Summed in float32 whatever the params' dtype: bfloat16 sums of slices would round.
+    grad_zeros = jax.tree.map(lambda p: jnp.zeros_like(p, jnp.promote_types(p.dtype, "f4")), params)
     (rest, grad_sums, sums), _ = jax.lax.scan(
         body, (rest, grad_zeros, zeros), (slices, jnp.arange(n))
     )

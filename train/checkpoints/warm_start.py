@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import jax
@@ -37,7 +37,6 @@ from zoo.engine.sharding import AxisRules, variable_sharding
 
 MODEL = "0"
 OPTIMIZER = "1"
-_AVERAGE = (OPTIMIZER, "opt_state", "1", "average")  # `zoo.engine.ema`: the last link of the chain
 """The model's part of a checkpoint's `state` item (the optimizer's is "1")."""
 
 log = logging.getLogger("zoo")
@@ -161,14 +160,18 @@ def restore_averaged(model: nnx.Module, step_path: str, decay: float) -> None:
     """Replace `model`'s params by their average (`optimizer.ema_decay`) saved in the optimizer
     state at `step_path`, in place; params the run did not train keep their values."""
     saved = saved_shapes(step_path)
-    count_path = (OPTIMIZER, "opt_state", "1", "count")
+    ema = _ema_link(saved)
+    count_path = (*ema, "count")
     averaged = []
     for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        key = (*_AVERAGE, *map(str, path))
+        key = (*ema, "average", *map(str, path))
         if key in saved:
             averaged.append((key, variable))
-    targets = {
-        key: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v[...].sharding) for key, v in averaged
+    targets = {  # float32: the average of bfloat16 params is (`zoo.engine.master`)
+        key: jax.ShapeDtypeStruct(
+            v.shape, jnp.promote_types(v.dtype, jnp.float32), sharding=v[...].sharding
+        )
+        for key, v in averaged
     }
     mesh = averaged[0][1][...].sharding.mesh
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -178,7 +181,14 @@ def restore_averaged(model: nnx.Module, step_path: str, decay: float) -> None:
     if count == 0:
         return  # nothing averaged yet: the params are their own average
     for key, variable in averaged:
-        variable[...] = arrays[key] / (1 - decay**count)
+        variable[...] = (arrays[key] / (1 - decay**count)).astype(variable.dtype)
+
+
+def _ema_link(saved: Mapping[SavedPath, Any]) -> SavedPath:
+    """Where the EMA link's state is saved: the last of the optimizer's chain, inside the master
+    weights' state where the run kept them (`zoo.engine.master`)."""
+    inner = (OPTIMIZER, "opt_state", "inner")
+    return (*inner, "1") if any(key[:3] == inner for key in saved) else (*inner[:2], "1")
 
 
 def warm_start(
