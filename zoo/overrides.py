@@ -22,8 +22,9 @@ from zoo.engine.config import reason as config_reason
 from zoo.engine.dispatch import CADENCES
 from zoo.engine.errors import ZooError
 from zoo.engine.validate import validate
+from zoo.fitting import fit_context, fit_normalisation, fit_tokenizer
 from zoo.hydra_store import store_registry
-from zoo.pretrained import fit_context, fit_normalisation, fit_tokenizer, pretrained_args
+from zoo.pretrained import pretrained_args
 
 log = logging.getLogger("zoo")
 
@@ -35,7 +36,8 @@ def compose(overrides: Sequence[str] = ()) -> DictConfig:
     """The resolved run config for command-line style `overrides`, e.g. `["model=xor"]`.
 
     `finetune.init_from=DIR` on a pretrained checkpoint directory sets the model's sizes and
-    the tokenizer from it (see `zoo.pretrained`). Raises `ZooError` with a one-paragraph
+    the tokenizer from it (see `zoo.pretrained`); zoo's own defaults are fitted to the model
+    (see `zoo.fitting`). Raises `ZooError` with a one-paragraph
     message for an unknown model, data set or key, or a value of the wrong type.
     """
     overrides = list(overrides)

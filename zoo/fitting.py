@@ -1,0 +1,152 @@
+"""zoo's own defaults fitted, at composition, to the model a run builds, each change said in one
+console line (as the warm-up and dispatch defaults are, `zoo.overrides`): a value the overrides
+set stays as it is, and one that cannot work is a `ZooError` before anything is built.
+
+- `fit_normalisation`: a model that normalises its pixels itself (a pretrained ViT or ResNet)
+  reads its data set's pixels unnormalised.
+- `fit_context`: a text data set's default lengths (`data.window`, `data.buckets`) are cut to
+  a model with fewer positions (a GPT-2 checkpoint's `n_positions`).
+- `fit_tokenizer`: `data.tokenizer=bpe:N` becomes the tokenizer trained on the training text,
+  and a model's default vocabulary becomes the tokenizer's.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from omegaconf import DictConfig, OmegaConf
+
+from zoo.data.text import bpe_size, load_tokenizer, trained_tokenizer
+from zoo.engine.errors import ZooError
+
+log = logging.getLogger("zoo")
+
+
+def fit_normalisation(cfg: DictConfig, overrides: Sequence[str]) -> None:
+    """A model that normalises its inputs itself (`model.pixel_mean` and `pixel_std`, as a
+    pretrained directory sets them) reads its data set's pixels in [0, 1]: the data set's own
+    normalisation is turned off (said in one line), and one the overrides turn on is refused,
+    since the pixels would be normalised twice."""
+    if cfg.model.get("pixel_mean") is None or "normalize" not in cfg.data:
+        return
+    setting = cfg.data.normalize
+    off = False if isinstance(setting, bool) else "none"
+    if setting == off:
+        return
+    if "data.normalize" in _keys(overrides):
+        raise ZooError(
+            f"data.normalize={_shown(setting)} would normalise the pixels twice: model "
+            f"'{cfg.model.name}' normalises its inputs itself (model.pixel_mean="
+            f"{list(cfg.model.pixel_mean)}, model.pixel_std={list(cfg.model.pixel_std)}, what "
+            f"its weights expect) and takes pixels in [0, 1]: set data.normalize={_shown(off)} "
+            "or leave it out."
+        )
+    cfg.data.normalize = off
+    log.info(
+        "data.normalize=%s: model '%s' normalises its inputs itself (model.pixel_mean), so "
+        "data set '%s' gives it pixels in [0, 1].",
+        _shown(off),
+        cfg.model.name,
+        cfg.data.name,
+    )
+
+
+def fit_context(cfg: DictConfig, overrides: Sequence[str]) -> None:
+    """A model with fewer positions (`model.context_length`, a checkpoint's `n_positions`)
+    than a text data set's default lengths would be refused at its first batch: zoo's defaults
+    are fitted to it instead, each said in one line. `windows` mode cuts windows of the
+    context's length (`data.window`); `lines` mode keeps the buckets shorter than the context
+    and adds the context itself (`data.buckets`). A length the overrides set that is longer
+    than the context is a `ZooError`, before anything is built."""
+    context, data = cfg.model.get("context_length"), cfg.data
+    if context is None:
+        return
+    given, lines = _keys(overrides), _shown(data.get("mode")) == "lines"
+    window = data.get("window")
+    if window is not None and not lines and window > context:
+        _refuse_given("data.window", window, window, cfg, given)
+        data.window = context
+        _said_fitted("data.window", cfg, f"windows of {window} tokens", f"windows of {context}")
+    buckets = list(data.get("buckets") or [])
+    if buckets and lines and max(buckets) > context:
+        _refuse_given("data.buckets", buckets, max(buckets), cfg, given)
+        data.buckets = sorted({b for b in buckets if b < context} | {context})
+        _said_fitted("data.buckets", cfg, f"buckets {buckets}", f"buckets {list(data.buckets)}")
+
+
+def _refuse_given(key: str, value: object, length: int, cfg: DictConfig, given: set[str]) -> None:
+    """A `ZooError` when the overrides set `key`, whose `value` makes sequences of `length`."""
+    if key in given:
+        context = cfg.model.context_length
+        raise ZooError(
+            f"{key}={value} would give model '{cfg.model.name}' sequences of {length} tokens, "
+            f"more than model.context_length={context}, the positions it has: use a {key} of "
+            f"at most {context}, or leave {key} out to have it fitted."
+        )
+
+
+def _said_fitted(key: str, cfg: DictConfig, default: str, fitted: str) -> None:
+    log.info(
+        "%s: model '%s' has model.context_length=%d positions, fewer than data set '%s' takes "
+        "by default (%s); using %s instead (set %s to choose).",
+        key,
+        cfg.model.name,
+        cfg.model.context_length,
+        cfg.data.name,
+        default,
+        fitted,
+        key,
+    )
+
+
+def _keys(overrides: Sequence[str]) -> set[str]:
+    return {o.split("=")[0].lstrip("+~") for o in overrides}
+
+
+def _shown(value: object) -> str:
+    """A setting as the command line writes it."""
+    return str(getattr(value, "value", value)).lower()
+
+
+def fit_tokenizer(cfg: DictConfig, overrides: Sequence[str]) -> None:
+    """The data's tokenizer and the model's vocabulary made to agree. `data.tokenizer=bpe:N`
+    becomes the `tokenizer.json` trained on the text data set's training split (trained on
+    first use, then cached: see `zoo.data.tokens`), so that the run's config names the very
+    file its ids come from (a fine-tune from the run reuses it, whatever data it reads). A
+    model whose `model.vocab_size` the overrides leave at zoo's default takes the tokenizer's
+    number of ids (said in one line); one they set (a checkpoint's) that is too small is a
+    `ZooError` naming both."""
+    setting = cfg.data.get("tokenizer")
+    if setting is None:
+        return
+    if bpe_size(setting) is not None:
+        params = OmegaConf.to_container(cfg.data, enum_to_str=True)
+        cfg.data.tokenizer = str(trained_tokenizer(**params))
+        log.info(
+            "data.tokenizer=%s: the BPE tokenizer trained on data set '%s''s training text, "
+            "cached as %s (the run keeps a copy as tokenizer.json in its workdir).",
+            setting,
+            cfg.data.name,
+            cfg.data.tokenizer,
+        )
+    if "vocab_size" not in cfg.model:
+        return
+    path, vocab = cfg.data.tokenizer, cfg.model.vocab_size
+    size = load_tokenizer(path).get_vocab_size()
+    if "model.vocab_size" not in _keys(overrides) and vocab != size:
+        cfg.model.vocab_size = size
+        log.info(
+            "model.vocab_size=%d: the ids of the tokenizer data.tokenizer=%s (model '%s' has %s "
+            "by default; set model.vocab_size to choose).",
+            size,
+            setting,
+            cfg.model.name,
+            vocab,
+        )
+    elif vocab is not None and size > vocab:
+        raise ZooError(
+            f"The tokenizer data.tokenizer={path} has {size} ids, more than the model's "
+            f"vocabulary of model.vocab_size={vocab}: use the tokenizer that came with the "
+            f"checkpoint, or a model with model.vocab_size={size}."
+        )
