@@ -2,7 +2,9 @@
 
 The plan is computed from an abstract (shape-only) state, so bad rules fail before a single
 array is allocated; the model is then created inside `jax.jit` under the mesh, each param born
-with its planned sharding, so no device ever holds a full unsharded copy.
+with its planned sharding, so no device ever holds a full unsharded copy. Where the rules leave
+a param whole on an axis rather than refuse the mesh (see `zoo.engine.sharding`), the plan says
+so, one line per reason.
 """
 
 from __future__ import annotations

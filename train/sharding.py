@@ -116,7 +116,7 @@ class AxisRules:
         notes = [note for _, note in dims if note]
         fsdp = mesh.shape.get(FSDP, 1)
         if len(shape) >= 2 and fsdp > 1 and all(FSDP not in axes for axes, _ in dims):
-            named = any(FSDP in self.names_axes(name) for name in logical)
+            named = any(FSDP in self.axes_of(name) for name in logical)
             notes.append(
                 f"whole on every device: fsdp={fsdp} cannot divide the dimension named for it"
                 if named
@@ -124,21 +124,20 @@ class AxisRules:
             )
         return Placement(P(*(_entry(axes) for axes, _ in dims)), tuple(notes))
 
-    def names_axes(self, name: Logical) -> tuple[str, ...]:
+    def axes_of(self, name: Logical) -> tuple[str, ...]:
         """The mesh axes of a dimension's logical name (several names: all of their axes)."""
-        names = () if name is None else (name,) if isinstance(name, str) else tuple(name)
-        return tuple(axis for each in names for axis in self.table.get(each, ()))
+        return tuple(axis for each in _names(name) for axis in self.table.get(each, ()))
 
     def _dim_axes(
         self, logical: Sequence[Logical], shape: Sequence[int], mesh: Mesh, what: str, dim: int
     ) -> tuple[tuple[str, ...], str]:
         """The mesh axes of one dimension, checked, and a note where it stays whole on some."""
         name, size = logical[dim], shape[dim]
-        for each in () if name is None else (name,) if isinstance(name, str) else name:
+        for each in _names(name):
             self.mesh_axes(each, f"{what} on dimension {dim}")
-        axes = self.names_axes(name)
+        axes = self.axes_of(name)
         for i, axis in enumerate(axes):
-            earlier = [d for d in range(dim) if axis in self.names_axes(logical[d])]
+            earlier = [d for d in range(dim) if axis in self.axes_of(logical[d])]
             if earlier or axis in axes[:i]:
                 raise ZooError(
                     f"{what} would use mesh axis '{axis}' twice: on dimension "
@@ -159,8 +158,9 @@ class AxisRules:
             f"{list(axes)} divides {size}, or map '{name}' elsewhere in mesh.rules."
         )
 
-    def as_flax_rules(self) -> tuple[tuple[str, Any], ...]:
-        return tuple((name, axes or None) for name, axes in self.table.items())
+
+def _names(name: Logical) -> tuple[str, ...]:
+    return () if name is None else (name,) if isinstance(name, str) else tuple(name)
 
 
 def _ways(axes: Sequence[str], mesh: Mesh) -> int:
@@ -233,11 +233,14 @@ def mesh_and_rules(
 
 @contextlib.contextmanager
 def activate(mesh: Mesh, rules: AxisRules) -> Iterator[None]:
-    """Make `mesh` current (explicit-sharding mode) with `rules` in force for params (through
-    Flax's logical-axis rules) and for activations (through `logical_spec`)."""
+    """Make `mesh` current (explicit-sharding mode) with `rules` in force for activations
+    (through `logical_spec`) and for the params that `zoo.engine.plan.create_sharded` places.
+    Flax does not place params created here by renaming their logical axes (eager sharding is
+    off): it knows neither a dimension named for several axes nor the ones an axis may leave
+    whole, so the plan alone decides (see `AxisRules.placement`)."""
     token = _ACTIVE_RULES.set(rules)
     try:
-        with jax.set_mesh(mesh), nnx.logical_axis_rules(rules.as_flax_rules()):
+        with jax.set_mesh(mesh), nnx.use_eager_sharding(False):
             yield
     finally:
         _ACTIVE_RULES.reset(token)
