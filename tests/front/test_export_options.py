@@ -142,3 +142,26 @@ def test_a_source_directory_that_is_gone_is_said(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="zoo"):
         assert zoo_export.carried_files(config) == {}
     assert f"started from {tmp_path / 'gone'}, which is gone" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("options", "model_type"),
+    [
+        ((), "llama"),  # the defaults: the first family whose layout holds them
+        (("model.qk_norm=true",), "qwen3"),
+        (("model.sliding_window=8",), "mistral"),  # every layer sliding
+    ],
+)
+def test_a_decoder_trained_here_is_written_as_the_family_that_holds_its_settings(
+    options, model_type, tmp_path
+):
+    sizes = ("model.dim=32", "model.depth=2", "model.num_heads=2", "model.context_length=16")
+    quick = ("data.window=16", "data.eval_bytes=2048", "trainer.steps=1", "trainer.eval_every=1")
+    run = zoo.fit("decoder", *sizes, *options, *quick, f"workdir={tmp_path / 'run'}")
+    out = zoo.export(run.workdir, tmp_path / "hf", format="hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["model_type"] == model_type
+    exported, trained = flat_params(zoo.load(out, devices=ONE)), flat_params(run)
+    assert exported.keys() == trained.keys()
+    for path, value in trained.items():
+        np.testing.assert_array_equal(exported[path], value, err_msg=path)

@@ -3,7 +3,9 @@
 [dtype=float32|bfloat16] [max_shard_size=SIZE]`.
 
 - `hf`: `config.json` + `model.safetensors` in the layout of the checkpoint family the model
-  loads (the one the run started from, else the model's first), which that family's reference
+  loads (the one the run started from, else the model's first whose layout holds its
+  settings: a `decoder` trained from scratch is written as a Llama), which that family's
+  reference
   code reads; LoRA adapters are merged first. Generic over every registered family: the
   family's key table, run backwards (`zoo.engine.weights.export_tensors`). The weights are
   written in `dtype` (`float32` or `bfloat16`), split into shards listed by
@@ -107,7 +109,18 @@ def _family(trained: TrainedModel) -> registry.Family:
             f"Model '{name}' loads no checkpoint family with an export layout, so format=hf "
             "has no layout to write; use format=jax."
         )
-    return found[0]
+    hparams, refusals = resolved_hparams(trained.config), []
+    for family in found:  # the first whose layout holds this model's settings
+        try:
+            family.export_config(hparams)
+        except ZooError as e:
+            refusals.append(f"{family.name}: {e}")
+            continue
+        return family
+    raise ZooError(
+        f"No checkpoint family of model '{name}' has a layout that holds this model's "
+        f"settings, so format=hf cannot write it; use format=jax. {' '.join(refusals)}"
+    )
 
 
 def _hf(trained: TrainedModel, out: str, **writing: Any) -> str:
