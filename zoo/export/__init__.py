@@ -5,8 +5,7 @@
 - `hf`: `config.json` + `model.safetensors` in the layout of the checkpoint family the model
   loads (the one the run started from, else the model's first whose layout holds its
   settings: a `decoder` trained from scratch is written as a Llama), which that family's
-  reference
-  code reads; LoRA adapters are merged first. Generic over every registered family: the
+  reference code reads; LoRA adapters are merged first. Generic over every registered family: the
   family's key table, run backwards (`zoo.engine.weights.export_tensors`). The weights are
   written in `dtype` (`float32` or `bfloat16`), split into shards listed by
   `model.safetensors.index.json` above `max_shard_size` (`"5GB"`, as transformers takes it).
