@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import json
 import logging
 import os
 from collections.abc import Iterator, Mapping, Sequence
@@ -122,6 +123,7 @@ def load(
     mesh: Mapping[str, Any] | None = None,
     devices: Any = None,
     weights: str = "raw",
+    model: Mapping[str, Any] | None = None,
 ) -> TrainedModel:
     """The model of the run in `workdir` (the CLI's or the Python API's) with its weights from
     the checkpoint `step` names (`latest`, `best` or a step number) and its resolved config.
@@ -137,7 +139,10 @@ def load(
     `workdir` may also be a pretrained checkpoint directory (`config.json` + safetensors of a
     family some model loads, see `zoo.list_models(families=True)`): its model, at step 0, with
     the config a run starting from it would have; or a Hugging Face Hub name,
-    `hf://ORG/NAME[@REVISION]`, read from the hub's cache (downloaded first; see `zoo.hub`)."""
+    `hf://ORG/NAME[@REVISION]`, read from the hub's cache (downloaded first; see `zoo.hub`).
+    For a checkpoint, `model` sets keys of the model's config section over what its config.json
+    implies, as `model.*` overrides of a run from it would: `{"param_dtype": "bf16"}` holds the
+    params in bfloat16 (half the memory), `{"context_length": 4096}` a shorter key/value cache."""
     workdir = local(workdir)
     if is_pretrained_dir(workdir):
         if weights != "raw":
@@ -145,7 +150,12 @@ def load(
                 f"weights={weights!r}: {os.path.abspath(workdir)} is a pretrained directory, "
                 "which holds one set of weights and no average; use weights='raw'."
             )
-        return _load_pretrained(os.path.abspath(workdir), mesh, devices)
+        return _load_pretrained(os.path.abspath(workdir), mesh, devices, dict(model or {}))
+    if model:
+        raise ZooError(
+            f"model={dict(model)!r}: {os.path.abspath(workdir)} is a run, whose model is loaded "
+            "as it trained; model keys are for a pretrained directory or a hub name."
+        )
     step_number, _, (model, config, device_mesh, rules, metrics) = read_first(
         workdir, step, lambda _, path: _read_model(path, mesh, devices, weights)
     )
@@ -207,7 +217,7 @@ def plan_pretrained(
     """Everything `zoo.load` of a pretrained directory does before it reads a tensor, for the
     model of `hparams`; the host pages of the params are readied meanwhile, on a thread of their
     own."""
-    memory = Prefaulted(_param_bytes(pretrained))
+    memory = Prefaulted(_param_bytes(pretrained, hparams))
     entry = registry.get_model(hparams["name"])
     mesh_cfg = checked_dict(MeshConfig, dict(mesh or {}), "mesh")
     device_mesh, rules = sharding.mesh_and_rules(mesh_cfg, devices)
@@ -216,13 +226,17 @@ def plan_pretrained(
     return PlannedLoad(model, pretrained, dict(hparams), device_mesh, rules, memory)
 
 
-def checkpoint_hparams(pretrained: weights.Pretrained) -> dict[str, Any]:
-    """The model that a run from `pretrained` composes, from its config.json and the model's
-    defaults alone: Hydra's composition sets the same `model.*` keys from them (see
-    `zoo.pretrained`). Sizes the checkpoint leaves to the data set are those it states without
-    a config (None if it states none); one that decides them from its config may differ."""
+def checkpoint_hparams(
+    pretrained: weights.Pretrained, model: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """The model that a run from `pretrained` composes, from its config.json, the `model` keys
+    given and the model's defaults alone: Hydra's composition sets the same `model.*` keys from
+    them (see `zoo.pretrained`). Sizes the checkpoint leaves to the data set are those it states
+    without a config (None if it states none); one that decides them from its config may
+    differ."""
     entry = registry.get_model(pretrained.family.model)
-    hparams = checked_params(f"model '{entry.name}'", entry.config, pretrained.hparams())
+    given = {**pretrained.hparams(), **(model or {})}
+    hparams = checked_params(f"model '{entry.name}'", entry.config, given)
     return entry.resolve(hparams, registry.get_data(entry.default_data))
 
 
@@ -241,16 +255,18 @@ def _collection_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _param_bytes(pretrained: weights.Pretrained) -> int:
+def _param_bytes(pretrained: weights.Pretrained, hparams: Mapping[str, Any]) -> int:
     """An upper bound of the bytes of a loaded model's host buffers on this process's devices:
-    float32 params, a page of alignment per buffer (a buffer per param: up to three per tensor,
-    for a fused qkv) and 1% for padded rows and blocks. The pages left over are released after
-    the fill."""
-    numbers = 4 * pretrained.loaded_elements()
+    params of 4 bytes (2 with `param_dtype=bf16`), a page of alignment per buffer (a buffer per
+    param: up to three per tensor, for a fused qkv) and 1% for padded rows and blocks. The pages
+    left over are released after the fill."""
+    numbers = (2 if hparams.get("param_dtype") == "bf16" else 4) * pretrained.loaded_elements()
     return numbers + numbers // 100 + 3 * len(pretrained.files) * PAGE
 
 
-def _load_pretrained(directory: str, mesh: Mapping[str, Any] | None, devices: Any) -> TrainedModel:
+def _load_pretrained(
+    directory: str, mesh: Mapping[str, Any] | None, devices: Any, model: dict[str, Any]
+) -> TrainedModel:
     """The model of a pretrained directory, each param read straight into its sharding.
 
     The model is planned from what its config.json implies (`checkpoint_hparams`), so that its
@@ -259,9 +275,10 @@ def _load_pretrained(directory: str, mesh: Mapping[str, Any] | None, devices: An
     from the composed config instead."""
     with _collection_paused():
         pretrained = weights.open_pretrained(directory)
-        planned, fill = _planned_from_checkpoint(pretrained, mesh, devices)
+        planned, fill = _planned_from_checkpoint(pretrained, mesh, devices, model)
+        keys = [f"model.{key}={json.dumps(value)}" for key, value in model.items()]
         with contextlib.nullcontext() if fill is None else fill.copied_meanwhile():
-            config = compose([f"finetune.init_from={directory}"])
+            config = compose([f"finetune.init_from={directory}", *keys])
         hparams = resolved_hparams(config)
         if planned is None or hparams != planned.hparams:
             planned = fill = None  # its pages are given back before the new plan takes its own
@@ -273,14 +290,18 @@ def _load_pretrained(directory: str, mesh: Mapping[str, Any] | None, devices: An
 
 
 def _planned_from_checkpoint(
-    pretrained: weights.Pretrained, mesh: Mapping[str, Any] | None, devices: Any
+    pretrained: weights.Pretrained,
+    mesh: Mapping[str, Any] | None,
+    devices: Any,
+    model: Mapping[str, Any],
 ) -> tuple[PlannedLoad, weights.PlannedFill] | tuple[None, None]:
     """The load planned from config.json alone, or (None, None) where that fails (a size the
     checkpoint leaves to the data set, weights that do not fit): the load is then planned after
     composition, whose errors (a tokenizer that does not fit, a bad value) name such faults
     better than the fill's."""
     try:
-        planned = plan_pretrained(pretrained, checkpoint_hparams(pretrained), mesh, devices)
+        hparams = checkpoint_hparams(pretrained, model)
+        planned = plan_pretrained(pretrained, hparams, mesh, devices)
         return planned, planned.plan_fill()
     except ZooError:
         return None, None

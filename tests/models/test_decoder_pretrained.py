@@ -553,3 +553,22 @@ def test_qwens_sliding_layers_follow_max_window_layers_or_layer_types():
 @needs_reference
 def test_references_regenerate(tmp_path):
     assert_references_regenerate("make_decoders", NAMES, tmp_path)
+
+
+def test_model_keys_given_to_load_hold_the_params_in_bf16(tmp_path):
+    directory = FIXTURES / "qwen3-tiny"
+    full = zoo.load(directory, devices=jax.devices()[:1])
+    low = zoo.load(directory, devices=jax.devices()[:1], model={"param_dtype": "bf16"})
+    assert low.config.model.param_dtype == "bf16"
+    full_params, low_params = (nnx.state(m.model, nnx.Param) for m in (full, low))
+    for kept, rounded in zip(jax.tree.leaves(full_params), jax.tree.leaves(low_params)):
+        assert rounded.dtype == jax.numpy.bfloat16  # the file's values, rounded once
+        np.testing.assert_array_equal(rounded, kept.astype(jax.numpy.bfloat16))
+    tokens = reference("qwen3-tiny")["tokens"]
+    difference = np.abs(zoo.predict(low, tokens).astype(np.float32) - zoo.predict(full, tokens))
+    assert 0 < difference.max() < 0.2  # bfloat16's rounding, no more
+    with pytest.raises(zoo.ZooError, match="model.param_dtype='fp16'.*fp32, bf16"):
+        zoo.load(directory, model={"param_dtype": "fp16"})
+    run = zoo.fit("xor", "trainer.steps=1", f"workdir={tmp_path}")
+    with pytest.raises(zoo.ZooError, match="is a run, whose model is loaded as it trained"):
+        zoo.load(run.workdir, model={"param_dtype": "bf16"})
