@@ -144,24 +144,37 @@ def test_a_source_directory_that_is_gone_is_said(tmp_path, caplog):
     assert f"started from {tmp_path / 'gone'}, which is gone" in caplog.text
 
 
+def test_a_decoder_trained_here_is_written_as_the_family_that_holds_its_settings(tmp_path):
+    sizes = ("model.dim=32", "model.depth=2", "model.num_heads=2", "model.context_length=16")
+    quick = ("data.window=16", "data.eval_bytes=2048", "trainer.steps=1", "trainer.eval_every=1")
+    run = zoo.fit("decoder", *sizes, "model.qk_norm=true", *quick, f"workdir={tmp_path / 'run'}")
+    out = zoo.export(run.workdir, tmp_path / "hf", format="hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["model_type"] == "qwen3"  # llama, first to hold the defaults, has no q/k norm
+    exported, trained = flat_params(zoo.load(out, devices=ONE)), flat_params(run)
+    assert exported.keys() == trained.keys()
+    for path, value in trained.items():
+        np.testing.assert_array_equal(exported[path], value, err_msg=path)
+
+
+MIXED = "[sliding_attention,full_attention]"
+
+
 @pytest.mark.parametrize(
     ("options", "model_type"),
     [
         ((), "llama"),  # the defaults: the first family whose layout holds them
         (("model.qk_norm=true",), "qwen3"),
         (("model.sliding_window=8",), "mistral"),  # every layer sliding
+        (("model.qkv_bias=true", "model.sliding_window=8", f"model.layer_types={MIXED}"), "qwen2"),
+        (("model.sliding_window=8", f"model.layer_types={MIXED}"), None),  # no layout holds it
     ],
 )
-def test_a_decoder_trained_here_is_written_as_the_family_that_holds_its_settings(
-    options, model_type, tmp_path
-):
-    sizes = ("model.dim=32", "model.depth=2", "model.num_heads=2", "model.context_length=16")
-    quick = ("data.window=16", "data.eval_bytes=2048", "trainer.steps=1", "trainer.eval_every=1")
-    run = zoo.fit("decoder", *sizes, *options, *quick, f"workdir={tmp_path / 'run'}")
-    out = zoo.export(run.workdir, tmp_path / "hf", format="hf")
-    config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    assert config["model_type"] == model_type
-    exported, trained = flat_params(zoo.load(out, devices=ONE)), flat_params(run)
-    assert exported.keys() == trained.keys()
-    for path, value in trained.items():
-        np.testing.assert_array_equal(exported[path], value, err_msg=path)
+def test_the_family_written_is_the_first_whose_layout_holds_the_settings(options, model_type):
+    config = zoo.compose(["model=decoder", "model.depth=2", *options])
+    trained = zoo.api.TrainedModel(None, config, 0, None, None, None, {})
+    if model_type is None:
+        with pytest.raises(zoo.ZooError, match="No checkpoint family of model 'decoder' has a"):
+            zoo_export._family(trained)
+    else:
+        assert zoo_export._family(trained).name == model_type

@@ -20,7 +20,7 @@ from zoo.engine.steps import make_train_step, zero_metrics
 import zoo
 
 COMMON = (
-    "trainer.steps=200",
+    "trainer.steps=100",
     "trainer.batch_size=16",
     "trainer.log_every=100",
     "trainer.eval_every=0",
@@ -55,7 +55,7 @@ def test_bf16_trains_to_the_fp32_loss_with_float32_state(model, tmp_path):
     assert float_dtypes(mixed.state) == {jnp.dtype(jnp.float32)}
     checkpointer = Checkpointer(tmp_path / "bf16" / "checkpoints")
     try:
-        saved = checkpointer.restore_state(200, abstract_like(mixed.state))
+        saved = checkpointer.restore_state(100, abstract_like(mixed.state))
     finally:
         checkpointer.close()
     assert float_dtypes(saved) == {jnp.dtype(jnp.float32)}
