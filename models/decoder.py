@@ -42,6 +42,8 @@ from zoo.models.decoder_parts import (
 )
 from zoo.models.generate import sample_on_eval
 from zoo.models.gpt import (
+    LANGUAGE_MODEL_OPTIMIZER,
+    LANGUAGE_MODEL_TRAINER,
     VOCAB,
     embed_tokens,
     language_model_loss,
@@ -68,16 +70,8 @@ PARAM_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
     loss=language_model_loss,
     default_data="text",
     on_eval=sample_on_eval,
-    # gpt's schedule: the default corpus's bytes, 16 x 128 bytes a step.
-    trainer={"steps": 1400, "batch_size": 16, "log_every": 50, "eval_every": 350},
-    optimizer={
-        "name": "adamw",
-        "learning_rate": 3e-3,
-        "schedule": "cosine",
-        "warmup_steps": 100,
-        "weight_decay": 0.01,
-        "grad_clip_norm": 1.0,
-    },
+    trainer=LANGUAGE_MODEL_TRAINER,  # gpt's schedule and optimizer
+    optimizer=LANGUAGE_MODEL_OPTIMIZER,
     tiny=(
         "model.context_length=32",
         "model.dim=32",

@@ -31,6 +31,7 @@ from zoo.engine import registry, sharding, weights
 from zoo.models.generate import generate_tokens
 
 import zoo
+from benchmarks import decoder_costs
 from zoo.api import checkpoint_hparams, plan_pretrained
 
 DECODER_FAMILIES = {family.name: family for family in registry.families("decoder")}
@@ -240,34 +241,7 @@ PUBLISHED = {
         "use_sliding_window": False,
         "vocab_size": 151936,
     },
-    "Qwen3-0.6B": {
-        "architectures": ["Qwen3ForCausalLM"],
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "bos_token_id": 151643,
-        "eos_token_id": 151645,
-        "head_dim": 128,
-        "hidden_act": "silu",
-        "hidden_size": 1024,
-        "initializer_range": 0.02,
-        "intermediate_size": 3072,
-        "max_position_embeddings": 40960,
-        "max_window_layers": 28,
-        "model_type": "qwen3",
-        "num_attention_heads": 16,
-        "num_hidden_layers": 28,
-        "num_key_value_heads": 8,
-        "rms_norm_eps": 1e-06,
-        "rope_scaling": None,
-        "rope_theta": 1000000,
-        "sliding_window": None,
-        "tie_word_embeddings": True,
-        "torch_dtype": "bfloat16",
-        "transformers_version": "4.51.0",
-        "use_cache": True,
-        "use_sliding_window": False,
-        "vocab_size": 151936,
-    },
+    "Qwen3-0.6B": decoder_costs.CONFIG,
     "Mistral-7B-v0.1": {
         "architectures": ["MistralForCausalLM"],
         "bos_token_id": 1,
