@@ -79,22 +79,16 @@ def image_folder(tmp_path_factory):
 LONGEST_FIRST = (
     "tests/docs/test_doc_examples.py",
     "tests/train/test_resume.py",
-    "tests/conformance/test_conformance_runs.py",
     "tests/train/test_precision.py",
-    "tests/models/test_decoder.py",
-    "tests/front/test_cli.py",
     "tests/front/test_costs_benchmark.py",
-    "tests/models/test_gpt.py",
     "tests/train/test_multiprocess.py",
-    "tests/faults/test_kill_pretrained.py",
-    "tests/faults/test_kill.py",
-    "tests/front/test_bad_input.py",
+    "tests/models/test_gpt.py",
+    "tests/front/test_cli.py",
     "tests/front/test_finetune_vision.py",
-    "tests/train/test_sharding.py",
-    "tests/train/test_layering.py",
-    "tests/front/test_finetune.py",
-    "tests/front/test_hub.py",
-    "tests/conformance/test_conformance_families.py",
+    "tests/faults/test_disk_full.py",
+    "tests/faults/test_kill_pretrained.py",
+    "tests/front/test_finetune_pretrained.py",
+    "tests/conformance/test_conformance_runs.py",
 )
 """The files that take longest (2-core CI), in that order. pytest-xdist hands each worker whole
 files in collection order; these first, so that no long file starts near the end while the
