@@ -54,6 +54,7 @@ from zoo.models.rope import ROPE_TYPES, Rope, Rotation, rotation
 from zoo.models.transformer import KVCache, dropout_key
 
 from zoo.plugin import (
+    TransposedLinear,
     ZooError,
     construction_rngs,
     logical_spec,
@@ -195,12 +196,11 @@ class Decoder(nnx.Module):
         self.unembed = (
             None
             if tie_embeddings
-            else nnx.Linear(
+            else TransposedLinear(
                 dim,
                 padded_vocab(vocab_size),
-                use_bias=False,
+                kernel_axes=("vocab", "embed"),
                 param_dtype=dtype,
-                kernel_init=partitioned(nnx.initializers.lecun_normal(), ("embed", "vocab")),
                 rngs=rngs,
             )
         )

@@ -30,7 +30,6 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import numpy as np
 from zoo.models.gpt import padded_vocab
 
 from zoo.plugin import Family, Rule, ZooError, register_family
@@ -553,13 +552,10 @@ def _rules(kind: _Kind) -> Callable[[Mapping[str, Any]], list[Rule]]:
             _layer(
                 "self_attn.o_proj.weight",
                 "attention.out.kernel",
-                load=lambda w: (w.T.reshape(heads, head_dim, dim),),
-                save=lambda kernel: kernel.reshape(heads * head_dim, dim).T,
+                load=lambda w: (w.reshape(dim, heads, head_dim),),
+                save=lambda kernel: kernel.reshape(dim, heads * head_dim),
             ),
-            *[
-                _layer(f"mlp.{name}_proj.weight", f"mlp.{name}.kernel", load=_t, save=_t1)
-                for name in ("gate", "up", "down")
-            ],
+            *[_layer(f"mlp.{name}_proj.weight", f"mlp.{name}.kernel") for name in MLP],
         ]
         if gemma:
             table += [
@@ -583,27 +579,15 @@ def _rules(kind: _Kind) -> Callable[[Mapping[str, Any]], list[Rule]]:
         if hparams.get("out_bias"):
             table.append(_layer("self_attn.o_proj.bias", "attention.out.bias"))
         if hparams.get("mlp_bias"):
-            table += [_layer(f"mlp.{n}_proj.bias", f"mlp.{n}.bias") for n in ("gate", "up", "down")]
+            table += [_layer(f"mlp.{n}_proj.bias", f"mlp.{n}.bias") for n in MLP]
         if not hparams.get("tie_embeddings", True):
-            table.append(
-                _rule(
-                    "lm_head.weight",
-                    "unembed.kernel",
-                    load=lambda w: (np.pad(w.T, ((0, 0), (0, pad))),),
-                    save=lambda kernel: kernel[:, :vocab].T,
-                )
-            )
+            table.append(_rule("lm_head.weight", "unembed.kernel", pad_rows=pad))
         return table
 
     return rules
 
 
-def _t(w: np.ndarray) -> tuple[np.ndarray]:
-    return (w.T,)
-
-
-def _t1(kernel: np.ndarray) -> np.ndarray:
-    return kernel.T
+MLP = ("gate", "up", "down")
 
 
 def _rule(key: str, param: str, **transform: Any) -> Rule:
@@ -621,12 +605,12 @@ def _layer(key: str, param: str, **transform: Any) -> Rule:
 
 
 def _projection(name: str, param: str, heads: int, head_dim: int, dim: int) -> Rule:
-    """q/k/v: torch's (heads * head_dim, dim) <-> (dim, heads, head_dim)."""
+    """q/k/v: torch's (heads * head_dim, dim) <-> (heads, head_dim, dim), a reshape."""
     return _layer(
         f"self_attn.{name}.weight",
         f"attention.{param}.kernel",
-        load=lambda w: (w.T.reshape(dim, heads, head_dim),),
-        save=lambda kernel: kernel.reshape(dim, heads * head_dim).T,
+        load=lambda w: (w.reshape(heads, head_dim, dim),),
+        save=lambda kernel: kernel.reshape(heads * head_dim, dim),
     )
 
 

@@ -25,7 +25,7 @@ from zoo.models.attention_route import current_platform, route
 from zoo.models.rope import Rotation, rotate
 from zoo.models.transformer import KVCache, tokens_spec
 
-from zoo.plugin import logical_spec, partitioned
+from zoo.plugin import TransposedLinear, logical_spec, partitioned
 
 ACTIVATIONS = {
     "silu": jax.nn.silu,  # SwiGLU (Llama, Mistral, Qwen)
@@ -34,11 +34,7 @@ ACTIVATIONS = {
 FULL, SLIDING = "full_attention", "sliding_attention"
 LAYER_TYPES = (FULL, SLIDING)
 
-_LECUN, _ZEROS, _ONES = (
-    nnx.initializers.lecun_normal(),
-    nnx.initializers.zeros_init(),
-    nnx.initializers.ones_init(),
-)
+_ZEROS, _ONES = nnx.initializers.zeros_init(), nnx.initializers.ones_init()
 _NO_ATTENTION = -1e30  # a logit that softmax turns into exactly zero weight
 _FLOAT32 = jnp.dtype(jnp.float32)
 
@@ -92,27 +88,16 @@ class RMSNorm(nnx.Module):
         return scale * normed.astype(x.dtype)
 
 
-def _linear(din: int, dout: int, axes: tuple, *, bias: bool, dtype, rngs: nnx.Rngs) -> nnx.Linear:
-    return nnx.Linear(
-        din,
-        dout,
-        use_bias=bias,
-        param_dtype=dtype,
-        kernel_init=partitioned(_LECUN, axes),
-        bias_init=partitioned(_ZEROS, (None if axes[1] == "embed" else axes[1],)),
-        rngs=rngs,
-    )
-
-
-def _projection(features_in, features_out, axis, axes, bias_axes, *, bias, dtype, rngs):
-    return nnx.LinearGeneral(
+def _dense(features_in, features_out, axes: tuple, bias_axes: tuple, *, bias: bool, dtype, rngs):
+    """A projection held as the checkpoints hold it: kernel (outputs..., inputs...), `axes` in
+    that order (see `TransposedLinear`)."""
+    return TransposedLinear(
         features_in,
         features_out,
-        axis=axis,
+        kernel_axes=axes,
+        bias_axes=bias_axes,
         use_bias=bias,
         param_dtype=dtype,
-        kernel_init=partitioned(_LECUN, axes),
-        bias_init=partitioned(_ZEROS, bias_axes),
         rngs=rngs,
     )
 
@@ -143,17 +128,13 @@ class Attention(nnx.Module):
         heads, kv = (o.num_heads, o.head_dim), (o.num_kv_heads, o.head_dim)
 
         def to_heads(shape, axis):
-            axes, bias_axes = ("embed", axis, None), (axis, None)
-            return _projection(
-                o.dim, shape, -1, axes, bias_axes, bias=o.qkv_bias, dtype=dtype, rngs=rngs
-            )
+            axes, bias_axes = (axis, None, "embed"), (axis, None)
+            return _dense(o.dim, shape, axes, bias_axes, bias=o.qkv_bias, dtype=dtype, rngs=rngs)
 
         self.query = to_heads(heads, "heads")
         self.key, self.value = to_heads(kv, "kv_heads"), to_heads(kv, "kv_heads")
-        out_axes = ("heads", None, "embed")
-        self.out = _projection(
-            heads, o.dim, (-2, -1), out_axes, (None,), bias=o.out_bias, dtype=dtype, rngs=rngs
-        )
+        out_axes = ("embed", "heads", None)
+        self.out = _dense(heads, o.dim, out_axes, (None,), bias=o.out_bias, dtype=dtype, rngs=rngs)
         self.query_norm = o.norm(o.head_dim, rngs) if o.qk_norm else None
         self.key_norm = o.norm(o.head_dim, rngs) if o.qk_norm else None
         self.num_kv_heads, self.softcap = o.num_kv_heads, o.attention_softcap
@@ -259,12 +240,13 @@ class GatedMLP(nnx.Module):
 
     def __init__(self, options: LayerOptions, *, rngs: nnx.Rngs):
         o = options
+        bias, dtype = o.mlp_bias, o.dtype
         self.gate, self.up = (
-            _linear(o.dim, o.mlp_dim, ("embed", "mlp"), bias=o.mlp_bias, dtype=o.dtype, rngs=rngs)
+            _dense(o.dim, o.mlp_dim, ("mlp", "embed"), ("mlp",), bias=bias, dtype=dtype, rngs=rngs)
             for _ in range(2)
         )
-        self.down = _linear(
-            o.mlp_dim, o.dim, ("mlp", "embed"), bias=o.mlp_bias, dtype=o.dtype, rngs=rngs
+        self.down = _dense(
+            o.mlp_dim, o.dim, ("embed", "mlp"), (None,), bias=bias, dtype=dtype, rngs=rngs
         )
         self.activation = o.activation
 

@@ -1,7 +1,8 @@
 """LoRA adapters for the dense layers of a built model, born sharded like the layers they adapt.
 
-`add_adapters` replaces each chosen `nnx.Linear` (an MLP's layers) or `nnx.LinearGeneral` (an
-attention's projections to and from heads) by a `ShardedLoRA` that wraps it: the layer's own
+`add_adapters` replaces each chosen `nnx.Linear` (an MLP's layers), `nnx.LinearGeneral` (an
+attention's projections to and from heads) or `TransposedLinear` (the same, with the kernel laid
+out as PyTorch checkpoints lay it out) by a `ShardedLoRA` that wraps it: the layer's own
 params stay where they were (now under `<layer>.base_module`), and the adapter adds
 `x @ lora_a @ lora_b` to its output. `lora_a` is annotated with the kernel's input axes and
 `lora_b` with its output axes, so the adapters shard as the layer does; `lora_b` starts at zero,
@@ -19,13 +20,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from zoo.engine.abstract import partitioned
+from zoo.engine.dense import TransposedLinear
 from zoo.engine.errors import ZooError
 from zoo.engine.paths import dotted, matches
 from zoo.engine.sharding import logical_spec
 
 
 class ShardedLoRA(nnx.Module):
-    """A low-rank adapter around a Linear or LinearGeneral layer (`base_module`): the layer's
+    """A low-rank adapter around a dense layer (`base_module`, one of `ADAPTED`): the layer's
     output plus `x @ lora_a @ lora_b`, contracted over the layer's input axes and spread over
     its output axes (an attention projection to heads x head_dim, or from them). `lora_a` takes
     the kernel's input axes' annotations, `lora_b` its output axes', so the adapter shards as
@@ -33,12 +35,12 @@ class ShardedLoRA(nnx.Module):
     rank dimension replicated. The adapter's output is added in the layer's output dtype, so a
     model held in bfloat16 stays in bfloat16 with float32 adapters."""
 
-    def __init__(self, base_module: nnx.Linear | nnx.LinearGeneral, rank: int, rngs: nnx.Rngs):
+    def __init__(self, base_module: Dense, rank: int, rngs: nnx.Rngs):
         kernel = base_module.kernel
-        inputs = _input_axes(base_module)
         axes = kernel.get_metadata().get("out_sharding") or (None,) * kernel.ndim
-        in_shape, out_shape = kernel.shape[:inputs], kernel.shape[inputs:]
-        in_axes, out_axes = tuple(axes[:inputs]), tuple(axes[inputs:])
+        ins, outs = _kernel_axes(base_module)
+        in_shape, out_shape = (tuple(kernel.shape[i] for i in dims) for dims in (ins, outs))
+        in_axes, out_axes = (tuple(axes[i] for i in dims) for dims in (ins, outs))
         a_init = partitioned(nnx.initializers.he_uniform(), (*in_axes, None))
         b_init = partitioned(nnx.initializers.zeros_init(), (None, *out_axes))
         self.base_module = base_module
@@ -62,31 +64,40 @@ class ShardedLoRA(nnx.Module):
         return y + delta.astype(y.dtype)
 
     def merged_kernel(self) -> jax.Array:
-        """The layer's kernel with the adapter folded in: `kernel + lora_a @ lora_b`."""
+        """The layer's kernel with the adapter folded in: `kernel + lora_a @ lora_b`, laid out
+        as the kernel is."""
         kernel = self.base_module.kernel[...]
-        delta = jnp.tensordot(
+        ins, outs = _kernel_axes(self.base_module)
+        letters = _LETTERS[: kernel.ndim]
+        delta = jnp.einsum(
+            f"{''.join(letters[i] for i in ins)}r,r{''.join(letters[i] for i in outs)}->{letters}",
             self.lora_a[...],
             self.lora_b[...],
-            axes=1,
             out_sharding=jax.typeof(kernel).sharding.spec,
         )
         return kernel + delta.astype(kernel.dtype)
 
 
 _LETTERS = "ijklmnopq"
+Dense = nnx.Linear | nnx.LinearGeneral | TransposedLinear
 
 
-def _input_axes(layer: nnx.Linear | nnx.LinearGeneral) -> int:
-    """How many leading axes of `layer`'s kernel it contracts with its input (its last ones)."""
-    if isinstance(layer, nnx.LinearGeneral):
-        return len(layer.in_features)
-    return 1
+def _kernel_axes(layer: Dense) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Which axes of `layer`'s kernel it contracts with its input, and which it gives out: the
+    leading ones are the inputs of a Linear or LinearGeneral, the trailing ones of a
+    TransposedLinear."""
+    ndim = layer.kernel.ndim
+    if isinstance(layer, TransposedLinear):
+        outputs = len(layer.out_features)
+        return tuple(range(outputs, ndim)), tuple(range(outputs))
+    inputs = len(layer.in_features) if isinstance(layer, nnx.LinearGeneral) else 1
+    return tuple(range(inputs)), tuple(range(inputs, ndim))
 
 
 def _adaptable(layer: nnx.Module) -> bool:
     """A Linear, or a LinearGeneral that contracts the input's last axes and has no batch axes
     (the adapter contracts the same axes)."""
-    if type(layer) is nnx.Linear:
+    if type(layer) in (nnx.Linear, TransposedLinear):
         return True
     if type(layer) is not nnx.LinearGeneral or layer.batch_axis:
         return False
@@ -94,12 +105,12 @@ def _adaptable(layer: nnx.Module) -> bool:
     return tuple(layer.axis) == tuple(range(-count, 0))
 
 
-ADAPTED = (nnx.Linear, nnx.LinearGeneral)
+ADAPTED = (nnx.Linear, nnx.LinearGeneral, TransposedLinear)
 """The layers that take adapters: dense layers and attention's projections to and from heads."""
 
 
 def add_adapters(model: nnx.Module, rank: int, layers: str, rngs: nnx.Rngs) -> list[str]:
-    """Wrap every Linear or LinearGeneral layer whose path `layers` matches; returns their
+    """Wrap every dense layer (`ADAPTED`) whose path `layers` matches; returns their
     paths. Call it where the model is built (under the mesh), so the adapters are born sharded."""
     chosen = [
         (path, module)

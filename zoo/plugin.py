@@ -18,6 +18,9 @@ module alone, as a project's own would be:
   run's rules map onto its mesh: `partitioned(init, axes)` annotates a param, `logical_spec`
   names an activation's axes, `unsplit_batch()` lifts the batch split for calls on a few
   examples; `repeated(make, count)` builds a stack of like layers (cloned in abstract builds).
+- `TransposedLinear`: a dense layer holding its kernel (outputs..., inputs...), as PyTorch
+  checkpoints do, so that loading one is a straight copy; LoRA adapts it as it does
+  `nnx.Linear`.
 - Evaluation hooks: `EvalReport` (what `on_eval` receives) and `image_grid`.
 - `ZooError`: the one exception for bad input; raise it with a message that names the bad value
   and what would be valid.
@@ -27,6 +30,7 @@ of the plugin surface.
 """
 
 from zoo.engine.abstract import partitioned, repeated
+from zoo.engine.dense import TransposedLinear
 from zoo.engine.errors import ZooError
 from zoo.engine.pipeline import MASK, ExampleSource
 from zoo.engine.registry import (
@@ -62,6 +66,7 @@ __all__ = [
     "OnEval",
     "Rule",
     "Splits",
+    "TransposedLinear",
     "ZooError",
     "construction_rngs",
     "image_grid",

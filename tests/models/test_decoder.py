@@ -84,9 +84,9 @@ def numpy_attention(attention, x, window, theta):
     """The layer's attention written out: every key/value head repeated for its group of query
     heads, a query at i seeing keys j with j <= i and i - j < window (0: no window)."""
     param = {k: np.asarray(v[...], np.float64) for k, v in _flat(attention).items()}
-    q = np.einsum("btd,dnh->btnh", x, param["query.kernel"])
-    k = np.einsum("btd,dnh->btnh", x, param["key.kernel"])
-    v = np.einsum("btd,dnh->btnh", x, param["value.kernel"])
+    q = np.einsum("btd,nhd->btnh", x, param["query.kernel"])
+    k = np.einsum("btd,nhd->btnh", x, param["key.kernel"])
+    v = np.einsum("btd,nhd->btnh", x, param["value.kernel"])
     if "query_norm.scale" in param:
         q, k = numpy_rms(q, param["query_norm.scale"]), numpy_rms(k, param["key_norm.scale"])
     q, k = numpy_rope(q, theta), numpy_rope(k, theta)
@@ -99,7 +99,7 @@ def numpy_attention(attention, x, window, theta):
     weights = np.exp(scores - scores.max(-1, keepdims=True))
     weights /= weights.sum(-1, keepdims=True)
     mixed = np.einsum("bnqk,bknh->bqnh", weights, v)
-    return np.einsum("bqnh,nhd->bqd", mixed, param["out.kernel"])
+    return np.einsum("bqnh,dnh->bqd", mixed, param["out.kernel"])
 
 
 def _flat(module) -> dict:
@@ -159,8 +159,8 @@ def test_grouped_query_attention_is_multi_head_with_repeated_kv_heads(grouped, b
     groups = 4 // num_kv_heads
     for path, variable in _flat(multi_head).items():
         value = np.asarray(_flat(model)[path][...])
-        if ".key." in path or ".value." in path:  # (dim, kv, head_dim) or (kv, head_dim)
-            value = np.repeat(value, groups, axis=-2)
+        if ".key." in path or ".value." in path:  # (kv, head_dim, dim) or (kv, head_dim)
+            value = np.repeat(value, groups, axis=0)
         variable[...] = value
     tokens = inputs(batch)
     np.testing.assert_allclose(
