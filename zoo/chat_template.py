@@ -229,7 +229,7 @@ def _render(
             blocks.extend(compiled.template.generate(variables))
     except SecurityError as e:
         raise ZooError(f"The chat template tried to reach outside its sandbox: {e}") from None
-    except TemplateError as e:
+    except _Refusal as e:
         raise ZooError(f"The chat template refused the conversation: {e}") from None
     except Exception as e:  # noqa: BLE001  (the template is foreign code: name whatever it raised)
         raise ZooError(f"The chat template failed: {type(e).__name__}: {e}") from None
@@ -445,8 +445,12 @@ def _markers() -> _GenerationMarkers:
     return next(e for e in extensions if isinstance(e, _GenerationMarkers))
 
 
+class _Refusal(TemplateError):
+    """What a template's `raise_exception(message)` raises."""
+
+
 def _raise_exception(message: str) -> None:
-    raise TemplateError(message)
+    raise _Refusal(message)
 
 
 def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:

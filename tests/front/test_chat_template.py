@@ -45,7 +45,7 @@ def test_a_real_template_renders_what_transformers_renders(name, case):
     chat = ChatTemplate.load(TEMPLATES / name)
     args = (case["messages"], case["add_generation_prompt"])
     if "error" in case:
-        with pytest.raises(ZooError, match="refused the conversation") as refused:
+        with pytest.raises(ZooError, match="The chat template (refused|failed)") as refused:
             chat.render(*args, **case["extra"])
         assert case["error"] in str(refused.value)
     else:
@@ -218,7 +218,7 @@ def test_a_malformed_message_is_refused_by_name(messages, match):
 
 def test_an_assistant_tool_call_needs_no_content():
     call = {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]}
-    text = render_chat(read_chat_template(TEMPLATES / "qwen3"), [*USER, call], False)
+    text = render_chat(read_chat_template(TEMPLATES / "qwen2.5-instruct"), [*USER, call], False)
     assert text.endswith('<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call><|im_end|>\n')
 
 
