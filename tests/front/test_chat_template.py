@@ -71,6 +71,24 @@ def test_the_special_tokens_are_those_transformers_passes(name):
         assert key not in read_chat_template(TEMPLATES / name)
 
 
+def test_special_tokens_are_read_in_each_form_a_checkpoint_keeps_them(tmp_path):
+    config = {
+        "bos_token": {"__type": "AddedToken", "content": "<s>", "special": True},
+        "eos_token": "</s>",
+        "pad_token": None,
+        "add_bos_token": True,
+        "image_token": "<image>",
+        "extra_special_tokens": {"audio_token": "<audio>"},
+    }
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "special_tokens_map.json").write_text(json.dumps({"unk_token": {"content": "?"}}))
+    expected = {"bos_token": "<s>", "eos_token": "</s>", "image_token": "<image>"}
+    assert special_tokens(tmp_path) == {**expected, "audio_token": "<audio>", "unk_token": "?"}
+    config["added_tokens_decoder"] = {}  # then transformers reads no special_tokens_map.json
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    assert special_tokens(tmp_path) == {**expected, "audio_token": "<audio>"}
+
+
 def test_the_template_file_comes_before_the_tokenizer_config_entry(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "from config"}))
     assert read_chat_template(tmp_path) == "from config"
