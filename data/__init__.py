@@ -1,3 +1,3 @@
 """Data sets (registered on import) and the generic Grain pipelines that batch them."""
 
-from zoo.data import images, tables, text, vision, xor  # noqa: F401  (registers the built-in data sets)
+from zoo.data import chat, images, tables, text, vision, xor  # noqa: F401  (registers the built-in data sets)

@@ -39,6 +39,7 @@ from zoo.models.layers import dense, layer_norm
 from zoo.models.transformer import Block, BlockOptions, KVCache, dropout_key, tokens_spec
 
 from zoo.plugin import (
+    LOSS_MASK,
     WEIGHT,
     ZooError,
     construction_rngs,
@@ -110,16 +111,23 @@ LANGUAGE_MODEL_OPTIMIZER = {
 def language_model_loss(model: GPT, batch: Mapping[str, jax.Array], rngs: nnx.Rngs):
     """Per sequence: the mean cross-entropy (nats) of its real next-token predictions, and the
     same in bits per byte (per token, with a tokenizer); weighted by its number of real targets,
-    so that the trainer's means are exact means over tokens, padding excluded."""
+    so that the trainer's means are exact means over tokens, padding excluded. With a
+    `LOSS_MASK` column (a chat's replies) only the targets it marks count, and `loss_tokens`
+    says how many the batch has (a mean over the log window's steps)."""
     tokens = batch["tokens"].astype(jnp.int32)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     log_probs = jax.nn.log_softmax(model(inputs, rngs=rngs).astype(jnp.float32), axis=-1)
     per_token = -jnp.sum(jax.nn.one_hot(targets, log_probs.shape[-1]) * log_probs, axis=-1)
     real = (jnp.arange(targets.shape[1])[None, :] < batch["length"][:, None]).astype(jnp.float32)
+    if LOSS_MASK in batch:
+        real = real * batch[LOSS_MASK].astype(jnp.float32)
     count = jnp.sum(real, axis=-1)
     loss = jnp.sum(per_token * real, axis=-1) / jnp.maximum(count, 1.0)
     unit = "bits_per_byte" if model.vocab_size == VOCAB else "bits_per_token"
-    return loss, {unit: loss / math.log(2), WEIGHT: count}
+    metrics = {unit: loss / math.log(2), WEIGHT: count}
+    if LOSS_MASK in batch:  # the same for every sequence: its weighted mean is the batch's sum
+        metrics["loss_tokens"] = jnp.zeros_like(count) + jnp.sum(count)
+    return loss, metrics
 
 
 @register_model(

@@ -47,6 +47,11 @@ number of real tokens). The trainer then averages loss and metrics with these we
 of counting every example once, so a per-sequence mean over tokens becomes an exact mean over
 all the tokens of the batch or of the eval split."""
 
+LOSS_MASK = "loss_mask"
+"""A batch column a language model's loss may read beside `tokens`: 1 for each next-token
+target that carries loss, 0 for the others (a chat's system and user turns and its template's
+text), so that a model is trained on the replies alone."""
+
 OnEval = Callable[[nnx.Module, Any], None]
 """`on_eval(model, report)`: called after each eval with the model in eval mode and a
 `zoo.engine.report.EvalReport` (the step, a key of its own, the first eval batch, every eval batch

@@ -57,12 +57,13 @@ def fit_context(cfg: DictConfig, overrides: Sequence[str]) -> None:
     than a text data set's default lengths would be refused at its first batch: zoo's defaults
     are fitted to it instead, each said in one line. `windows` mode cuts windows of the
     context's length (`data.window`); `lines` mode keeps the buckets shorter than the context
-    and adds the context itself (`data.buckets`). A length the overrides set that is longer
-    than the context is a `ZooError`, before anything is built."""
+    and adds the context itself (`data.buckets`), as do the buckets of a data set without modes
+    (`chat`). A length the overrides set that is longer than the context is a `ZooError`,
+    before anything is built."""
     context, data = cfg.model.get("context_length"), cfg.data
     if context is None:
         return
-    given, lines = _keys(overrides), _shown(data.get("mode")) == "lines"
+    given, lines = _keys(overrides), _shown(data.get("mode", "lines")) == "lines"
     window = data.get("window")
     if window is not None and not lines and window > context:
         _refuse_given("data.window", window, window, cfg, given)

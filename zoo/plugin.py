@@ -12,8 +12,9 @@ module alone, as a project's own would be:
   every Hugging Face config may carry that are refused at other values).
 - The loss contract: `loss(model, batch, rngs) -> (loss[B], {metric: value[B]})`, per example
   (`LossFn`), marked with the batch columns it reads by `loss_contract`; a `WEIGHT` entry among
-  the metrics weights the examples (tokens per sequence), and `MASK` is the column that marks
-  an eval batch's padding rows.
+  the metrics weights the examples (tokens per sequence), `MASK` is the column that marks
+  an eval batch's padding rows, and `LOSS_MASK` the column that marks which of a sequence's
+  next-token targets carry loss (a chat's replies).
 - Sharding by logical axis names (`batch`, `embed`, `mlp`, `heads`, `vocab`, ...), which the
   run's rules map onto its mesh: `partitioned(init, axes)` annotates a param, `logical_spec`
   names an activation's axes, `unsplit_batch()` lifts the batch split for calls on a few
@@ -36,6 +37,7 @@ from zoo.engine.pipeline import MASK, ExampleSource
 from zoo.engine.registry import (
     COMMON_INERT,
     COMMON_REFUSED,
+    LOSS_MASK,
     WEIGHT,
     Batch,
     Family,
@@ -56,6 +58,7 @@ from zoo.engine.sharding import logical_spec, unsplit_batch
 __all__ = [
     "COMMON_INERT",
     "COMMON_REFUSED",
+    "LOSS_MASK",
     "MASK",
     "WEIGHT",
     "Batch",

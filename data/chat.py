@@ -1,0 +1,322 @@
+"""`data=chat data.path=...`: conversations for fine-tuning a chat model on its replies.
+
+The files (`zoo.data.conversations`: JSON Lines or Parquet, of `messages` or of `prompt` and
+`completion`) are rendered with the checkpoint's chat template and tokenised
+(`zoo.data.chat_tokens`), with a mask of the tokens that carry loss (`data.loss_on`: the
+assistant's turns, the completion, or all). `finetune.init_from=DIR` gives `data.tokenizer` the
+checkpoint's tokenizer; the template is read from the tokenizer's directory unless
+`data.template` names another.
+
+Each file is tokenised once and cached in the data cache (`ZOO_DATA_DIR`), under a hash of
+everything its ids and masks depend on: the file's path, size and modification time, the
+tokenizer's bytes, the template and its special tokens, the columns, roles and `loss_on`.
+
+Rows that are no conversation (a message without a role or with a role not in `data.roles`, an
+empty conversation, a template's refusal, no reply to train on) are named: `data.on_error=skip`
+leaves them out with a warning each, `raise` stops before training, naming them all.
+
+Every split holds `tokens` (int32, N x (L + 1)), `length` (the real targets of each row) and
+`loss_mask` (uint8, N x L: 1 where the target carries loss). A batch is padded to the smallest of
+`data.buckets` that holds its longest conversation (as text's `lines` mode is); a longer one is
+cut to the largest bucket, and one left with no token that carries loss is skipped, said in a
+warning. Held out: `train/` and `val/` folders, else `data.eval_fraction` of the rows, chosen by
+the CRC-32 of each row's name (file and line), so that a row stays on its side as files are
+added.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+from zoo.data.chat_tokens import Encoder, LossOn, RowProblem
+from zoo.data.conversations import (
+    DEFAULT_ROLES,
+    Columns,
+    conversation_files,
+    held_out,
+    read_rows,
+    write_atomically,
+)
+from zoo.data.examples import OnError
+from zoo.data.files import cache_root
+from zoo.data.text import LENGTH, TOKENS, BucketPadding, load_tokenizer, tokenizer_file
+
+from zoo.plugin import LOSS_MASK, Batch, ExampleSource, Splits, ZooError, register_data
+
+log = logging.getLogger("zoo")
+
+FORMAT = "zoo-chat-1"
+"""Part of every cache entry's hash: a change to how entries are made changes this."""
+SHOWN = 10
+"""Bad rows named in a refusal."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Encoded:
+    """Tokenised conversations, end to end: conversation i is `ids[starts[i]:starts[i + 1]]`."""
+
+    ids: np.ndarray
+    trained: np.ndarray
+    starts: np.ndarray
+    wheres: list[str]
+    problems: list[tuple[str, str]]
+
+    def __len__(self) -> int:
+        return len(self.wheres)
+
+    @classmethod
+    def joined(cls, parts: Sequence[Encoded]) -> Encoded:
+        sizes = np.cumsum([0] + [len(p.ids) for p in parts[:-1]])
+        return cls(
+            np.concatenate([p.ids for p in parts]),
+            np.concatenate([p.trained for p in parts]),
+            np.concatenate([[0]] + [p.starts[1:] + size for p, size in zip(parts, sizes)]),
+            [w for p in parts for w in p.wheres],
+            [problem for p in parts for problem in p.problems],
+        )
+
+
+class ChatExamples(ExampleSource):
+    """Some conversations of an `Encoded`, each cut to `longest` targets and padded."""
+
+    def __init__(self, encoded: Encoded, rows: np.ndarray, longest: int):
+        self.encoded, self.rows, self.longest = encoded, np.asarray(rows, np.int64), longest
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def examples(self, rows: np.ndarray, epochs: np.ndarray | None, seed: int) -> Batch:
+        tokens = np.zeros((len(rows), self.longest + 1), np.int32)
+        trained = np.zeros((len(rows), self.longest + 1), np.uint8)
+        for i, row in enumerate(self.rows[rows]):
+            start, end = self.encoded.starts[row], self.encoded.starts[row + 1]
+            end = min(end, start + self.longest + 1)
+            tokens[i, : end - start] = self.encoded.ids[start:end]
+            trained[i, : end - start] = self.encoded.trained[start:end]
+        lengths = np.minimum(np.diff(self.encoded.starts)[self.rows[rows]], self.longest + 1) - 1
+        return {TOKENS: tokens, LENGTH: lengths.astype(np.int32), LOSS_MASK: trained[:, 1:]}
+
+
+class ChatPadding(BucketPadding):
+    """Text's bucket padding, with the loss mask cut as the tokens are."""
+
+    def __call__(self, batch: Batch) -> Batch:
+        tokens = super().__call__(batch)[TOKENS]
+        return {TOKENS: tokens, LOSS_MASK: batch[LOSS_MASK][:, : tokens.shape[1] - 1]}
+
+
+def encoded_file(file: Path, encoder: Encoder, settings: bytes, columns, roles) -> Encoded:
+    """`file`'s conversations tokenised, from the cache, or tokenised into it first."""
+    info = file.stat()
+    digest = hashlib.sha256(FORMAT.encode() + settings)
+    digest.update(f"{file.resolve()}\0{info.st_size}\0{info.st_mtime_ns}".encode())
+    target = cache_root() / "chat" / f"{digest.hexdigest()[:32]}.npz"
+    if not target.is_file():
+        encoded = _encode_rows(read_rows(file, columns, roles), encoder)
+        write_atomically(target, lambda f: np.savez(f, **_stored(encoded)))
+    with np.load(target) as stored:
+        return Encoded(
+            stored["ids"],
+            stored["trained"],
+            stored["starts"],
+            stored["wheres"].tolist(),
+            [tuple(p) for p in json.loads(str(stored["problems"]))],
+        )
+
+
+def _encode_rows(rows, encoder: Encoder) -> Encoded:
+    ids, trained, wheres, problems = [], [], [], []
+    for row in rows:
+        if row.problem is not None:
+            problems.append((row.where, row.problem))
+            continue
+        try:
+            row_ids, row_trained = encoder.encode(row.conversation)
+        except RowProblem as e:
+            problems.append((row.where, str(e)))
+            continue
+        ids.append(row_ids)
+        trained.append(row_trained)
+        wheres.append(row.where)
+    starts = np.cumsum([0] + [len(i) for i in ids]).astype(np.int64)
+    return Encoded(
+        np.concatenate(ids or [np.empty(0, np.int32)]).astype(np.int32),
+        np.concatenate(trained or [np.empty(0, np.uint8)]).astype(np.uint8),
+        starts,
+        wheres,
+        problems,
+    )
+
+
+def _stored(encoded: Encoded) -> dict[str, np.ndarray]:
+    return {
+        "ids": encoded.ids,
+        "trained": encoded.trained,
+        "starts": encoded.starts,
+        "wheres": np.asarray(encoded.wheres, dtype=str),
+        "problems": np.asarray(json.dumps(encoded.problems)),
+    }
+
+
+def handle_problems(encoded: Encoded, on_error: OnError, where: str) -> None:
+    """`data.on_error` for the rows that are no conversation: warned about, or refused."""
+    bad = encoded.problems
+    if bad and on_error == OnError.raise_:
+        named = "; ".join(f"{w} {problem}" for w, problem in bad[:SHOWN])
+        raise ZooError(
+            f"{len(bad)} of the {len(bad) + len(encoded):,} rows of {where} are no conversation "
+            f"to train on (data.on_error=raise): {named}{'; ...' if len(bad) > SHOWN else ''}. "
+            "Fix or remove them, or let data.on_error=skip leave them out."
+        )
+    for w, problem in bad:
+        log.warning("Skipping %s: it %s.", w, problem)
+    if bad:
+        log.warning(
+            "Skipped %d of the %d rows of %s that are no conversation to train on.",
+            len(bad),
+            len(bad) + len(encoded),
+            where,
+        )
+
+
+def trainable_rows(encoded: Encoded, rows: np.ndarray, longest: int, what: str) -> np.ndarray:
+    """`rows` less those with no target that carries loss within `longest` targets, said."""
+    kept = np.asarray([r for r in rows if _trains(encoded, int(r), longest)], np.int64)
+    cut = np.setdiff1d(rows, kept)
+    if len(cut):
+        log.warning(
+            "Skipped %d of the %d %s conversations: no token that carries loss is among their "
+            "first %d (the largest of data.buckets + 1); the first of them: %s.",
+            len(cut),
+            len(rows),
+            what,
+            longest + 1,
+            encoded.wheres[cut[0]],
+        )
+    if not len(kept):
+        raise ZooError(
+            f"No {what} conversation has a token that carries loss within its first "
+            f"{longest + 1} tokens: use larger data.buckets (within the model's context), or "
+            "check data.loss_on."
+        )
+    return kept
+
+
+def _trains(encoded: Encoded, row: int, longest: int) -> bool:
+    """Whether a target of conversation `row` within the first `longest` carries loss."""
+    start, end = encoded.starts[row], encoded.starts[row + 1]
+    return bool(encoded.trained[start + 1 : min(end, start + longest + 1)].any())
+
+
+def _settings(tokenizer: Path, encoder: Encoder, columns: Columns, roles: Sequence[str]) -> bytes:
+    """Everything besides the file that a cache entry's ids and masks depend on."""
+    described = {
+        "template": encoder.template.template,
+        "tokens": encoder.template.tokens,
+        "end_of_turn": encoder.end_of_turn,
+        "loss_on": encoder.loss_on.value,
+        "columns": dataclasses.asdict(columns),
+        "roles": list(roles),
+    }
+    digest = hashlib.sha256(tokenizer.read_bytes())
+    digest.update(json.dumps(described, sort_keys=True).encode())
+    return digest.digest()
+
+
+def _encoder(tokenizer: str | None, template: str | None, loss_on: LossOn) -> tuple[Path, Encoder]:
+    if tokenizer is None and template is None:
+        raise ZooError(
+            "data=chat renders conversations with a checkpoint's chat template and tokenizer: "
+            "start from one (finetune.init_from=DIR or hf://ORG/NAME sets data.tokenizer), or "
+            "set data.tokenizer=DIR naming a directory with its tokenizer.json and chat template."
+        )
+    file = tokenizer_file(tokenizer if tokenizer is not None else template)
+    directory = Path(template).expanduser() if template is not None else file.parent
+    if not directory.is_dir():
+        raise ZooError(
+            f"data.template={template} is not a directory: name the checkpoint directory whose "
+            "chat_template.jinja (or tokenizer_config.json's chat_template) renders the "
+            "conversations, or leave it unset for the tokenizer's directory."
+        )
+    return file, Encoder.load(directory, load_tokenizer(file), loss_on)
+
+
+def _check_keys(buckets: Sequence[int], eval_fraction: float, roles: Sequence[str]) -> None:
+    if not buckets or min(buckets) < 1:
+        raise ZooError(f"data.buckets={list(buckets)} must be one or more positive lengths.")
+    if not 0 < eval_fraction < 1:
+        raise ZooError(
+            f"data.eval_fraction={eval_fraction} must be between 0 and 1 (exclusive): the share "
+            "of the conversations held out when there is no val/ folder."
+        )
+    if "assistant" not in roles:
+        raise ZooError(
+            f"data.roles={list(roles)} must include 'assistant', the role whose replies are "
+            "trained."
+        )
+
+
+@register_data("chat")
+def chat(
+    # A JSON Lines (`.jsonl`, `.json`) or Parquet file of conversations, a folder of them, or a
+    # folder with `train/` and `val/` folders of them (required).
+    path: str | None = None,
+    # The checkpoint's `tokenizer.json` or its directory (`finetune.init_from` sets it).
+    tokenizer: str | None = None,
+    # The directory whose chat template renders the conversations; null: the tokenizer's.
+    template: str | None = None,
+    messages: str = "messages",  # the column of conversations: lists of {role, content}
+    prompt: str = "prompt",  # the column of prompts: text (a user's message) or messages
+    completion: str = "completion",  # the column of completions: text (the reply) or messages
+    # The roles a message may have; another is a bad row.
+    roles: list[str] = list(DEFAULT_ROLES),  # noqa: B006  (a config default, never mutated)
+    # Tokens that carry loss: `assistant` (every reply), `completion` (the last reply), `all`.
+    loss_on: LossOn = LossOn.assistant,
+    # Lengths a batch is padded to (the smallest that holds its longest conversation); longer
+    # ones are cut to the largest.
+    buckets: list[int] = [128, 256, 512, 1024],  # noqa: B006  (a config default, never mutated)
+    # Share of the conversations held out for evaluation when there is no `val/` folder.
+    eval_fraction: float = 0.1,
+    # A row that is no conversation: `skip` it with a warning, or `raise`: stop, naming them all.
+    on_error: OnError = OnError.skip,
+) -> Splits:
+    """Conversations (or prompts and completions) rendered with a checkpoint's chat template,
+    with a loss mask over the replies (see the module's doc)."""
+    _check_keys(buckets, eval_fraction, roles)
+    file, encoder = _encoder(tokenizer, template, loss_on)
+    columns = Columns(messages, prompt, completion)
+    settings = _settings(file, encoder, columns, roles)
+    train_files, val_files = conversation_files(path)
+    longest = max(buckets)
+
+    def load(files: list[Path]) -> Encoded:
+        encoded = Encoded.joined(
+            [encoded_file(f, encoder, settings, columns, roles) for f in files]
+        )
+        handle_problems(encoded, on_error, f"data.path={path}")
+        return encoded
+
+    train = load(train_files)
+    if val_files is None:
+        out = held_out(train.wheres, eval_fraction)
+        test, train_rows, test_rows = train, np.flatnonzero(~out), np.flatnonzero(out)
+    else:
+        test = load(val_files)
+        train_rows, test_rows = np.arange(len(train)), np.arange(len(test))
+    if not len(train_rows) or not len(test_rows):
+        raise ZooError(
+            f"data.path={path} leaves {len(train_rows)} training and {len(test_rows)} held-out "
+            "conversations: data=chat needs at least one of each (two conversations or more)."
+        )
+    return Splits(
+        train=ChatExamples(train, trainable_rows(train, train_rows, longest, "training"), longest),
+        eval=ChatExamples(test, trainable_rows(test, test_rows, longest, "held-out"), longest),
+        transform=ChatPadding(list(buckets)),
+        tokenizer=encoder.tokenizer,
+    )
