@@ -28,10 +28,18 @@ def build_model(
     entry: ModelEntry, hparams: Mapping[str, Any], seed: int, finetune: Any = None
 ) -> nnx.Module:
     """The model a run's config describes: the registered model, with the LoRA adapters that
-    `finetune` asks for. Call it under the mesh, so everything is born sharded."""
+    `finetune` asks for (their base kernels quantized where it asks for QLoRA: the random
+    initialisation is quantized here, a checkpoint's kernels where they fill it). Call it under
+    the mesh, so everything is born sharded."""
     model = entry.build(hparams, rngs.init_rngs(seed))
     if finetune is not None and finetune.lora_rank:
-        add_adapters(model, finetune.lora_rank, finetune.lora_layers, rngs.adapter_rngs(seed))
+        add_adapters(
+            model,
+            finetune.lora_rank,
+            finetune.lora_layers,
+            rngs.adapter_rngs(seed),
+            finetune.quantize,
+        )
     return model
 
 

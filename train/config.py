@@ -196,6 +196,11 @@ class FinetuneConfig:
     # The dense layers that get adapters: a path pattern (a regex naming a module by its dotted
     # path or a leading part of it, e.g. `hidden`, `attention`); `.*`: every dense layer.
     lora_layers: str = ".*"
+    # QLoRA: hold the base kernel of every adapted layer quantized (`int8`; `int4`; `nf4`, the
+    # 4-bit NormalFloat format), one scale per output channel and per 64 inputs, dequantized
+    # in the forward pass; frozen, with the adapters trained in float32. Needs lora_rank > 0.
+    # null: the base kernels stay as they are.
+    quantize: str | None = None
 
 
 @dataclasses.dataclass

@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from zoo.engine import quantize as quantization
 from zoo.engine.abstract import partitioned
 from zoo.engine.dense import TransposedLinear
 from zoo.engine.errors import ZooError
@@ -35,10 +36,10 @@ class ShardedLoRA(nnx.Module):
     rank dimension replicated. The adapter's output is added in the layer's output dtype, so a
     model held in bfloat16 stays in bfloat16 with float32 adapters."""
 
-    def __init__(self, base_module: Dense, rank: int, rngs: nnx.Rngs):
+    def __init__(self, base_module: Dense, rank: int, rngs: nnx.Rngs, quantize: str | None = None):
         kernel = base_module.kernel
         axes = kernel.get_metadata().get("out_sharding") or (None,) * kernel.ndim
-        ins, outs = _kernel_axes(base_module)
+        self.inputs, self.outputs = ins, outs = _kernel_axes(base_module)
         in_shape, out_shape = (tuple(kernel.shape[i] for i in dims) for dims in (ins, outs))
         in_axes, out_axes = (tuple(axes[i] for i in dims) for dims in (ins, outs))
         a_init = partitioned(nnx.initializers.he_uniform(), (*in_axes, None))
@@ -46,9 +47,44 @@ class ShardedLoRA(nnx.Module):
         self.base_module = base_module
         self.lora_a = nnx.LoRAParam(a_init(rngs.params(), (*in_shape, rank), jnp.float32))
         self.lora_b = nnx.LoRAParam(b_init(rngs.params(), (rank, *out_shape), jnp.float32))
+        self.layout: quantization.Layout | None = None
+        if quantize is not None:
+            self._hold_quantized(quantize, tuple(axes))
+
+    def _hold_quantized(self, qtype: str, axes: tuple[Any, ...]) -> None:
+        """Put codes and scales (`codes`, `scale`, annotated with the kernel's axes) in the place
+        of the layer's kernel, which the layer then lacks."""
+        kernel = self.base_module.kernel
+        self.kernel_axes = axes
+        self.layout = quantization.Layout(
+            tuple(kernel.shape), jnp.dtype(kernel.dtype), self.inputs[-1], qtype
+        )
+        codes, scale = quantization.quantize(kernel[...], self.layout)
+        self.codes = quantization.QuantizedKernel(codes, out_sharding=axes)
+        self.scale = quantization.QuantizedKernel(scale, out_sharding=axes)
+        self.base_module.kernel = None
+
+    def base_kernel(self) -> jax.Array:
+        """The layer's kernel: its own, or the one its codes and scales stand for."""
+        if self.layout is None:
+            return self.base_module.kernel[...]
+        return quantization.dequantize(self.codes[...], self.scale[...], self.layout)
+
+    def set_base_kernel(self, kernel: jax.Array) -> None:
+        """Quantize `kernel` into the codes and scales, each kept where it lived."""
+        codes, scale = quantization.quantize(kernel, self.layout)
+        for variable, value in ((self.codes, codes), (self.scale, scale)):
+            current = variable.get_value()
+            if isinstance(current, jax.Array):
+                value = jax.device_put(value, current.sharding)
+            variable.set_value(value)
 
     def __call__(self, x: jax.Array, out_sharding: Any = None) -> jax.Array:
-        y = self.base_module(x, out_sharding=out_sharding)
+        layer = self.base_module
+        if self.layout is None:
+            y = layer(x, out_sharding=out_sharding)
+        else:
+            y = type(layer).__call__(_WithKernel(layer, self.base_kernel()), x, out_sharding)
         a, b = self.lora_a[...], self.lora_b[...]
         inputs = a.ndim - 1
         low = jnp.einsum(
@@ -65,9 +101,9 @@ class ShardedLoRA(nnx.Module):
 
     def merged_kernel(self) -> jax.Array:
         """The layer's kernel with the adapter folded in: `kernel + lora_a @ lora_b`, laid out
-        as the kernel is."""
-        kernel = self.base_module.kernel[...]
-        ins, outs = _kernel_axes(self.base_module)
+        as the kernel is (a quantized kernel dequantized first), in the kernel's dtype."""
+        kernel = self.base_kernel()
+        ins, outs = self.inputs, self.outputs
         letters = _LETTERS[: kernel.ndim]
         delta = jnp.einsum(
             f"{''.join(letters[i] for i in ins)}r,r{''.join(letters[i] for i in outs)}->{letters}",
@@ -76,6 +112,17 @@ class ShardedLoRA(nnx.Module):
             out_sharding=jax.typeof(kernel).sharding.spec,
         )
         return kernel + delta.astype(kernel.dtype)
+
+
+class _WithKernel:
+    """A dense layer seen with `kernel` (an array) in the place of its own: what its own
+    `__call__` computes with the dequantized kernel, without changing the layer."""
+
+    def __init__(self, layer: Dense, kernel: jax.Array):
+        self.layer, self.kernel = layer, kernel
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.layer, name)
 
 
 _LETTERS = "ijklmnopq"
@@ -109,9 +156,13 @@ ADAPTED = (nnx.Linear, nnx.LinearGeneral, TransposedLinear)
 """The layers that take adapters: dense layers and attention's projections to and from heads."""
 
 
-def add_adapters(model: nnx.Module, rank: int, layers: str, rngs: nnx.Rngs) -> list[str]:
+def add_adapters(
+    model: nnx.Module, rank: int, layers: str, rngs: nnx.Rngs, quantize: str | None = None
+) -> list[str]:
     """Wrap every dense layer (`ADAPTED`) whose path `layers` matches; returns their
-    paths. Call it where the model is built (under the mesh), so the adapters are born sharded."""
+    paths. `quantize` (one of `zoo.engine.quantize.QTYPES`): hold each wrapped layer's kernel
+    quantized (QLoRA). Call it where the model is built (under the mesh), so the adapters are
+    born sharded."""
     chosen = [
         (path, module)
         for path, module in nnx.iter_modules(model)
@@ -124,7 +175,7 @@ def add_adapters(model: nnx.Module, rank: int, layers: str, rngs: nnx.Rngs) -> l
             f"{', '.join(linears) or 'it has none'}."
         )
     for path, linear in chosen:
-        _replace(model, path, ShardedLoRA(linear, rank, rngs))
+        _replace(model, path, ShardedLoRA(linear, rank, rngs, quantize))
     return [dotted(path) for path, _ in chosen]
 
 
@@ -134,10 +185,48 @@ def merge_adapters(model: nnx.Module) -> nnx.Module:
     Call it under the model's mesh (`with result.activate():`)."""
     adapters = [(p, m) for p, m in nnx.iter_modules(model) if isinstance(m, ShardedLoRA)]
     for path, adapter in adapters:
-        layer = adapter.base_module
-        layer.kernel[...] = adapter.merged_kernel()
+        layer, merged = adapter.base_module, adapter.merged_kernel()
+        if adapter.layout is None:
+            layer.kernel[...] = merged
+        else:
+            with nnx.use_eager_sharding(False):
+                layer.kernel = nnx.Param(merged, out_sharding=adapter.kernel_axes)
         _replace(model, path, layer)
     return model
+
+
+class QuantizedFill:
+    """Where a checkpoint's kernel goes in a QLoRA adapter: to a fill it looks like the kernel
+    (its shape, dtype, logical axes and sharding), and what the fill sets it quantizes."""
+
+    def __init__(self, adapter: ShardedLoRA):
+        self.adapter = adapter
+        self.shape, self.dtype = adapter.layout.shape, adapter.layout.dtype
+
+    def get_value(self) -> Any:
+        return self.adapter.codes.get_value()  # sharded as the kernel (the same logical axes)
+
+    def get_metadata(self) -> dict[str, Any]:
+        return {"out_sharding": self.adapter.kernel_axes}
+
+    def set_value(self, kernel: jax.Array) -> None:
+        self.adapter.set_base_kernel(kernel)
+
+
+def filled(model: nnx.Module, variables: nnx.filterlib.Filter) -> list[tuple[tuple, Any]]:
+    """(path, variable) of what a checkpoint fills among the `variables` of a model that may
+    hold adapters: a wrapped layer's params under their path without the wrapper's
+    `base_module`, a quantized kernel as its `QuantizedFill` under the kernel's path; adapters,
+    codes and scales left out."""
+    found = [
+        (tuple(part for part in path if part != "base_module"), variable)
+        for path, variable in nnx.to_flat_state(nnx.state(model, variables))
+        if not isinstance(variable, nnx.LoRAParam | quantization.QuantizedKernel)
+    ]
+    for path, module in nnx.iter_modules(model):
+        if isinstance(module, ShardedLoRA) and module.layout is not None:
+            found.append(((*path, "kernel"), QuantizedFill(module)))
+    return found
 
 
 def _replace(model: nnx.Module, path: tuple[Any, ...], new: nnx.Module) -> None:

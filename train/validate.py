@@ -21,6 +21,7 @@ from zoo.engine.config import Config, resume_step
 from zoo.engine.dispatch import check_cadences
 from zoo.engine.errors import ZooError
 from zoo.engine.pipeline import ExampleSource
+from zoo.engine.quantize import QTYPES
 from zoo.engine.sharding import AxisRules, check_mesh_sizes
 
 
@@ -151,6 +152,7 @@ def check_finetune(finetune: Any) -> None:
     """Range and syntax checks of the `finetune` section."""
     if finetune.lora_rank < 0:
         raise ZooError(f"finetune.lora_rank={finetune.lora_rank} must be 0 (off) or positive.")
+    _check_quantize(finetune)
     step = str(finetune.init_step)
     if resume_step(step) is None and step not in ("latest", "best"):
         raise ZooError(
@@ -163,6 +165,24 @@ def check_finetune(finetune: Any) -> None:
             re.compile(pattern)
         except re.error as e:
             raise ZooError(f"The path pattern '{pattern}' is not a valid regex: {e}.") from None
+
+
+def _check_quantize(finetune: Any) -> None:
+    """`finetune.quantize`: a format qwix quantizes to, and only for the base of adapters."""
+    qtype = finetune.quantize
+    if qtype is None:
+        return
+    if qtype not in QTYPES:
+        raise ZooError(
+            f"finetune.quantize={qtype} is not a base-weight format: use one of "
+            f"{', '.join(QTYPES)}, or null to keep the base weights as they are."
+        )
+    if finetune.lora_rank <= 0:
+        raise ZooError(
+            f"finetune.quantize={qtype} quantizes the base weights of LoRA adapters (QLoRA), "
+            f"but finetune.lora_rank={finetune.lora_rank} adds none: set finetune.lora_rank "
+            "to a positive rank (e.g. 16), or finetune.quantize=null."
+        )
 
 
 def _check_early_stop(trainer: Any) -> None:

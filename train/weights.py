@@ -49,6 +49,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 from zoo.engine.errors import ZooError, mismatches
 from zoo.engine.host_memory import page_buffer
+from zoo.engine.lora import filled
 from zoo.engine.paths import matches
 from zoo.engine.registry import Family, Rule, families
 from zoo.engine.sharding import AxisRules, variable_sharding
@@ -405,12 +406,8 @@ def plan_fill(
 
 def _targets(model: nnx.Module) -> dict[str, nnx.Variable]:
     """Dotted path -> variable of what a checkpoint fills; a LoRA-wrapped layer's params under
-    their path without the wrapper's `base_module`, its adapters left out."""
-    return {
-        ".".join(str(part) for part in path if part != "base_module"): variable
-        for path, variable in nnx.to_flat_state(nnx.state(model, FILLED))
-        if not isinstance(variable, nnx.LoRAParam)
-    }
+    their path without the wrapper's `base_module`, its adapters left out (see `lora.filled`)."""
+    return {".".join(map(str, path)): variable for path, variable in filled(model, FILLED)}
 
 
 def _unstacked(path: str, stacked: Sequence[str]) -> tuple[str, int | None]:

@@ -47,6 +47,7 @@ PYTHON_NAMES = (
     ("finetune.freeze=", "freeze="),
     ("finetune.lora_layers=", "lora_layers="),
     ("finetune.lora_rank=", "lora_rank="),
+    ("finetune.quantize=", "quantize="),
     ("finetune.init_step=", "step="),
 )
 """How messages written for the command line name `finetune`'s keyword arguments: the
@@ -86,6 +87,7 @@ def finetune(
     freeze: str | Filter | None = None,
     lora_rank: int = 0,
     lora_layers: str = ".*",
+    quantize: str | None = None,
     callbacks: Sequence[Any] = (),
 ) -> RunResult:
     """Fine-tune a trained model (or train a fresh one) with the trainer, as one more run.
@@ -110,6 +112,8 @@ def finetune(
       (every param outside the head), or an NNX filter.
     - `lora_rank` > 0: add LoRA adapters to the Linear layers `lora_layers` matches and train
       only them and the fresh params; `zoo.merge_lora` folds them in afterwards.
+    - `quantize` (`"int8"`, `"int4"` or `"nf4"`, with `lora_rank`): QLoRA, the adapted layers'
+      base kernels held quantized and frozen (`finetune.quantize`).
     - `callbacks`: objects with hooks the run calls (see `zoo.fit`).
 
     Running the same call again with the same workdir resumes it (a finished run returns at
@@ -143,6 +147,8 @@ def finetune(
         settings.reinit = [*reinit, *([settings.head] if replace_head else [])]
         settings.freeze = freeze if isinstance(freeze, str) else None
         settings.lora_rank, settings.lora_layers = lora_rank, lora_layers
+        if quantize is not None:
+            settings.quantize = quantize
         check_finetune(settings)
         if freeze is not None and not isinstance(freeze, str):
             settings.freeze = repr(freeze)  # a filter is code: the config records what it is

@@ -32,6 +32,7 @@ from zoo.engine.checkpoints.reader import (
 )
 from zoo.engine.config import resume_step
 from zoo.engine.errors import CorruptCheckpoint, ZooError, mismatches
+from zoo.engine.lora import filled
 from zoo.engine.paths import dotted, matches
 from zoo.engine.sharding import AxisRules, variable_sharding
 
@@ -197,13 +198,14 @@ def warm_start(
     """Restore `model`'s params and BatchNorm statistics from the checkpoint at `step_path`, in
     place, except those `reinit` matches (and LoRA adapters, which no plain run has); returns
     the paths left as initialised. The model may wrap layers in adapters: a wrapped layer's
-    params are looked up by their path without the wrapper's `base_module`."""
+    params are looked up by their path without the wrapper's `base_module`, and a quantized
+    kernel (QLoRA) is quantized from the saved one."""
     saved = {path[1:]: shape for path, shape in saved_shapes(step_path).items() if path[0] == MODEL}
     wanted, fresh, missing, differ = [], [], [], []
     modules: set[str] = set()  # of the params that do not fit
     used: set[SavedPath] = set()
-    for path, variable in nnx.to_flat_state(nnx.state(model)):
-        key = tuple(str(part) for part in path if part != "base_module")
+    for path, variable in filled(model, ...):
+        key = tuple(str(part) for part in path)
         used.add(key)
         if isinstance(variable, nnx.RngState | nnx.LoRAParam):
             continue

@@ -1,0 +1,140 @@
+"""The quantized base kernel of a QLoRA adapter: codes and scales, and the kernel they stand for.
+
+qwix quantizes a kernel with one scale per output channel and per block of `TILE` values along
+its last input axis (where `TILE` divides it; else one scale for the whole axis), the other
+input axes channelwise too, so every scale covers at most `TILE` weights of one output. `int8`
+keeps one code a byte; `int4` and `nf4` (NormalFloat, 16 levels placed at a normal
+distribution's quantiles) keep two codes a byte, packed here along the last input axis: jax
+holds an `int4` or `uint4` array with a byte per value, which would spend half of what the
+4-bit codes save. The scales are held in the kernel's dtype, which the dequantized kernel has.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import qwix
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+from qwix._src.core import numerics
+
+QTYPES = ("int8", "int4", "nf4")
+"""The base-weight formats of a QLoRA fine-tune (`finetune.quantize`)."""
+TILE = 64
+"""Weights per scale along a kernel's last input axis."""
+_OFFSET = {"int4": 8, "nf4": 0}  # what maps a 4-bit code (int4: -8..7, nf4: 0..15) to 0..15
+
+
+class QuantizedKernel(nnx.Variable):
+    """Codes or scales of a quantized base kernel: state the model holds and checkpoints, but
+    not a param, so no gradient, optimizer state or weight decay ever touches it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a kernel is quantized: its shape and dtype, the format, and the axis tiled by `TILE`
+    and, for 4-bit codes, packed two a byte (the last of those the layer contracts with its
+    input)."""
+
+    shape: tuple[int, ...]
+    dtype: Any
+    axis: int
+    qtype: str
+
+    @property
+    def packed(self) -> bool:
+        return self.qtype != "int8" and self.shape[self.axis] % 2 == 0
+
+    @property
+    def tiled(self) -> bool:
+        return self.shape[self.axis] % TILE == 0
+
+    def scale_shape(self) -> tuple[int, ...]:
+        return tuple(
+            size // TILE if axis == self.axis and self.tiled else 1 if axis == self.axis else size
+            for axis, size in enumerate(self.shape)
+        )
+
+
+@functools.partial(jax.jit, static_argnums=1)
+@functools.partial(jax.jit, static_argnums=1)
+def quantize(kernel: jax.Array, layout: Layout) -> tuple[jax.Array, jax.Array]:
+    """(codes, scales) of `kernel`, gathered whole first (qwix flattens it); the same bits
+    every time."""
+    kernel = _whole(kernel)
+    channels = tuple(axis for axis in range(kernel.ndim) if axis != layout.axis)
+    tiles = {layout.axis: TILE} if layout.tiled else {}
+    q = qwix.quantize(
+        kernel, layout.qtype, channelwise_axes=channels, tiled_axes=tiles, scale_dtype=layout.dtype
+    )
+    if layout.qtype == "int8":
+        return q.qvalue, q.scale
+    nibbles = (q.qvalue.astype(jnp.int8) + _OFFSET[layout.qtype]).astype(jnp.uint8)
+    return (_pack(nibbles, layout.axis) if layout.packed else nibbles), q.scale
+
+
+def dequantize(codes: jax.Array, scale: jax.Array, layout: Layout) -> jax.Array:
+    """The kernel that `codes` and `scale` stand for, in the kernel's dtype: each code's value
+    (an nf4 code's from the NormalFloat table) times its scale. Sharded as the codes are,
+    except along the last input axis, which tiles and packed pairs cut."""
+    codes, scale = _whole_along(codes, layout.axis), _whole_along(scale, layout.axis)
+    if layout.qtype == "int8":
+        values = codes.astype(layout.dtype)
+    else:
+        nibbles = _unpack(codes, layout.axis) if layout.packed else codes
+        if layout.qtype == "nf4":
+            values = _lookup(_NF4.astype(layout.dtype), nibbles)
+        else:
+            values = nibbles.astype(layout.dtype) - _OFFSET[layout.qtype]
+    if not layout.tiled:
+        return values * scale
+    axis, shape = layout.axis, values.shape
+    tiles = values.reshape((*shape[:axis], shape[axis] // TILE, TILE, *shape[axis + 1 :]))
+    return (tiles * jnp.expand_dims(scale, axis + 1)).reshape(shape)
+
+
+_NF4 = numerics.get_nf4_buckets()
+"""The 16 NormalFloat values, in code order."""
+
+
+def _lookup(table: jax.Array, codes: jax.Array) -> jax.Array:
+    spec = jax.typeof(codes).sharding.spec
+    if not any(spec):
+        return table[codes]
+    return table.at[codes].get(out_sharding=spec)
+
+
+def _whole(x: jax.Array) -> jax.Array:
+    if not any(jax.typeof(x).sharding.spec):
+        return x
+    return jax.sharding.reshard(x, P())
+
+
+def _whole_along(x: jax.Array, axis: int) -> jax.Array:
+    """`x`, gathered along `axis` where a mesh axis splits it (tiles and packed pairs are cut
+    along it): the rest of its sharding is kept."""
+    spec = list(jax.typeof(x).sharding.spec)
+    if axis >= len(spec) or spec[axis] is None:
+        return x
+    spec[axis] = None
+    return jax.sharding.reshard(x, P(*spec))
+
+
+def _pack(nibbles: jax.Array, axis: int) -> jax.Array:
+    """Two 4-bit values a byte: each even position along `axis` in the low half, the next one
+    in the high half."""
+    size = nibbles.shape[axis]
+    even = jax.lax.slice_in_dim(nibbles, 0, size, 2, axis)
+    odd = jax.lax.slice_in_dim(nibbles, 1, size, 2, axis)
+    return even | (odd << 4)
+
+
+def _unpack(packed: jax.Array, axis: int) -> jax.Array:
+    pairs = jnp.stack([packed & 0xF, packed >> 4], axis=axis + 1)
+    shape = list(packed.shape)
+    shape[axis] *= 2
+    return pairs.reshape(shape)
