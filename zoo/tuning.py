@@ -26,6 +26,7 @@ from zoo.api import (
     resolved_hparams,
     saved_config,
 )
+from zoo.data.conversations import write_conversations
 from zoo.engine import registry, rundir, weights
 from zoo.engine.checkpoints.warm_start import locate
 from zoo.engine.errors import ZooError
@@ -36,6 +37,8 @@ from zoo.hub import local
 from zoo.overrides import compose
 from zoo.pretrained import run_tokenizer
 
+CHAT = "chat"
+"""The data set that reads conversations given to `finetune` (files or a list)."""
 USER_DATA = "user"
 """`data.name` in the config of a run on the caller's own data (`finetune(..., data=Splits)`)."""
 
@@ -79,7 +82,7 @@ def python_names(message: str) -> str:
 def finetune(
     start: str | os.PathLike | Trained,
     *overrides: str,
-    data: str | registry.Splits | None = None,
+    data: str | os.PathLike | registry.Splits | Sequence[Any] | None = None,
     step: str | int | None = None,
     num_classes: int | None = None,
     replace_head: bool = False,
@@ -103,6 +106,10 @@ def finetune(
       model's; `"data=NAME"` among the overrides says the same), or `zoo.Splits` of your own: columns of arrays or random-access sources (a Grain
       `MapDataset`, ...), batched, sharded and shuffled as the zoo's own data are; an `image`
       column decides `input_shape` (a fresh model on your own data needs `num_classes`).
+      Conversations for a chat checkpoint: a path of JSON Lines or Parquet files, or a list of
+      conversations (each a list of `{"role", "content"}` messages, or a dict with `messages`,
+      or `prompt` and `completion`), read as `data=chat` reads them (`"data.loss_on=..."` and
+      its other keys among the overrides).
       Default: the start run's data set.
     - `step`: which of the start run's checkpoints (`latest`, `best`, a step number).
     - `num_classes`: a new number of classes; with `replace_head` the head starts fresh
@@ -125,6 +132,7 @@ def finetune(
                 named[-1].partition("=")[2],
                 tuple(o for o in overrides if o not in named),
             )
+        data, overrides = _conversations(data, overrides)
         pretrained = _pretrained(start, step)
         if pretrained is not None:
             overrides = (f"finetune.init_from={pretrained.directory}", *overrides)
@@ -159,6 +167,21 @@ def finetune(
         frozen = None if freeze is None or isinstance(freeze, str) else freeze
         trainer = Trainer(cfg, data=data if user_data else None, freeze=frozen, callbacks=callbacks)
         return trainer.fit(overrides=list(overrides), run_log=run_log)
+
+
+def _conversations(data: Any, overrides: tuple[str, ...]) -> tuple[Any, tuple[str, ...]]:
+    """`data` naming conversation files (a path, not a registered data set's name) or holding
+    conversations (a list, written to the data cache as JSON Lines): the `chat` data set
+    reading them; any other `data` as it is."""
+    if isinstance(data, list | tuple):
+        path = write_conversations(data)
+    elif isinstance(data, os.PathLike) or (
+        isinstance(data, str) and data not in registry.list_datasets() and os.path.exists(data)
+    ):
+        path = data
+    else:
+        return data, overrides
+    return CHAT, (f"data.path={json.dumps(os.path.abspath(path))}", *overrides)
 
 
 def _check_image_axes(data: registry.Splits, name: str, base: DictConfig | None) -> None:
