@@ -60,7 +60,7 @@ def test_help_lists_models_and_datasets():
     assert result.returncode == 0
     assert "model: cnn, decoder, gpt, mlp, resnet, vae, vit, xor" in result.stdout
     assert (
-        "data: arrayrecord, cifar10, digits, fashion_mnist, images, mnist, parquet, text, xor"
+        "data: arrayrecord, chat, cifar10, digits, fashion_mnist, images, mnist, parquet, text, xor"
         in result.stdout
     )
     assert "  gpt: gpt2: GPT-2, transformers GPT2LMHeadModel\n" in result.stdout
