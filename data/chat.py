@@ -38,6 +38,7 @@ from zoo.data.chat_tokens import Encoder, LossOn, RowProblem
 from zoo.data.conversations import (
     DEFAULT_ROLES,
     Columns,
+    Row,
     conversation_files,
     held_out,
     read_rows,
@@ -72,6 +73,7 @@ class Encoded:
 
     @classmethod
     def joined(cls, parts: Sequence[Encoded]) -> Encoded:
+        """The conversations of `parts`, one after another."""
         sizes = np.cumsum([0] + [len(p.ids) for p in parts[:-1]])
         return cls(
             np.concatenate([p.ids for p in parts]),
@@ -111,8 +113,11 @@ class ChatPadding(BucketPadding):
         return {TOKENS: tokens, LOSS_MASK: batch[LOSS_MASK][:, : tokens.shape[1] - 1]}
 
 
-def encoded_file(file: Path, encoder: Encoder, settings: bytes, columns, roles) -> Encoded:
-    """`file`'s conversations tokenised, from the cache, or tokenised into it first."""
+def encoded_file(
+    file: Path, encoder: Encoder, settings: bytes, columns: Columns, roles: Sequence[str]
+) -> Encoded:
+    """`file`'s conversations tokenised, from the cache, or tokenised into it first;
+    `settings`: the hash of everything else the entry depends on (`_settings`)."""
     info = file.stat()
     digest = hashlib.sha256(FORMAT.encode() + settings)
     digest.update(f"{file.resolve()}\0{info.st_size}\0{info.st_mtime_ns}".encode())
@@ -130,7 +135,7 @@ def encoded_file(file: Path, encoder: Encoder, settings: bytes, columns, roles) 
         )
 
 
-def _encode_rows(rows, encoder: Encoder) -> Encoded:
+def _encode_rows(rows: Sequence[Row], encoder: Encoder) -> Encoded:
     ids, trained, wheres, problems = [], [], [], []
     for row in rows:
         if row.problem is not None:

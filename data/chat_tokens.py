@@ -3,13 +3,16 @@ tokens that carry loss (`data.loss_on`):
 
 - `assistant`: the assistant's turns (of a prompt and completion: the completion). Where the
   template marks them with `{% generation %}` blocks, the marked text, as transformers' assistant
-  token mask reads it. Otherwise each reply's rendered text: from where the conversation before
-  it, rendered with the opening of the assistant's turn (the generation prompt), ends, to the end
-  of its turn: the first end-of-turn token after it (`<|im_end|>`, `<|eot_id|>`,
-  `<end_of_turn>`: the checkpoint's `eos_token` and its generation config's `eos_token_id`), or
-  where the conversation up to and including it, rendered alone, ends (what follows its
-  end-of-turn token there, a line break, is the template's). So the reply's first token and its
-  end-of-turn token carry loss; the system's, the user's and the template's tokens do not.
+  token mask reads it. Otherwise each reply is found by rendering. It starts where the
+  conversation before it, rendered with the opening of the assistant's turn (the generation
+  prompt), ends. Where the conversation up to and including it, rendered alone, begins the whole
+  text, the reply ends with the last end-of-turn token in that part (`<|im_end|>`, `<|eot_id|>`,
+  `<end_of_turn>`: the checkpoint's `eos_token` and its generation config's `eos_token_id`s),
+  or with that part when it has none; what follows the end-of-turn token there (a line break) is
+  the template's. Where it does not (Qwen 3 renders the last reply with a thinking block that
+  earlier ones lack), the reply ends with the first end-of-turn token after its start. So the
+  reply's first token and its end-of-turn token carry loss; the system's, the user's and the
+  template's tokens do not.
 - `completion`: the last assistant turn only (of a prompt and completion: the completion).
 - `all`: every token.
 
