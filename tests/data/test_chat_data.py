@@ -329,3 +329,12 @@ def test_the_language_model_loss_counts_the_masked_targets_only():
     np.testing.assert_array_equal(metrics["loss_tokens"], [3, 3])
     _, unmasked = language_model_loss(Logits(logits), {"tokens": tokens, "length": length}, None)
     assert "loss_tokens" not in unmasked and unmasked["weight"].tolist() == [4, 3]
+
+
+def test_bad_parquet_rows_are_named_by_row(tmp_path, checkpoints):
+    rows = [*conversations(4), {"messages": [{"role": "", "content": "x"}]}, *conversations(2)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "c.parquet")
+    with pytest.raises(ZooError, match=r"c\.parquet row 4 has 'messages'\[0\] without a role"):
+        chat(
+            path=str(tmp_path / "c.parquet"), tokenizer=str(checkpoints["qwen3"]), on_error="raise"
+        )
