@@ -1,8 +1,9 @@
 """A fine-tune of a pretrained checkpoint (a tiny fixture, with its tokenizer, on a text file)
 killed with SIGKILL mid-run and run again ends with the bits and the logged losses of an
 uninterrupted fine-tune: GPT-2 with every param trained, and Qwen 3 with LoRA adapters on its
-attention and MLP projections (the adapters, their optimizer state and the data position are
-what the resume must restore)."""
+attention and MLP projections, over its own kernels or over their nf4 codes (QLoRA) (the
+adapters, their optimizer state, the codes and the data position are what the resume must
+restore)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,12 @@ STARTS = {
         f"finetune.init_from={FIXTURES / 'qwen3-tiny'}",
         "finetune.lora_rank=4",
         "finetune.lora_layers=layers",
+    ),
+    "qwen3-qlora": (
+        f"finetune.init_from={FIXTURES / 'qwen3-tiny'}",
+        "finetune.lora_rank=4",
+        "finetune.lora_layers=layers",
+        "finetune.quantize=nf4",
     ),
 }
 
