@@ -131,6 +131,43 @@ def test_the_replies_carry_loss_and_nothing_else(name, checkpoints):
     assert all(not trained[i - 1] for i in first) and len(first) == 2
 
 
+PRETRAINED = ROOT / "tests" / "fixtures" / "pretrained"
+FAMILY_MASKS = {
+    "llama3-chat": [(132, 138), (184, 199)],
+    "qwen25-chat": [(74, 80), (124, 139)],
+    "qwen3-chat": [(74, 80), (124, 145)],
+    "gemma3-chat": [(73, 79), (122, 140)],
+}
+"""The positions, [start, end), of the tokens that carry loss in the two-turn conversation of
+each chat fixture's `chat_reference.json`: its two replies, each from its first token to its
+end-of-turn token."""
+
+
+@pytest.mark.parametrize("name", list(FAMILY_MASKS))
+def test_each_familys_two_turn_conversation_trains_exactly_its_replies(name):
+    directory = PRETRAINED / name
+    reference = json.loads((directory / "chat_reference.json").read_text(encoding="utf-8"))
+    two_turn = reference["conversations"]["two-turn"]
+    encoder = Encoder.load(directory, load_tokenizer(directory), "assistant")
+    row = conversation({"messages": two_turn["full_messages"]}, Columns(), DEFAULT_ROLES)
+    ids, trained = encoder.encode(row)
+    assert ids.tolist() == two_turn["full_ids"]  # what transformers tokenises
+    expected = np.zeros(len(ids), np.uint8)
+    for start, end in FAMILY_MASKS[name]:
+        expected[start:end] = 1
+    np.testing.assert_array_equal(trained, expected)
+    # Each reply starts where transformers' prompt for it (with the generation prompt) ends,
+    # and ends with the checkpoint's end-of-turn token.
+    first_prompt = reference["conversations"]["system-user"]["prompt_ids"]
+    starts = [len(first_prompt), len(two_turn["prompt_ids"])]
+    assert [start for start, _ in FAMILY_MASKS[name]] == starts
+    assert {int(ids[end - 1]) for _, end in FAMILY_MASKS[name]} == {reference["end_of_turn"]["id"]}
+    replies = [m["content"] for m in two_turn["full_messages"] if m["role"] == "assistant"]
+    assert [r.split("\n")[-1] for r in trained_runs(encoder, ids, trained)] == [
+        f"{reply}{reference['end_of_turn']['token']}" for reply in replies
+    ]
+
+
 @pytest.mark.parametrize(
     ("loss_on", "replies"),
     [("completion", ["See you.<|im_end|>"]), ("all", None)],

@@ -6,7 +6,6 @@ training on the replies alone and logging how many tokens carry loss."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -28,14 +27,10 @@ STEPS = ("trainer.steps=2", "trainer.batch_size=8", "trainer.log_every=1", "trai
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """The tiny Qwen 3 checkpoint with a ChatML template that marks the replies."""
-    directory = tmp_path_factory.mktemp("chat-checkpoint")
-    shutil.copytree(FIXTURES / "pretrained" / "qwen3-tiny", directory, dirs_exist_ok=True)
-    shutil.copy(
-        FIXTURES / "chat_templates" / "chatml-generation" / "chat_template.jinja", directory
-    )
-    return directory
+def checkpoint():
+    """A tiny Qwen 2.5 chat checkpoint: its real chat template, a tokenizer with its special
+    tokens."""
+    return FIXTURES / "pretrained" / "qwen25-chat"
 
 
 def test_the_command_line_fine_tunes_on_a_file_of_conversations(checkpoint, tmp_path):
