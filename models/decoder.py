@@ -14,8 +14,9 @@ As in `gpt`: the vocabulary is padded to a multiple of 128 rows, the padded logi
 `scan_layers` stacks the layers and runs them with `nnx.scan` (layers of both types too: each
 scanned step runs the branch of its layer's type), `remat` recomputes a layer's activations in
 the backward pass; every layer is initialised from its own key either way, so both layouts hold
-the same weights. `decode(tokens, cache, start)` runs a few new tokens against a key/value cache
-of `context_length` positions and `num_kv_heads` heads (see `zoo.models.generate`).
+the same weights. `decode(tokens, cache, slots)` runs new tokens against a key/value cache of
+`num_kv_heads` heads, a sliding layer's bounded by its window (`zoo.models.kv_cache`;
+generation: `zoo.models.generation`).
 
 `param_dtype=bf16` holds every param in bfloat16 (a checkpoint as it is stored: half the
 memory) and computes in it; norms' statistics and attention's softmax stay float32, as does the
@@ -30,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 from zoo.models import hparams
 from zoo.models.decoder_parts import (
     ACTIVATIONS,
@@ -45,13 +47,15 @@ from zoo.models.gpt import (
     LANGUAGE_MODEL_OPTIMIZER,
     LANGUAGE_MODEL_TRAINER,
     VOCAB,
+    Cache,
     embed_tokens,
     language_model_loss,
     mask_padding,
     padded_vocab,
 )
+from zoo.models.kv_cache import Slots, cache_slots
 from zoo.models.rope import ROPE_TYPES, Rope, Rotation, rotation
-from zoo.models.transformer import KVCache, dropout_key
+from zoo.models.transformer import dropout_key
 
 from zoo.plugin import (
     TransposedLinear,
@@ -228,25 +232,32 @@ class Decoder(nnx.Module):
         for every position of `tokens`."""
         first = self.layers.dropout if self.scan_layers else self.layers[0].dropout
         key = dropout_key(rngs, self.dropout_rate, first.deterministic, "decoder")
-        logits, _ = self._forward(tokens, key, None, 0)
+        logits, _ = self._forward(tokens, key, None, None)
         return logits
 
-    def empty_cache(self, batch_size: int) -> KVCache:
-        """A key/value cache for `decode`, `context_length` positions of `num_kv_heads` heads
-        for every layer, in the dtype the model computes in (its params')."""
-        shape = (self.depth, batch_size, self.context_length, self.num_kv_heads, self.head_dim)
-        spec = kv_heads_spec(self.num_kv_heads, None, "batch", None, "kv_heads", None)
-        zeros = jnp.zeros(shape, self.embedding[...].dtype, out_sharding=spec)
-        return zeros, zeros
+    def empty_cache(self, batch_size: int, slots: int) -> Cache:
+        """A key/value cache for `decode` of `num_kv_heads` heads, in the dtype the model
+        computes in (its params'): `slots` positions for every full-attention layer, at most
+        its window for a sliding one (a ring buffer, `zoo.models.kv_cache`); with
+        `scan_layers`, one array of all layers, `slots` long."""
+        spec = kv_heads_spec(self.num_kv_heads, "batch", None, "kv_heads", None)
+        dtype = self.embedding[...].dtype
 
-    def decode(
-        self, tokens: jax.Array, cache: KVCache, start: jax.Array | int
-    ) -> tuple[jax.Array, KVCache]:
-        """Logits for `tokens` placed at positions start, start+1, ..., attending to the cache's
-        earlier positions; the cache comes back with these tokens' keys and values added."""
-        return self._forward(tokens, jax.random.key(0), cache, start)
+        def zeros(length: int, *layers: int) -> jax.Array:
+            shape = (*layers, batch_size, length, self.num_kv_heads, self.head_dim)
+            return jnp.zeros(shape, dtype, out_sharding=P(*(None,) * len(layers), *spec))
 
-    def _forward(self, tokens, key, cache, start):
+        if self.scan_layers:
+            return zeros(slots, self.depth), zeros(slots, self.depth)
+        lengths = (cache_slots(slots, self._window(kind)) for kind in self.layer_types)
+        return tuple((zeros(length), zeros(length)) for length in lengths)
+
+    def decode(self, tokens: jax.Array, cache: Cache, slots: Slots) -> tuple[jax.Array, Cache]:
+        """Logits for `tokens` placed at `slots`, attending to the cache's earlier slots; the
+        cache comes back with these tokens' keys and values in it (`zoo.models.kv_cache`)."""
+        return self._forward(tokens, jax.random.key(0), cache, slots)
+
+    def _forward(self, tokens, key, cache, slots):
         length = tokens.shape[1]
         if length > self.context_length:
             raise ZooError(
@@ -258,14 +269,14 @@ class Decoder(nnx.Module):
         x = embed_tokens(tokens, table)
         if self.embed_scale:
             x = x * jnp.asarray(self.embed_scale, table.dtype)
-        positions = start + jnp.arange(length)
+        positions = jnp.arange(length) if slots is None else slots.positions(length)
         angles = {FULL: rotation(self.rope, self.head_dim, positions, x.dtype)}
         angles[SLIDING] = (
             angles[FULL]
             if self.local_rope == self.rope
             else rotation(self.local_rope, self.head_dim, positions, x.dtype)
         )
-        x, cache = self._run_layers(x, jax.random.split(key, self.depth), angles, cache, start)
+        x, cache = self._run_layers(x, jax.random.split(key, self.depth), angles, cache, slots)
         x = self.norm(x)
         vocab = logical_spec("batch", None, "vocab")
         if self.unembed is None:
@@ -276,42 +287,43 @@ class Decoder(nnx.Module):
             logits = self.final_softcap * jnp.tanh(logits / self.final_softcap)
         return mask_padding(logits, self.vocab_size), cache
 
+    def _window(self, kind: str) -> int:
+        return self.sliding_window if kind == SLIDING else 0
+
     def _step(self, kind: str):
         """One layer of type `kind` as a function of the layer and its inputs (rematerialised
         with `remat`); the window and which rotation it takes are fixed by `kind`."""
-        window = self.sliding_window if kind == SLIDING else 0
+        window = self._window(kind)
 
-        def apply(layer, x, key, cache, start, angles):
-            return layer(x, key, angles[kind], window, cache, start)
+        def apply(layer, x, key, cache, slots, angles):
+            return layer(x, key, angles[kind], window, cache, slots)
 
         return nnx.remat(apply) if self.remat else apply
 
-    def _run_layers(self, x, keys, angles: dict[str, Rotation], cache, start):
+    def _run_layers(self, x, keys, angles: dict[str, Rotation], cache, slots):
         if self.scan_layers:
-            return self._scan_layers(x, keys, angles, cache, start)
+            return self._scan_layers(x, keys, angles, cache, slots)
         layer_caches = []
         for i, (layer, kind) in enumerate(zip(self.layers, self.layer_types, strict=True)):
-            layer_cache = None if cache is None else (cache[0][i], cache[1][i])
-            x, layer_cache = self._step(kind)(layer, x, keys[i], layer_cache, start, angles)
+            layer_cache = None if cache is None else cache[i]
+            x, layer_cache = self._step(kind)(layer, x, keys[i], layer_cache, slots, angles)
             layer_caches.append(layer_cache)
-        if cache is None:
-            return x, None
-        return x, tuple(jnp.stack([c[j] for c in layer_caches]) for j in range(2))
+        return x, None if cache is None else tuple(layer_caches)
 
-    def _scan_layers(self, x, keys, angles, cache, start):
+    def _scan_layers(self, x, keys, angles, cache, slots):
         steps = {kind: self._step(kind) for kind in set(self.layer_types)}
         sliding = jnp.asarray([kind == SLIDING for kind in self.layer_types])
 
         @nnx.scan(in_axes=(0, nnx.Carry, 0, 0, 0, None, None), out_axes=(nnx.Carry, 0))
-        def scan(layer, x, key, layer_cache, is_sliding, start, angles):
-            args = (layer, x, key, layer_cache, start, angles)
+        def scan(layer, x, key, layer_cache, is_sliding, slots, angles):
+            args = (layer, x, key, layer_cache, slots, angles)
             if len(steps) == 1:
                 (step,) = steps.values()
                 return step(*args)
             # Layers of both types: each scanned step runs the branch of its layer's type.
             return nnx.cond(is_sliding, steps[SLIDING], steps[FULL], *args)
 
-        return scan(self.layers, x, keys, cache, sliding, start, angles)
+        return scan(self.layers, x, keys, cache, sliding, slots, angles)
 
 
 def _default_mlp_dim(dim: int) -> int:

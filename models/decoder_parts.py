@@ -21,9 +21,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+from zoo.models import kv_cache
 from zoo.models.attention_route import current_platform, route
+from zoo.models.kv_cache import KVCache, Slots
 from zoo.models.rope import Rotation, rotate
-from zoo.models.transformer import KVCache, tokens_spec
+from zoo.models.transformer import tokens_spec
 
 from zoo.plugin import TransposedLinear, logical_spec, partitioned
 
@@ -146,11 +148,11 @@ class Attention(nnx.Module):
         angles: Rotation,
         window: int,
         cache: KVCache | None,
-        start: jax.Array | int,
+        slots: Slots | None,
     ) -> tuple[jax.Array, KVCache | None]:
-        """Attention of the tokens at positions start, start+1, ... to themselves and earlier
-        ones (with a cache: its positions too, after writing theirs into it), each seeing the
-        last `window` positions only, itself included (0: all of them)."""
+        """Attention of the tokens to themselves and earlier ones (with a cache: of the tokens
+        at `slots` to the cache's too, after writing theirs into it, `zoo.models.kv_cache`),
+        each seeing the last `window` positions only, itself included (0: all of them)."""
         heads = logical_spec("batch", None, "heads", None)
         kv = kv_heads_spec(self.num_kv_heads, "batch", None, "kv_heads", None)
         q = self.query(x, out_sharding=heads)
@@ -158,14 +160,14 @@ class Attention(nnx.Module):
         if self.query_norm is not None:
             q, k = self.query_norm(q), self.key_norm(k)
         q, k = rotate(q, angles), rotate(k, angles)
+        visible = None
         if cache is not None:
-            k = jax.lax.dynamic_update_slice_in_dim(cache[0], k.astype(cache[0].dtype), start, 1)
-            v = jax.lax.dynamic_update_slice_in_dim(cache[1], v.astype(cache[1].dtype), start, 1)
-            cache = (k, v)
-        mixed = self._attend(q, k, v, window, cache is not None, start)
+            k, v, visible, cache = kv_cache.update(cache, k, v, slots, window)
+            visible = visible[:, None]  # the same for every head
+        mixed = self._attend(q, k, v, window, visible)
         return self.out(mixed, out_sharding=tokens_spec()), cache
 
-    def _attend(self, q, k, v, window: int, cached: bool, start) -> jax.Array:
+    def _attend(self, q, k, v, window: int, visible: jax.Array | None) -> jax.Array:
         # Soft-capping has no fused kernel: it takes the written-out path, as Dropout on the
         # attention weights does in the shared block.
         path = route(
@@ -173,23 +175,21 @@ class Attention(nnx.Module):
             q.dtype,
             q.shape[-1],
             causal=True,
-            cached=cached,
+            cached=visible is not None,
             dropout=self.softcap > 0,
         )
         if k.shape[2] != q.shape[2] and (path.kernel == "einsum" or _grouped_fails(q, k)):
             k, v = (_repeat_heads(t, q) for t in (k, v))
-        visible = None
-        if path.mask == "positions":
-            queries = start + jnp.arange(q.shape[1])
-            distance = queries[:, None] - jnp.arange(k.shape[1])[None, :]
-            visible = (distance >= 0) & ((distance < window) if window else True)
+        if path.mask == "positions" and visible is None:
+            distance = jnp.arange(q.shape[1])[:, None] - jnp.arange(k.shape[1])[None, :]
+            visible = ((distance >= 0) & ((distance < window) if window else True))[None, None]
         if path.kernel == "einsum":
             return self._written_out(q, k, v, visible)
         return jax.nn.dot_product_attention(
             q,
             k,
             v,
-            mask=None if visible is None else visible[None, None],
+            mask=visible,
             scale=self.scale,
             is_causal=path.mask == "causal",
             local_window_size=(window - 1, 0) if window and path.mask == "causal" else None,
@@ -276,10 +276,10 @@ class DecoderLayer(nnx.Module):
         angles: Rotation,
         window: int,
         cache: KVCache | None,
-        start: jax.Array | int,
+        slots: Slots | None,
     ) -> tuple[jax.Array, KVCache | None]:
         attention_key, mlp_key = jax.random.split(key)
-        h, cache = self.attention(self.attention_norm(x), angles, window, cache, start)
+        h, cache = self.attention(self.attention_norm(x), angles, window, cache, slots)
         x = x + self.dropout(_after(self.post_attention_norm, h), rngs=attention_key)
         h = self.mlp(self.mlp_norm(x))
         return x + self.dropout(_after(self.post_mlp_norm, h), rngs=mlp_key), cache

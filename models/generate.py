@@ -1,59 +1,173 @@
-"""Sampling text from a language model with a key/value cache (`gpt`):
-`zoo.generate(model, prompt, max_new_tokens, ...)`.
+"""Text from a language model (`gpt`, `decoder`): prompts encoded, new tokens decoded and
+checked against stop strings, as whole texts or as a stream of pieces; and the models'
+eval-time sample. The engine beneath (batches, cache, sampling): `zoo.models.generation`.
 
-The model is used through what it offers, not its class: `decode(tokens, cache, start)`,
-`empty_cache(batch_size)`, `context_length` and `vocab_size`.
-
-One jitted function does it all: a prefill that runs the prompt through the model once, filling
-a fixed-size key/value cache, then a `lax.fori_loop` that samples one token (a byte, byte-level) at a time, each step feeding that
-token alone through the model against the cache. The cache and the output buffer are
-`context_length` long whatever the prompt and the number of new tokens, and the prompt is
-padded to a power-of-two bucket, so generating compiles once per bucket (at most
-log2(context_length) + 1 times per model), never once per prompt length or per token.
-
-Randomness is explicit: every sampled token's key is `fold_in(key, i)` of the key given (or of
-`jax.random.key(seed)`), so the same seed gives the same text.
+A model speaks bytes (no tokenizer: its ids are a text's UTF-8 bytes, and what it writes is
+decoded with each invalid sequence replaced by U+FFFD, since a byte model may write any bytes)
+or a tokenizer's ids (`tokenizers.Tokenizer`, the one it was trained with).
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
-from jax.sharding import PartitionSpec as P
+from zoo.models.generation import (
+    Completion,
+    Sampling,
+    Session,
+    require_language_model,
+    session_for,
+)
 
-from zoo.plugin import ZooError, unsplit_batch
+from zoo.plugin import ZooError
+
+
+@dataclasses.dataclass(frozen=True)
+class Codec:
+    """Text to a model's ids and back: bytes, or `tokenizer`'s ids."""
+
+    tokenizer: Any = None
+
+    def encode(self, text: str | bytes) -> np.ndarray:
+        if self.tokenizer is None:
+            data = text.encode() if isinstance(text, str) else bytes(text)
+            return np.frombuffer(data or b"\n", np.uint8).astype(np.int32)
+        text = text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text
+        return np.asarray(
+            self.tokenizer.encode(text or "\n", add_special_tokens=False).ids, np.int32
+        )
+
+    def decode(self, ids: Sequence[int]) -> str:
+        if self.tokenizer is None:
+            return bytes(np.asarray(ids, np.uint8)).decode("utf-8", errors="replace")
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """What to write after each prompt: `max_new_tokens` at most, chosen as `sampling` says
+    (`seed`: an int or a JAX key; row r draws from `fold_in(key, r)`), each row ending at one of
+    the `eos` ids or at the first of the `stop` strings (cut from its text)."""
+
+    max_new_tokens: int = 100
+    sampling: Sampling = dataclasses.field(default_factory=Sampling)
+    seed: int | jax.Array = 0
+    eos: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    logprobs: bool = False
+
+
+def complete(
+    model: Any, prompts: Sequence[str | bytes], request: Request, codec: Codec
+) -> list[Completion]:
+    """Every prompt's `Completion`, `text` included, decoded in one batch."""
+    session, ids = _prepared(model, prompts, request, codec)
+    done = session.generate(
+        ids,
+        request.max_new_tokens,
+        request.sampling,
+        request.seed,
+        request.eos,
+        _stop_check(request.stop, codec),
+        request.logprobs,
+    )
+    for row in done:
+        row.text = _cut(codec.decode(row.tokens), request.stop)
+    return done
+
+
+def stream(model: Any, prompt: str | bytes, request: Request, codec: Codec) -> Iterator[str]:
+    """The text written after `prompt`, piece by piece as its tokens come (a piece held back
+    while it ends in an incomplete character or could be the start of a stop string)."""
+    session, ids = _prepared(model, [prompt], request, codec)
+    check = _stop_check(request.stop, codec)
+    steps = session.stream(
+        ids, request.max_new_tokens, request.sampling, request.seed, request.eos, check
+    )
+    return _pieces(steps, request, codec, check)
+
+
+def _pieces(steps, request: Request, codec: Codec, check) -> Iterator[str]:
+    written: list[int] = []
+    shown = ""
+    for step in steps:
+        for token in step:
+            if token.token not in request.eos:
+                written.append(token.token)
+        text = _cut(codec.decode(written), request.stop)
+        ended = all(t.token in request.eos for t in step) or (check and check(0, written))
+        ready = text if ended else _settled(text, request.stop)
+        if len(ready) > len(shown):
+            yield ready[len(shown) :]
+            shown = ready
+    text = _cut(codec.decode(written), request.stop)
+    if len(text) > len(shown):
+        yield text[len(shown) :]
+
+
+def _prepared(model, prompts, request: Request, codec: Codec) -> tuple[Session, list[np.ndarray]]:
+    require_language_model(model)
+    context, new = model.context_length, request.max_new_tokens
+    if not 1 <= new < context:
+        raise ZooError(
+            f"max_new_tokens={new} must lie between 1 and context_length - 1 = {context - 1}: "
+            f"prompt and new tokens share the model's {context} positions."
+        )
+    ids = [_kept(codec.encode(p), context - new) for p in prompts]
+    if max(int(i.max()) for i in ids) >= model.vocab_size:
+        raise ZooError(
+            f"The tokenizer gives id {max(int(i.max()) for i in ids)} for a prompt, beyond the "
+            f"model's vocabulary of {model.vocab_size}: use the tokenizer the model was trained "
+            "with."
+        )
+    return session_for(model, ids, new), ids
+
+
+def _kept(ids: np.ndarray, room: int) -> np.ndarray:
+    """A prompt's last `room` tokens: the prompt and the new tokens share the context."""
+    return ids[max(0, len(ids) - room) :]
+
+
+def _stop_check(stop: tuple[str, ...], codec: Codec):
+    if not stop:
+        return None
+    return lambda row, tokens: any(s in codec.decode(tokens) for s in stop)
+
+
+def _cut(text: str, stop: tuple[str, ...]) -> str:
+    """`text` up to the first stop string in it."""
+    ends = [text.find(s) for s in stop if s in text]
+    return text[: min(ends)] if ends else text
+
+
+def _settled(text: str, stop: tuple[str, ...]) -> str:
+    """The part of `text` that later tokens cannot change: without a trailing incomplete
+    character (U+FFFD), nor an ending that a stop string starts with."""
+    text = text.rstrip("\ufffd")
+    held = max((n for s in stop for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+    return text[: len(text) - held]
 
 
 def generate(
     model: Any, prompt: str | bytes, *args: Any, tokenizer: Any = None, **kwargs: Any
 ) -> str:
     """The text that `model` writes after `prompt` (`max_new_tokens=100, temperature=1.0,
-    top_k=0, seed=0`, as `generate_tokens` takes them). Byte-level: `generate_bytes` decoded
-    as UTF-8, each invalid sequence (a byte model may write any bytes) replaced by U+FFFD. With
-    `tokenizer` (a `tokenizers.Tokenizer`, the one the model was trained with): the prompt is
-    encoded into its ids and the new ids are decoded by it."""
-    if tokenizer is None:
-        return generate_bytes(model, prompt, *args, **kwargs).decode("utf-8", errors="replace")
-    text = prompt.decode("utf-8", errors="replace") if isinstance(prompt, bytes) else prompt
-    ids = tokenizer.encode(text or "\n", add_special_tokens=False).ids
-    if max(ids, default=0) >= model.vocab_size:
-        raise ZooError(
-            f"The tokenizer gives id {max(ids)} for the prompt, beyond the model's vocabulary "
-            f"of {model.vocab_size}: use the tokenizer the model was trained with."
-        )
-    new = generate_tokens(model, np.asarray(ids, np.int32), *args, **kwargs)
-    return tokenizer.decode(new.tolist(), skip_special_tokens=False)
+    top_k=0, seed=0`, as `generate_tokens` takes them), through `tokenizer` or as bytes."""
+    names = ("max_new_tokens", "temperature", "top_k", "seed")
+    given = {**dict(zip(names, args)), **kwargs}
+    sampling = Sampling(given.get("temperature", 1.0), given.get("top_k", 0))
+    request = Request(given.get("max_new_tokens", 100), sampling, given.get("seed", 0))
+    (done,) = complete(model, [prompt], request, Codec(tokenizer))
+    return done.text
 
 
 def generate_bytes(model: Any, prompt: str | bytes, *args: Any, **kwargs: Any) -> bytes:
     """The bytes that a byte-level `model` writes after `prompt` (see `generate_tokens`)."""
-    data = prompt.encode() if isinstance(prompt, str) else bytes(prompt)
-    tokens = np.frombuffer(data or b"\n", np.uint8)
+    tokens = Codec().encode(prompt)
     return generate_tokens(model, tokens, *args, **kwargs).astype(np.uint8).tobytes()
 
 
@@ -72,69 +186,18 @@ def generate_tokens(
     The prompt keeps its last `context_length - max_new_tokens` tokens. Call it where the
     model's mesh is active (`with result.activate():`); the batch of one is not split over the
     mesh."""
-    if not all(hasattr(model, name) for name in ("decode", "empty_cache", "vocab_size")):
-        raise ZooError(
-            f"zoo.generate needs a language model with a key/value cache (gpt), got "
-            f"{type(model).__name__}."
-        )
-    context, vocab = model.context_length, model.vocab_size
+    require_language_model(model)
+    context = model.context_length
     if not 1 <= max_new_tokens < context:
         raise ZooError(
             f"max_new_tokens={max_new_tokens} must lie between 1 and context_length - 1 = "
             f"{context - 1}: prompt and new tokens share the model's {context} positions."
         )
-    if temperature < 0 or not 0 <= top_k <= vocab:
-        raise ZooError(
-            f"temperature={temperature} must be >= 0 (0: greedy) and top_k={top_k} between 0 "
-            f"(no limit) and {vocab}."
-        )
-    kept = prompt[max(0, len(prompt) - (context - max_new_tokens)) :]
-    bucket = min(context, 1 << (len(kept) - 1).bit_length())
-    buffer = np.zeros(context, np.int32)
-    buffer[: len(kept)] = kept
-    key = jax.random.key(seed) if isinstance(seed, int) else seed
-    graphdef, state = nnx.split(model)
-    with unsplit_batch():
-        out = _generate(
-            graphdef, state, buffer, len(kept), max_new_tokens, temperature, top_k, key, bucket
-        )
-    return np.asarray(out)[len(kept) : len(kept) + max_new_tokens]
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "bucket"))
-def _generate(graphdef, state, buffer, prompt_length, max_new, temperature, top_k, key, bucket):
-    def model(state):
-        m = nnx.merge(graphdef, state)
-        m.eval()
-        return m
-
-    buffer = jax.sharding.reshard(buffer, P())  # onto the mesh, like every other array here
-    prefill = model(state)
-    logits, cache = prefill.decode(buffer[None, :bucket], prefill.empty_cache(1), 0)
-    last = jax.lax.dynamic_index_in_dim(logits[0], prompt_length - 1, keepdims=False)
-
-    # The weights ride in the loop's carry: a module merged inside the loop from its own
-    # values is of the loop's trace level, as NNX's transforms (remat, scan) require.
-    def step(i, carry):
-        buffer, cache, last, state = carry
-        byte = _sample(last, temperature, top_k, jax.random.fold_in(key, i))
-        position = prompt_length + i
-        buffer = jax.lax.dynamic_update_index_in_dim(buffer, byte, position, 0)
-        logits, cache = model(state).decode(byte[None, None], cache, position)
-        return buffer, cache, logits[0, 0], state
-
-    buffer, *_ = jax.lax.fori_loop(0, max_new, step, (buffer, cache, last, state))
-    return buffer
-
-
-def _sample(logits: jax.Array, temperature, top_k, key: jax.Array) -> jax.Array:
-    logits = jax.sharding.reshard(logits.astype(jnp.float32), P())  # all 256 in one place
-    kth_largest = jnp.sort(logits)[logits.shape[-1] - jnp.maximum(top_k, 1)]
-    allowed = (top_k == 0) | (logits >= kth_largest)
-    scaled = jnp.where(allowed, logits, -jnp.inf) / jnp.maximum(temperature, 1e-6)
-    sampled = jax.random.categorical(key, scaled)
-    byte = jnp.where(temperature > 0, sampled, jnp.argmax(logits)).astype(jnp.int32)
-    return jax.sharding.reshard(byte, P())
+    kept = [_kept(np.asarray(prompt, np.int32), context - max_new_tokens)]
+    session = session_for(model, kept, max_new_tokens)
+    sampling = Sampling(temperature=temperature, top_k=top_k)
+    (done,) = session.generate(kept, max_new_tokens, sampling, seed)
+    return np.asarray(done.tokens, np.int32)
 
 
 def sample_on_eval(model: Any, report) -> None:

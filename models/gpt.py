@@ -20,8 +20,8 @@ Randomness comes at call time, like `vit`: Dropout draws from the trainer's per-
 Heads and MLP hidden units are on the logical `heads`/`mlp` axes (tensor parallel), the
 embedding on (`vocab`, `embed`), so FSDP shards it along its width.
 
-`decode(tokens, cache, start)` runs the same blocks on a few new tokens against a fixed-size
-key/value cache (see `zoo.models.generate`).
+`decode(tokens, cache, slots)` runs the same blocks on new tokens against a key/value cache
+(`zoo.models.kv_cache`; generation: `zoo.models.generation`).
 """
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 from zoo.models import hparams
 from zoo.models.generate import sample_on_eval
+from zoo.models.kv_cache import KVCache, Slots
 from zoo.models.layers import dense, layer_norm
-from zoo.models.transformer import Block, BlockOptions, KVCache, dropout_key, tokens_spec
+from zoo.models.transformer import Block, BlockOptions, dropout_key, tokens_spec
 
 from zoo.plugin import (
     LOSS_MASK,
@@ -56,6 +57,9 @@ VOCAB_MULTIPLE = 128
 """The embedding's rows are padded to a multiple of this, so any tensor-parallel size up to it
 that divides it shards the vocabulary."""
 _MASKED = -1e30  # the logit of a padded row: softmax gives it exactly zero probability
+Cache = tuple[KVCache, ...] | KVCache
+"""A language model's key/value cache: one (keys, values) pair per layer, or one pair of
+stacked arrays for stacked layers (`scan_layers`)."""
 
 
 def embed_tokens(tokens: jax.Array, table: jax.Array) -> jax.Array:
@@ -83,12 +87,8 @@ def padded_vocab(vocab_size: int) -> int:
     return -(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
 
 
-def _cache_spec():
-    return logical_spec(None, "batch", None, "heads", None)
-
-
-def _apply_block(block: Block, x, key, cache, start, query_scale=None):
-    return block(x, key, cache, start, query_scale)
+def _apply_block(block: Block, x, key, cache, slots, query_scale=None):
+    return block(x, key, cache, slots, query_scale)
 
 
 _remat_block = nnx.remat(_apply_block)
@@ -241,24 +241,30 @@ class GPT(nnx.Module):
         for every position of `tokens`."""
         first = self.blocks.dropout if self.scan_layers else self.blocks[0].dropout
         key = dropout_key(rngs, self.dropout_rate, first.deterministic, "gpt")
-        logits, _ = self._forward(tokens, key, None, 0)
+        logits, _ = self._forward(tokens, key, None, None)
         return logits
 
-    def empty_cache(self, batch_size: int) -> KVCache:
-        """A key/value cache for `decode`, `context_length` positions long, in the dtype the
-        model computes in (its params': bfloat16 for a copy made by `trainer.precision=bf16`)."""
-        shape = (self.depth, batch_size, self.context_length, self.num_heads, self.head_dim)
-        zeros = jnp.zeros(shape, self.embedding[...].dtype, out_sharding=_cache_spec())
-        return zeros, zeros
+    def empty_cache(self, batch_size: int, slots: int) -> Cache:
+        """A key/value cache for `decode`: `slots` positions of every layer (one array of all
+        layers with `scan_layers`), in the dtype the model computes in (its params': bfloat16
+        for a copy made by `trainer.precision=bf16`)."""
+        shape = (batch_size, slots, self.num_heads, self.head_dim)
+        spec = logical_spec("batch", None, "heads", None)
+        dtype = self.embedding[...].dtype
+        if self.scan_layers:
+            stacked = (self.depth, *shape)
+            return tuple(jnp.zeros(stacked, dtype, out_sharding=P(None, *spec)) for _ in range(2))
+        return tuple(
+            tuple(jnp.zeros(shape, dtype, out_sharding=spec) for _ in range(2))
+            for _ in range(self.depth)
+        )
 
-    def decode(
-        self, tokens: jax.Array, cache: KVCache, start: jax.Array | int
-    ) -> tuple[jax.Array, KVCache]:
-        """Logits for `tokens` placed at positions start, start+1, ..., attending to the cache's
-        earlier positions; the cache comes back with these tokens' keys and values added."""
-        return self._forward(tokens, jax.random.key(0), cache, start)
+    def decode(self, tokens: jax.Array, cache: Cache, slots: Slots) -> tuple[jax.Array, Cache]:
+        """Logits for `tokens` placed at `slots`, attending to the cache's earlier slots; the
+        cache comes back with these tokens' keys and values in it (`zoo.models.kv_cache`)."""
+        return self._forward(tokens, jax.random.key(0), cache, slots)
 
-    def _forward(self, tokens, key, cache, start):
+    def _forward(self, tokens, key, cache, slots):
         length = tokens.shape[1]
         if length > self.context_length:
             raise ZooError(
@@ -270,8 +276,11 @@ class GPT(nnx.Module):
         x = embed_tokens(tokens, table)
         # Stored split by FSDP; whole on every device where they meet the batch-sharded tokens.
         held = jax.sharding.reshard(self.positions[...], P())
-        x = x + jax.lax.dynamic_slice_in_dim(held, start, length)
-        x, cache = self._run_blocks(x, jax.random.split(key, self.depth), cache, start)
+        if slots is None:
+            x = x + held[:length]
+        else:  # each row's own positions
+            x = x + held.at[slots.positions(length)].get(out_sharding=tokens_spec())
+        x, cache = self._run_blocks(x, jax.random.split(key, self.depth), cache, slots)
         x = self.norm(x)
         vocab = logical_spec("batch", None, "vocab")
         if self.unembed is None:
@@ -280,22 +289,20 @@ class GPT(nnx.Module):
             logits = self.unembed(x, out_sharding=vocab)
         return mask_padding(logits, self.vocab_size), cache
 
-    def _run_blocks(self, x, keys, cache, start):
+    def _run_blocks(self, x, keys, cache, slots):
         apply = _remat_block if self.remat else _apply_block
         if self.scan_layers:
 
             @nnx.scan(in_axes=(0, nnx.Carry, 0, 0, None, 0), out_axes=(nnx.Carry, 0))
-            def scan(block, x, key, layer_cache, start, query_scale):
-                return apply(block, x, key, layer_cache, start, query_scale)
+            def scan(block, x, key, layer_cache, slots, query_scale):
+                return apply(block, x, key, layer_cache, slots, query_scale)
 
             scales = None if self.query_scales is None else jnp.asarray(self.query_scales)
-            return scan(self.blocks, x, keys, cache, start, scales)
+            return scan(self.blocks, x, keys, cache, slots, scales)
         layer_caches = []
         for i, block in enumerate(self.blocks):
-            layer_cache = None if cache is None else (cache[0][i], cache[1][i])
+            layer_cache = None if cache is None else cache[i]
             scale = None if self.query_scales is None else self.query_scales[i]
-            x, layer_cache = apply(block, x, keys[i], layer_cache, start, scale)
+            x, layer_cache = apply(block, x, keys[i], layer_cache, slots, scale)
             layer_caches.append(layer_cache)
-        if cache is None:
-            return x, None
-        return x, tuple(jnp.stack([c[j] for c in layer_caches]) for j in range(2))
+        return x, None if cache is None else tuple(layer_caches)

@@ -66,17 +66,19 @@ def _llama3(inv_freq: np.ndarray, rope: Rope) -> np.ndarray:
 
 
 def rotation(rope: Rope, head_dim: int, positions: jax.Array, dtype: jnp.dtype) -> Rotation:
-    """Cosines and sines (in `dtype`) of the angles at `positions` (integers, length): computed
-    in float32, then rounded to the dtype the heads are in, as transformers does."""
+    """Cosines and sines (in `dtype`) of the angles at `positions` (integers: length, or
+    batch x length for rows of their own positions): computed in float32, then rounded to the
+    dtype the heads are in, as transformers does."""
     inv_freq = jnp.asarray(inverse_frequencies(rope, head_dim))
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
     angles = jnp.concatenate([angles, angles], axis=-1)
     return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
 
 
 def rotate(x: jax.Array, angles: Rotation) -> jax.Array:
-    """Heads `x` (batch x length x heads x head_dim) rotated by `angles` (length x head_dim)."""
-    cos, sin = (a[None, :, None, :] for a in angles)
+    """Heads `x` (batch x length x heads x head_dim) rotated by `angles` ([batch x] length x
+    head_dim)."""
+    cos, sin = (a[:, :, None, :] if a.ndim == 3 else a[None, :, None, :] for a in angles)
     half = x.shape[-1] // 2
     rotated_half = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos + rotated_half * sin

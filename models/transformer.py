@@ -14,7 +14,9 @@ cache. Between the projections, `zoo.models.attention_route` picks how the atten
   Ampere on, in bfloat16 or float16 (`trainer.precision=bf16`), heads of a multiple of 8 up to
   128 (256 from Hopper on), without a cache; a causal mask is cuDNN's own (`is_causal`);
 - fused with XLA's kernel: everywhere else without attention Dropout in training: CPUs, TPUs,
-  float32, decoding against the cache (with a mask of positions);
+  float32, decoding against the cache (with a mask of positions); on a CPU, without a cache,
+  zoo's own written-out attention, which XLA:CPU runs three times faster
+  (`zoo.models.attention_cpu`);
 - written out in two einsums: where Dropout on the attention weights is on in training, on
   every platform. `vit` trains so by default (its `dropout_rate`, 0.1, is also its attention
   Dropout); its evals and `gpt` (no attention Dropout) take a fused path.
@@ -31,13 +33,12 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from zoo.models import attention_cpu, kv_cache
 from zoo.models.attention_route import current_platform, route
+from zoo.models.kv_cache import KVCache, Slots
 from zoo.models.layers import dense, head_projections, layer_norm
 
 from zoo.plugin import ZooError, logical_spec
-
-KVCache = tuple[jax.Array, jax.Array]
-"""Keys and values: two arrays of [layers x] batch x context x heads x head_dim."""
 
 _NO_ATTENTION = -1e30  # a logit that softmax turns into exactly zero weight
 
@@ -89,22 +90,22 @@ class Attention(nnx.Module):
         x: jax.Array,
         key: jax.Array,
         cache: KVCache | None,
-        start: jax.Array | int,
+        slots: Slots | None,
         query_scale: jax.Array | float | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
-        """Attention of the tokens at positions start, start+1, ...: to each other without a
-        cache; with one, to the cache's positions too, after writing their own keys and values
-        into it. `key`: the attention weights' Dropout masks. `query_scale`: a factor of the
-        queries, which a layer of a stack may be given as a traced value (where `scale` is
-        the same for every layer)."""
+        """Attention of the tokens to each other without a cache; with one, of the tokens at
+        `slots` to the cache's, after writing their own keys and values into it
+        (`zoo.models.kv_cache`). `key`: the attention weights' Dropout masks. `query_scale`: a
+        factor of the queries, which a layer of a stack may be given as a traced value (where
+        `scale` is the same for every layer)."""
         heads = logical_spec("batch", None, "heads", None)
         q, k, v = (proj(x, out_sharding=heads) for proj in (self.query, self.key, self.value))
         if query_scale is not None:
             q = q * jnp.asarray(query_scale, q.dtype)
+        visible = None
         if cache is not None:
-            k = jax.lax.dynamic_update_slice_in_dim(cache[0], k, start, axis=1)
-            v = jax.lax.dynamic_update_slice_in_dim(cache[1], v, start, axis=1)
-            cache = (k, v)
+            k, v, visible, cache = kv_cache.update(cache, k, v, slots, 0)
+            visible = visible[:, None]  # the same for every head
         dropout = bool(self.dropout.rate) and not self.dropout.deterministic
         path = route(
             current_platform(),
@@ -114,18 +115,18 @@ class Attention(nnx.Module):
             cached=cache is not None,
             dropout=dropout,
         )
-        visible = None
-        if path.mask == "positions":
-            visible = jnp.arange(k.shape[1])[None, :] <= (start + jnp.arange(q.shape[1]))[:, None]
+        if path.mask == "positions" and visible is None:
+            visible = jnp.tril(jnp.ones((1, 1, q.shape[1], k.shape[1]), bool))
         if path.kernel == "einsum":
             mixed = self._with_dropout(q, k, v, visible, key)
+        elif path.kernel == "xla" and visible is None and current_platform().backend == "cpu":
+            mixed = attention_cpu.attend(q, k, v, scale=self.scale, causal=path.mask == "causal")
         else:
-            mask = None if visible is None else visible[None, None]
             mixed = jax.nn.dot_product_attention(
                 q,
                 k,
                 v,
-                mask=mask,
+                mask=visible,
                 scale=self.scale,
                 is_causal=path.mask == "causal",
                 implementation=path.kernel,
@@ -182,12 +183,12 @@ class Block(nnx.Module):
         x: jax.Array,
         key: jax.Array,
         cache: KVCache | None = None,
-        start: jax.Array | int = 0,
+        slots: Slots | None = None,
         query_scale: jax.Array | float | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         attention_key, mlp_key, weights_key = jax.random.split(key, 3)
         normed = self.attention_norm(x)
-        h, cache = self.attention(normed, weights_key, cache, start, query_scale)
+        h, cache = self.attention(normed, weights_key, cache, slots, query_scale)
         x = x + self.dropout(h, rngs=attention_key)
         h = self.mlp_in(self.mlp_norm(x), out_sharding=logical_spec("batch", None, "mlp"))
         h = nnx.gelu(h, approximate=not self.exact_gelu)

@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import importlib
 import re
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import ROOT, run_cli
+from helpers import ROOT, generate_cli, run_cli
 from zoo.data.text import load_tokenizer
 from zoo.engine.precision import computing
 from zoo.engine.rngs import on_eval_key
@@ -81,14 +79,14 @@ def test_a_bf16_run_with_a_tokenizer_generates_and_samples_through_it_in_bf16(ru
     trained = zoo.load(run)
     assert trained.config.data.tokenizer == str(TINY / "tokenizer.json")
     called = []
-    monkeypatch.setattr(zoo_generate, "generate_text", spy(zoo_generate.generate_text, called))
+    monkeypatch.setattr(zoo_generate, "complete", spy(zoo_generate.complete, called))
     from_dir = zoo.generate(run, PROMPT, max_new_tokens=6, seed=3)
     (model,) = called
     dtypes = {x.dtype for x in jax.tree.leaves(nnx.state(model, nnx.Param))}
     assert dtypes == {jnp.dtype(jnp.bfloat16)}  # computed as the run trained
     assert trained.model.embedding[...].dtype == jnp.float32  # the loaded params stay float32
     with trained.activate():
-        assert model.empty_cache(8)[0].dtype == jnp.bfloat16  # 8: a batch the mesh splits
+        assert model.empty_cache(8, 16)[0][0].dtype == jnp.bfloat16  # 8: a batch the mesh splits
         low = computing(trained.model, "bf16")
         bare = zoo.generate(low, PROMPT, 6, seed=3, tokenizer=TINY / "tokenizer.json")
     assert from_dir == bare
@@ -101,17 +99,6 @@ def test_a_bf16_run_with_a_tokenizer_generates_and_samples_through_it_in_bf16(ru
     shown, written = TOKENIZER.decode(prompt.tolist()), TOKENIZER.decode(new.tolist())
     log = (run / "train.log").read_text()
     assert f"sample @ step 2: {shown!r} -> {written!r}" in log
-
-
-def generate_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "zoo.generate", *map(str, args)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
 
 
 def test_generate_cli_prints_prompt_and_continuation():

@@ -14,6 +14,7 @@ from conformance.checks import MESH, ONE_DEVICE
 from model_checks import Models, outputs
 from zoo.engine.sharding import logical_spec
 from zoo.models.attention_route import Platform, Route, current_platform, route
+from zoo.models.kv_cache import Slots
 
 CONTEXT, DIM, HEADS, BATCH = 16, 32, 4, 4
 
@@ -44,7 +45,9 @@ def both(model, x, cache, start, causal):
         spec = logical_spec("batch", None, "heads", None)
         cache = tuple(jax.sharding.reshard(c, spec) for c in cache)
     attention.causal = causal
-    fused, _ = attention(x, jax.random.key(0), cache, start)
+    rows = jnp.zeros(x.shape[0], jnp.int32)  # no row padded
+    slots = None if cache is None else Slots(jnp.int32(start), rows, prefill=False)
+    fused, _ = attention(x, jax.random.key(0), cache, slots)
     return fused, written_out(attention, x, cache, start, causal)
 
 

@@ -21,6 +21,7 @@ from zoo.engine import sharding
 from zoo.engine.registry import get_data
 from zoo.engine.sharding import DEFAULT_RULES
 from zoo.models.decoder_parts import Attention, LayerOptions
+from zoo.models.kv_cache import Slots
 from zoo.models.rope import Rope, inverse_frequencies, rotation
 
 import zoo
@@ -133,7 +134,7 @@ def test_attention_equals_the_explicit_mask_and_repeated_heads(num_kv_heads, win
 
         @nnx.jit
         def call(attention, x):
-            return attention(x, angles, window, None, 0)[0]
+            return attention(x, angles, window, None, None)[0]
 
         got = np.asarray(call(attention, x))
     want = numpy_attention(attention, x.astype(np.float64), window, theta)
@@ -232,15 +233,17 @@ def test_sliding_layers_rotate_with_their_own_base(batch):
 
 def decoded(model, tokens, prompt: int, mesh=ONE_DEVICE, rules=RULES) -> np.ndarray:
     """The logits of a prompt decoded at once, then of each later token one at a time (one
-    compiled step for all of them)."""
+    compiled step for all of them); the sliding layers' caches hold their window only."""
     model.eval()
-    step = nnx.jit(lambda model, tokens, cache, start: model.decode(tokens, cache, start))
+    step = nnx.jit(lambda model, tokens, cache, slots: model.decode(tokens, cache, slots))
+    first = jnp.zeros(tokens.shape[0], jnp.int32)
     with activate(mesh, rules):
-        out, cache = step(model, tokens[:, :prompt], model.empty_cache(tokens.shape[0]), 0)
+        cache = model.empty_cache(tokens.shape[0], tokens.shape[1])
+        out, cache = step(model, tokens[:, :prompt], cache, Slots(jnp.int32(0), first, True))
         pieces = [np.asarray(out)]
         for position in range(prompt, tokens.shape[1]):
             token = tokens[:, position : position + 1]
-            out, cache = step(model, token, cache, jnp.asarray(position))
+            out, cache = step(model, token, cache, Slots(jnp.int32(position), first, False))
             pieces.append(np.asarray(out))
     return np.concatenate(pieces, axis=1)
 
@@ -360,7 +363,7 @@ def test_bf16_params_are_held_and_computed_in_bfloat16(batch):
     out = logits(model, inputs(batch))
     assert out.dtype == jnp.bfloat16
     with activate():
-        assert model.empty_cache(1)[0].dtype == jnp.bfloat16
+        assert model.empty_cache(1, 16)[0][0].dtype == jnp.bfloat16
         loss = nnx.jit(lambda m, b: zoo.get_model("decoder").loss(m, b, nnx.Rngs(0))[0])(
             model, batch
         )

@@ -6,6 +6,7 @@ consistent with the full forward pass and compiled a bounded number of times."""
 
 from __future__ import annotations
 
+import collections
 import math
 
 import jax
@@ -30,6 +31,7 @@ from zoo.engine.loop import Trainer
 from zoo.engine.registry import get_data
 from zoo.engine.sharding import DEFAULT_RULES
 from zoo.models import generate as sampling
+from zoo.models import generation
 
 import zoo
 
@@ -252,13 +254,14 @@ def test_generation_is_reproducible_consistent_and_compiled_per_bucket():
     model = _model()
     model.eval()
     with _mesh():
-        start = sampling._generate._cache_size()
+        jax.clear_caches()  # what compiles here is counted, whatever ran before
+        start = generation.COMPILATIONS.copy()
         same = [sampling.generate(model, "def f(x):", 20, seed=3) for _ in range(2)]
         other = sampling.generate(model, "def f(x):", 20, seed=4)
         raw = sampling.generate_bytes(model, "def f(x):", 20, seed=3)
-        for length, new in [(5, 7), (6, 3), (7, 12), (12, 19), (15, 2)]:  # buckets 8 and 16
+        for length, new in [(5, 7), (6, 3), (7, 12), (12, 19), (15, 2), (17, 9)]:
             sampling.generate(model, "x" * length, new, temperature=0.5, top_k=5, seed=length)
-        compiled = sampling._generate._cache_size() - start
+        compiled = collections.Counter(key[:2] for key in generation.COMPILATIONS - start)
         greedy = sampling.generate_bytes(model, "import os", 16, temperature=0.0)
         sequence = np.frombuffer(b"import os" + greedy, np.uint8).astype(np.int32)
         with sharding.unsplit_batch():
@@ -266,7 +269,9 @@ def test_generation_is_reproducible_consistent_and_compiled_per_bucket():
     assert same[0] == same[1] != other
     assert len(raw) == 20 and same[0] == raw.decode("utf-8", errors="replace")
     assert "\ufffd" in same[0]  # an untrained model writes invalid UTF-8: replaced, not raised
-    assert compiled == 2  # one per prompt bucket (16 and 8), whatever the lengths
+    # One prefill per prompt bucket (16, 32) and sampler (plain, top-k), one decode step per
+    # sampler, whatever the lengths.
+    assert compiled == {("prefill", 1): 3, ("decode", 1): 2}
     # Greedy decoding with the KV cache picks what the full forward pass ranks first.
     np.testing.assert_array_equal(np.asarray(logits[0]).argmax(-1)[8:], sequence[9:])
 

@@ -1,23 +1,27 @@
 """Text from a language model: `zoo.generate(model, prompt, ...)`, and its CLI
 `python -m zoo.generate DIR prompt=TEXT [max_new_tokens=100] [temperature=1.0] [top_k=0]
-[seed=0] [step=latest]`.
+[top_p=1.0] [min_p=0.0] [seed=0] [stop=TEXT] [step=latest]`, which prints the text as it comes.
 
 `model` is a run (`RunResult`, `TrainedModel`), a workdir or a pretrained directory, a Hugging
 Face Hub name (`hf://ORG/NAME[@REVISION]`, read through the hub's cache: `zoo.hub`), or a bare
 module. A run's model is called under its own mesh and speaks its data set's tokenizer
 (`data.tokenizer`, which a run from a pretrained directory takes from it; where that file is
-gone, the copy the run kept in its workdir); a bare module is byte-level unless `tokenizer` is
-given, and is called under the mesh the caller activated. A run trained with
-`trainer.precision=bf16` generates in bfloat16, as it trained.
-Sampling itself is `zoo.models.generate`.
+gone, the copy the run kept in its workdir), and stops at its checkpoint's end-of-sequence ids
+(`generation_config.json`); a bare module is byte-level unless `tokenizer` is given, and is
+called under the mesh the caller activated. A run trained with `trainer.precision=bf16`
+generates in bfloat16, as it trained. The engine: `zoo.models.generation`.
 
 (`zoo.generate` is the function once `import zoo` ran; the package's `__main__` is the CLI.)
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -27,43 +31,118 @@ from zoo.data.text import load_tokenizer
 from zoo.engine import precision
 from zoo.engine.errors import ZooError
 from zoo.engine.loop import RunResult
-from zoo.models.generate import generate as generate_text
+from zoo.models.generate import Codec, Request, complete
+from zoo.models.generate import stream as _stream
+from zoo.models.generation import Completion, Sampling
 from zoo.pretrained import run_tokenizer
 
-OPTIONS = {"prompt": str, "max_new_tokens": int, "temperature": float, "top_k": int, "seed": int}
+OPTIONS = {
+    "prompt": str,
+    "max_new_tokens": int,
+    "temperature": float,
+    "top_k": int,
+    "top_p": float,
+    "min_p": float,
+    "seed": int,
+    "stop": str,
+}
 USAGE = (
     "usage: python -m zoo.generate DIR prompt=TEXT [max_new_tokens=100] [temperature=1.0] "
-    "[top_k=0] [seed=0] [step=latest|best|N]\n"
+    "[top_k=0] [top_p=1.0] [min_p=0.0] [seed=0] [stop=TEXT] [step=latest|best|N]\n"
     "DIR: a run's workdir, a pretrained directory, or a Hugging Face Hub name hf://ORG/NAME"
 )
 
 
 def generate(
     model: Any,
-    prompt: str | bytes,
+    prompt: str | bytes | Sequence[str | bytes],
     max_new_tokens: int = 100,
     temperature: float = 1.0,
     top_k: int = 0,
     seed: int | jax.Array = 0,
     *,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    stop: str | Sequence[str] = (),
+    eos: Sequence[int] | None = None,
+    logprobs: bool = False,
+    stream: bool = False,
     tokenizer: Any = None,
-) -> str:
-    """The text that `model` writes after `prompt`: `max_new_tokens` new tokens (bytes, for a
-    byte-level model), the likeliest each time at `temperature` 0, among the `top_k` likeliest
-    if > 0; the same `seed` (an int or a JAX key) gives the same text. `tokenizer`: a
-    `tokenizers.Tokenizer` or the path of a `tokenizer.json` (default: the run's own)."""
+) -> str | list[str] | Completion | list[Completion] | Iterator[str]:
+    """The text that `model` writes after `prompt`: at most `max_new_tokens` new tokens
+    (bytes, for a byte-level model), the likeliest each time at `temperature` 0, else sampled
+    among the `top_k` likeliest (0: all), the fewest likeliest holding `top_p` of the
+    probability (1: all), and those at least `min_p` times as likely as the likeliest (0: all);
+    the same `seed` (an int or a JAX key) gives the same text.
+
+    `prompt` may be a list of prompts, of any lengths: they are decoded in one batch, each as it
+    would be alone, and a list of texts comes back. Each ends at its first `stop` string (cut
+    from the text) or end-of-sequence id: `eos`, by default the checkpoint's
+    (`generation_config.json`'s `eos_token_id`, for a model with a tokenizer; none for bytes).
+    `logprobs`: `Completion`s instead of texts, with each new token's log-probability.
+    `stream`: an iterator of the text's pieces as they come (one prompt).
+    `tokenizer`: a `tokenizers.Tokenizer` or the path of a `tokenizer.json` (default: the run's
+    own)."""
+    stops = (stop,) if isinstance(stop, str) else tuple(stop)
+    sampling = Sampling(temperature, top_k, top_p, min_p)
+    prompts = [prompt] if isinstance(prompt, str | bytes) else list(prompt)
+    if stream and len(prompts) != 1:
+        raise ZooError(f"stream=True streams one prompt; got {len(prompts)}.")
+    module, codec, default_eos, activate = _resolved(model, tokenizer)
+    request = Request(
+        max_new_tokens, sampling, seed, tuple(default_eos if eos is None else eos), stops, logprobs
+    )
+    with activate():
+        if stream:
+            return _streamed(_stream(module, prompts[0], request, codec), activate)
+        done = complete(module, prompts, request, codec)
+    out = done if logprobs else [row.text for row in done]
+    return out[0] if isinstance(prompt, str | bytes) else out
+
+
+def _streamed(pieces: Iterator[str], activate) -> Iterator[str]:
+    """The pieces, each computed under the model's mesh (a generator runs in its caller's
+    context, outside the `with` it was made in)."""
+    while True:
+        with activate():
+            piece = next(pieces, None)
+        if piece is None:
+            return
+        yield piece
+
+
+def _resolved(model: Any, tokenizer: Any):
+    """(the module to call, its codec, its default end-of-sequence ids, the context to call
+    it in: its run's mesh, or the caller's for a bare module)."""
     if isinstance(model, str | os.PathLike):
         model = load(model, devices=jax.devices()[:1])
     if isinstance(tokenizer, str | os.PathLike):
         tokenizer = load_tokenizer(tokenizer)
-    args = (prompt, max_new_tokens, temperature, top_k, seed)
     if not isinstance(model, RunResult | TrainedModel):
-        return generate_text(model, *args, tokenizer=tokenizer)
+        return model, Codec(tokenizer), (), contextlib.nullcontext
     if tokenizer is None and model.config.data.get("tokenizer"):
         tokenizer = load_tokenizer(run_tokenizer(model.config, model.workdir))
+    eos = checkpoint_eos(model) if tokenizer is not None else ()
     with model.activate():
         computing = precision.computing(model.model, model.config.trainer.precision)
-        return generate_text(computing, *args, tokenizer=tokenizer)
+    return computing, Codec(tokenizer), eos, model.activate
+
+
+def checkpoint_eos(trained: RunResult | TrainedModel) -> tuple[int, ...]:
+    """The end-of-sequence ids of the checkpoint a run is or started from:
+    `generation_config.json`'s `eos_token_id` (an id or a list), else `config.json`'s."""
+    finetune = trained.config.get("finetune") or {}
+    for directory in (trained.workdir, finetune.get("init_from")):
+        if not directory or not os.path.isdir(directory):
+            continue
+        for name in ("generation_config.json", "config.json"):
+            path = Path(directory) / name
+            if path.is_file() and "eos_token_id" in (settings := json.loads(path.read_text())):
+                listed = settings["eos_token_id"]
+                return tuple(
+                    listed if isinstance(listed, list) else [] if listed is None else [listed]
+                )
+    return ()
 
 
 def main(argv: list[str]) -> int:
@@ -75,7 +154,11 @@ def main(argv: list[str]) -> int:
     try:
         step = options.pop("step", "latest")
         trained = load(positional[0], step, devices=jax.devices()[:1])
-        print(options["prompt"] + generate(trained, **_typed(options)))
+        typed = _typed(options)
+        print(typed["prompt"], end="", flush=True)
+        for piece in generate(trained, **typed, stream=True):
+            print(piece, end="", flush=True)
+        print()
     except ZooError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

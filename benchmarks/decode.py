@@ -1,0 +1,208 @@
+"""Generation speed: prefill and decode tokens/s of zoo's engine (`zoo.models.generation`)
+against transformers with PyTorch, in one process, on the same CPU and thread count, rounds
+interleaved.
+
+    python -m benchmarks.decode --json runs/bench/decode.json
+
+It needs an environment with both zoo and torch + transformers (`pip install torch
+transformers`; zoo's own test install has neither). The models, random weights made here (no
+download), each read by both sides from the same files:
+- `qwen3-0.6b`: Qwen3-0.6B's architecture (`benchmarks.decoder_costs` makes the checkpoint:
+  28 layers, width 1,024, 16 query and 8 key/value heads of 128, vocabulary 151,936), in
+  float32 and in bfloat16, batches of 1 and 8;
+- `gpt2-small`: GPT-2 small's (12 layers, width 768, vocabulary 50,257), float32, batch 1.
+
+Each case: prompts of `--prompt` random token ids (the same length, so that neither side pads),
+`--new` tokens chosen greedily. Prefill tokens/s: the prompts' tokens over the time to the first
+new token; decode tokens/s: the remaining new tokens over the time after it. zoo: a `Session`
+(compiled on a warm-up call first); transformers: `model.generate` (eager PyTorch, its static
+key/value cache off, as its default), warmed up the same way. `torch.set_num_threads` is set to
+the cores XLA uses (all of this process's; `--single-thread`: one each). Medians of `--repeats`
+rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.decoder_costs import make_checkpoint
+from benchmarks.pretrained_loading import CACHE
+
+GPT2_SMALL = {"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257, "n_positions": 1024}
+CASES = (  # (model, dtype, batch)
+    ("gpt2-small", "fp32", 1),
+    ("qwen3-0.6b", "fp32", 1),
+    ("qwen3-0.6b", "fp32", 8),
+    ("qwen3-0.6b", "bf16", 1),
+    ("qwen3-0.6b", "bf16", 8),
+)
+CONTEXT = 512
+"""zoo's context for the Qwen3 checkpoint (its own is 40,960): what a session's cache may use."""
+
+
+def gpt2_checkpoint(directory: Path) -> Path:
+    """A random GPT-2-small-sized checkpoint, written once by transformers."""
+    if (directory / "model.safetensors").is_file():
+        return directory
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(**GPT2_SMALL)).save_pretrained(directory)
+    return directory
+
+
+Timed = Callable[[np.ndarray, int], tuple[float, float]]
+"""(prompts, new tokens) -> (seconds to the first new token, seconds of the rest)."""
+
+
+def zoo_side(directory: Path, dtype: str, batch: int) -> Timed:
+    import jax
+    from zoo.models.generation import Sampling, Session
+
+    import zoo
+
+    model = {"context_length": CONTEXT} if "qwen" in directory.name else {}
+    if dtype == "bf16":
+        model["param_dtype"] = "bf16"
+    loaded = zoo.load(directory, model=model or None, devices=jax.devices()[:1])
+    with loaded.activate():
+        session = Session(loaded.model, batch, CONTEXT)
+
+    def run(prompts: np.ndarray, new: int) -> tuple[float, float]:
+        with loaded.activate():
+            start = time.perf_counter()
+            steps = session.stream(list(prompts), new, Sampling(temperature=0))
+            next(steps)
+            first = time.perf_counter()
+            for _ in steps:
+                pass
+            return first - start, time.perf_counter() - first
+
+    return run
+
+
+def torch_side(directory: Path, dtype: str) -> Timed:
+    import torch
+    from transformers import AutoModelForCausalLM, StoppingCriteria
+
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype).eval()
+
+    class FirstToken(StoppingCriteria):
+        """Notes when the first new token is there (called after each step)."""
+
+        def __call__(self, input_ids, scores, **kwargs):
+            self.times.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    def run(prompts: np.ndarray, new: int) -> tuple[float, float]:
+        ids = torch.from_numpy(prompts).long()
+        mark = FirstToken()
+        mark.times = []
+        with torch.inference_mode():
+            start = time.perf_counter()
+            model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                eos_token_id=None,
+                pad_token_id=0,
+                stopping_criteria=[mark],
+            )
+            end = time.perf_counter()
+        return mark.times[0] - start, end - mark.times[0]
+
+    return run
+
+
+def measure(directory: Path, dtype: str, batch: int, prompt: int, new: int, repeats: int) -> dict:
+    """Both sides on the same prompts, interleaved round after round; medians."""
+    prompts = np.random.default_rng(0).integers(1, 1000, (batch, prompt)).astype(np.int32)
+    sides = {"zoo": zoo_side(directory, dtype, batch), "transformers": torch_side(directory, dtype)}
+    for run in sides.values():
+        run(prompts, 4)  # compiled, warm
+    times: dict[str, list] = {name: [] for name in sides}
+    for _ in range(repeats):
+        for name, run in sides.items():
+            times[name].append(run(prompts, new))
+    result = {}
+    for name, pairs in times.items():
+        first = statistics.median(p[0] for p in pairs)
+        rest = statistics.median(p[1] for p in pairs)
+        result[name] = {
+            "prefill_tokens_per_s": batch * prompt / first,
+            "decode_tokens_per_s": batch * (new - 1) / rest,
+        }
+    zoo_rate, torch_rate = (result[n]["decode_tokens_per_s"] for n in ("zoo", "transformers"))
+    result["decode_x_transformers"] = zoo_rate / torch_rate
+    return result
+
+
+def table(results: dict) -> str:
+    head = (
+        "| model | dtype | batch | zoo prefill tok/s | transformers prefill tok/s | "
+        "zoo decode tok/s | transformers decode tok/s | decode zoo / transformers |"
+    )
+    lines = [head, "|---|---|---|---|---|---|---|---|"]
+    for case in results["cases"]:
+        z, t = case["zoo"], case["transformers"]
+        lines.append(
+            f"| {case['model']} | {case['dtype']} | {case['batch']} | "
+            f"{z['prefill_tokens_per_s']:.0f} | {t['prefill_tokens_per_s']:.0f} | "
+            f"{z['decode_tokens_per_s']:.1f} | {t['decode_tokens_per_s']:.1f} | "
+            f"{case['decode_x_transformers']:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prompt", type=int, default=32, help="tokens of each prompt")
+    parser.add_argument("--new", type=int, default=33, help="new tokens of each prompt")
+    parser.add_argument("--only", help="run the cases of this model only (gpt2-small, ...)")
+    parser.add_argument("--cache", type=Path, default=CACHE, help="where checkpoints are kept")
+    parser.add_argument(
+        "--single-thread",
+        action="store_true",
+        help="both sides on one thread (XLA's and PyTorch's): for a machine others share",
+    )
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    threads = 1 if args.single_thread else len(os.sched_getaffinity(0))
+    if args.single_thread:  # before jax is imported
+        flags = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()
+    import torch
+
+    torch.set_num_threads(threads)
+    directories = {
+        "gpt2-small": gpt2_checkpoint(args.cache / "gpt2-small-random"),
+        "qwen3-0.6b": make_checkpoint(args.cache / "qwen3-0.6b-random"),
+    }
+    results: dict = {"threads": threads, "prompt": args.prompt, "new": args.new, "cases": []}
+    for name, dtype, batch in CASES:
+        if args.only and name != args.only:
+            continue
+        case = measure(directories[name], dtype, batch, args.prompt, args.new, args.repeats)
+        results["cases"].append({"model": name, "dtype": dtype, "batch": batch, **case})
+        print(table({"cases": results["cases"][-1:]}).splitlines()[-1], flush=True)
+    print(table(results))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""The key/value cache that language models decode against, shared by `gpt` and `decoder`.
+
+A batch of prompts of different lengths is left-padded to one length, so that every row writes
+its next token into the same slot of the cache: one `dynamic_update_slice` for the whole batch,
+in place when the cache is donated. What differs between rows is where their real tokens start
+(`Slots.first`): a row's positions count from there, and the slots before it are never seen.
+A row decoded in a batch thus sees exactly the keys, values and positions it would see alone.
+
+Each layer's cache is `slots` long, a sliding-window layer's only its window (when that is
+shorter): slot `s` of a cache of `S` slots holds the latest token whose slot index is `s`
+modulo `S` (a ring buffer), so a window's memory is bounded by the window however long the
+text grows. A full-attention layer's cache is as long as the text, so it never wraps.
+
+A prefill (`Slots.prefill`) runs a whole left-padded prompt from slot 0: the tokens attend
+among themselves, and the cache keeps their keys and values (a ring its last `S`). A decode
+step runs one token per row at `Slots.index`, attending to the cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+KVCache = tuple[jax.Array, jax.Array]
+"""Keys and values of one layer: two arrays of batch x slots x heads x head_dim (with a
+leading layer axis for stacked layers)."""
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Slots:
+    """Where the new tokens of a call go. `index`: the slot of the first new token (int32
+    scalar; 0 in a prefill); `first`: each row's first real slot (int32, batch), the slots
+    before it its left padding; `prefill`: the new tokens are a whole prompt from slot 0."""
+
+    index: jax.Array
+    first: jax.Array
+    prefill: bool = dataclasses.field(metadata={"static": True})
+
+    def positions(self, length: int) -> jax.Array:
+        """The positions (batch x length, int32) of the new tokens in their own rows: their
+        distance from the row's first real slot (0 for padding)."""
+        slots = self.index + jnp.arange(length, dtype=jnp.int32)
+        return jnp.maximum(slots[None, :] - self.first[:, None], 0)
+
+
+def cache_slots(total: int, window: int) -> int:
+    """How many slots a layer keeps for a text of `total` slots: its window, when it has a
+    shorter one."""
+    return min(window, total) if window else total
+
+
+def update(cache: KVCache, k: jax.Array, v: jax.Array, slots: Slots, window: int):
+    """The keys and values the new tokens attend to, which of them each new token sees
+    (batch x new x keys, boolean), and the layer's cache with the new keys and values in it.
+    `window`: a sliding window's length (0: none)."""
+    length, size = k.shape[1], cache[0].shape[1]
+    queries = slots.index + jnp.arange(length, dtype=jnp.int32)
+    if slots.prefill:
+        written = (_fill(cache[0], k), _fill(cache[1], v))
+        keys, values, held = k, v, jnp.arange(length, dtype=jnp.int32)
+    else:
+        at = slots.index % size
+        written = tuple(
+            jax.lax.dynamic_update_slice_in_dim(c, x.astype(c.dtype), at, 1)
+            for c, x in ((cache[0], k), (cache[1], v))
+        )
+        keys, values = written
+        # The slot index each cache slot holds: the latest one up to the last new token.
+        last = queries[-1]
+        held = last - (last - jnp.arange(size, dtype=jnp.int32)) % size
+    distance = queries[:, None] - held[None, :]
+    seen = (distance >= 0) & ((distance < window) if window else True)
+    real = held[None, None, :] >= slots.first[:, None, None]
+    # A padding token sees itself, so that no row of the softmax is empty.
+    visible = (seen[None] & real) | (distance == 0)[None]
+    return keys, values, visible, written
+
+
+def _fill(cache: jax.Array, x: jax.Array) -> jax.Array:
+    """The cache after a prefill of `x` (batch x length x ...) from slot 0: all of it where it
+    fits, else its last `slots` in their ring slots."""
+    length, size = x.shape[1], cache.shape[1]
+    x = x.astype(cache.dtype)
+    if length <= size:
+        return jax.lax.dynamic_update_slice_in_dim(cache, x, 0, 1)
+    return jnp.roll(x[:, length - size :], (length - size) % size, axis=1)
