@@ -168,12 +168,13 @@ def test_each_familys_two_turn_conversation_trains_exactly_its_replies(name):
     ]
 
 
+@pytest.mark.parametrize("name", ["qwen2.5-instruct", "chatml-generation"])
 @pytest.mark.parametrize(
     ("loss_on", "replies"),
     [("completion", ["See you.<|im_end|>"]), ("all", None)],
 )
-def test_loss_on_the_last_reply_or_everything(loss_on, replies, checkpoints):
-    directory = checkpoints["qwen2.5-instruct"]
+def test_loss_on_the_last_reply_or_everything(name, loss_on, replies, checkpoints):
+    directory = checkpoints[name]
     encoder = Encoder.load(directory, load_tokenizer(directory), loss_on)
     ids, trained = encoder.encode(conversation({"messages": TWO_TURNS}, Columns(), DEFAULT_ROLES))
     if replies is None:
