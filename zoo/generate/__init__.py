@@ -20,13 +20,14 @@ import contextlib
 import json
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
 
 from zoo.api import TrainedModel, load
+from zoo.chat_template import end_of_turn_ids, read_chat_template, render_chat, special_tokens
 from zoo.data.text import load_tokenizer
 from zoo.engine import precision
 from zoo.engine.errors import ZooError
@@ -55,7 +56,7 @@ USAGE = (
 
 def generate(
     model: Any,
-    prompt: str | bytes | Sequence[str | bytes],
+    prompt: str | bytes | Sequence[str | bytes] | None = None,
     max_new_tokens: int = 100,
     temperature: float = 1.0,
     top_k: int = 0,
@@ -68,6 +69,8 @@ def generate(
     logprobs: bool = False,
     stream: bool = False,
     tokenizer: Any = None,
+    messages: Sequence[Mapping[str, Any]] | None = None,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
 ) -> str | list[str] | Completion | list[Completion] | Iterator[str]:
     """The text that `model` writes after `prompt`: at most `max_new_tokens` new tokens
     (bytes, for a byte-level model), the likeliest each time at `temperature` 0, else sampled
@@ -82,13 +85,22 @@ def generate(
     `logprobs`: `Completion`s instead of texts, with each new token's log-probability.
     `stream`: an iterator of the text's pieces as they come (one prompt).
     `tokenizer`: a `tokenizers.Tokenizer` or the path of a `tokenizer.json` (default: the run's
-    own)."""
+    own).
+
+    `messages` instead of a prompt (`[{"role": "user", "content": ...}, ...]`): the reply of a
+    chat checkpoint, its chat template rendered (`zoo.chat_template`, with the opening of the
+    assistant's turn and the `chat_template_kwargs`, e.g. `{"enable_thinking": False}`) and the
+    reply ending at its end-of-turn token (`eos`, by default `end_of_turn_ids`)."""
     stops = (stop,) if isinstance(stop, str) else tuple(stop)
     sampling = Sampling(temperature, top_k, top_p, min_p)
+    if (messages is None) == (prompt is None):
+        raise ZooError("zoo.generate takes a prompt or messages (a chat), one of the two.")
+    trained, module, codec, default_eos, activate = _resolved(model, tokenizer)
+    if messages is not None:
+        prompt, default_eos = chat_prompt(trained, messages, chat_template_kwargs)
     prompts = [prompt] if isinstance(prompt, str | bytes) else list(prompt)
     if stream and len(prompts) != 1:
         raise ZooError(f"stream=True streams one prompt; got {len(prompts)}.")
-    module, codec, default_eos, activate = _resolved(model, tokenizer)
     request = Request(
         max_new_tokens, sampling, seed, tuple(default_eos if eos is None else eos), stops, logprobs
     )
@@ -112,29 +124,61 @@ def _streamed(pieces: Iterator[str], activate) -> Iterator[str]:
 
 
 def _resolved(model: Any, tokenizer: Any):
-    """(the module to call, its codec, its default end-of-sequence ids, the context to call
-    it in: its run's mesh, or the caller's for a bare module)."""
+    """(the run or None, the module to call, its codec, its default end-of-sequence ids, the
+    context to call it in: its run's mesh, or the caller's for a bare module)."""
     if isinstance(model, str | os.PathLike):
         model = load(model, devices=jax.devices()[:1])
     if isinstance(tokenizer, str | os.PathLike):
         tokenizer = load_tokenizer(tokenizer)
     if not isinstance(model, RunResult | TrainedModel):
-        return model, Codec(tokenizer), (), contextlib.nullcontext
+        return None, model, Codec(tokenizer), (), contextlib.nullcontext
     if tokenizer is None and model.config.data.get("tokenizer"):
         tokenizer = load_tokenizer(run_tokenizer(model.config, model.workdir))
     eos = checkpoint_eos(model) if tokenizer is not None else ()
     with model.activate():
         computing = precision.computing(model.model, model.config.trainer.precision)
-    return computing, Codec(tokenizer), eos, model.activate
+    return model, computing, Codec(tokenizer), eos, model.activate
+
+
+def chat_prompt(
+    model: RunResult | TrainedModel | None,
+    messages: Sequence[Mapping[str, Any]],
+    kwargs: Mapping[str, Any] | None = None,
+) -> tuple[str, tuple[int, ...]]:
+    """The text a chat checkpoint's model reads for `messages` before its reply (its template
+    rendered with the generation prompt and its special tokens), and the ids that end the
+    reply."""
+    directory = None if model is None else checkpoint_dir(model)
+    if directory is None:
+        raise ZooError(
+            "messages= needs a chat checkpoint (a pretrained directory, a hub name, or a run "
+            "fine-tuned from one) whose chat template zoo reads; got a bare module or a run "
+            "trained from scratch."
+        )
+    template = read_chat_template(directory)
+    if template is None:
+        raise ZooError(
+            f"{directory} has no chat template (chat_template.jinja, or tokenizer_config.json's "
+            "chat_template): give a prompt instead of messages."
+        )
+    variables = {**special_tokens(directory), **(kwargs or {})}
+    return render_chat(template, messages, True, **variables), end_of_turn_ids(directory)
+
+
+def checkpoint_dir(trained: RunResult | TrainedModel) -> str | None:
+    """The checkpoint directory a run is (a pretrained directory) or started from."""
+    finetune = trained.config.get("finetune") or {}
+    for directory in (trained.workdir, finetune.get("init_from")):
+        if directory and os.path.isfile(os.path.join(directory, "config.json")):
+            return directory
+    return None
 
 
 def checkpoint_eos(trained: RunResult | TrainedModel) -> tuple[int, ...]:
     """The end-of-sequence ids of the checkpoint a run is or started from:
     `generation_config.json`'s `eos_token_id` (an id or a list), else `config.json`'s."""
-    finetune = trained.config.get("finetune") or {}
-    for directory in (trained.workdir, finetune.get("init_from")):
-        if not directory or not os.path.isdir(directory):
-            continue
+    directory = checkpoint_dir(trained)
+    if directory is not None:
         for name in ("generation_config.json", "config.json"):
             path = Path(directory) / name
             if path.is_file() and "eos_token_id" in (settings := json.loads(path.read_text())):
@@ -154,7 +198,7 @@ def main(argv: list[str]) -> int:
     try:
         step = options.pop("step", "latest")
         trained = load(positional[0], step, devices=jax.devices()[:1])
-        typed = _typed(options)
+        typed = typed_options(options)
         print(typed["prompt"], end="", flush=True)
         for piece in generate(trained, **typed, stream=True):
             print(piece, end="", flush=True)
@@ -165,7 +209,8 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _typed(options: dict[str, str]) -> dict[str, Any]:
+def typed_options(options: dict[str, str]) -> dict[str, Any]:
+    """Command-line `key=value` options as the types `OPTIONS` gives them."""
     typed = {}
     for name, text in options.items():
         try:
