@@ -28,7 +28,7 @@ from zoo.engine import registry
 from zoo.engine.loop import Trainer
 
 import zoo
-from benchmarks import loops
+from benchmarks import loops, machine
 from benchmarks.torch_loops import torch_loop
 
 LOOPS = ("zoo", "zoo_dispatch", "bare", "nnx", "torch")
@@ -205,6 +205,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     args = parser.parse_args(argv)
     results = {}
+    print(machine.describe())
     for model in filter(None, args.models.split(",")):
         results[model] = compare(
             model,
@@ -217,6 +218,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     report = {
         "machine": {
             "cpus": os.cpu_count(),
+            "cpu": machine.cpu(),
             "platform": platform.platform(),
             "devices": [str(d) for d in jax.devices()],
             "jax": jax.__version__,

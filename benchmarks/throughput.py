@@ -6,7 +6,9 @@ fp32 and bf16, against the same model in PyTorch (`torch.compile`) on the same d
 
 Sizes: by default GPT-2 small (12 layers, width 768, 12 heads, context 1024, GPT-2's vocabulary
 of 50,257 tokens, batch 16); `--small`: 4 layers, width 256, 4 heads, context 256, the byte
-vocabulary (256), batch 8. Any size can be set on its own.
+vocabulary (256), batch 8. Any size can be set on its own. `--decoder`: the decoder's training
+at the same sizes joins the rounds (zoo alone). The table is printed under the CPU's model and
+vector features (`benchmarks.machine`).
 
 zoo's side is the trainer's real loop (`benchmarks.loops.zoo_loop`: the run that
 `model=gpt trainer.precision=...` composes, built on one device, its pipeline, train step, metric
@@ -45,7 +47,7 @@ import jax.numpy as jnp
 from omegaconf import OmegaConf
 from zoo.engine.loop import Trainer
 
-from benchmarks import loops
+from benchmarks import loops, machine
 from benchmarks.run import benchmark_trainer, spread
 
 GPU_SIZES = {"depth": 12, "dim": 768, "heads": 12, "context": 1024, "vocab": 50257, "batch": 16}
@@ -78,8 +80,11 @@ def _timed(work: Callable[..., Any], *args: Any) -> float:
     return time.perf_counter() - start
 
 
-def zoo_trainers(sizes: dict[str, int], workdir: str) -> dict[str, Trainer]:
-    """One trainer per precision, on the first device, at `sizes`."""
+def zoo_trainers(
+    sizes: dict[str, int], workdir: str, model: str = "gpt", precisions: Sequence[str] = PRECISIONS
+) -> dict[str, Trainer]:
+    """One trainer of `model` (gpt, or the decoder, whose sizes have the same names) per
+    precision, on the first device, at `sizes`."""
     overrides = [
         f"model.depth={sizes['depth']}",
         f"model.dim={sizes['dim']}",
@@ -91,12 +96,12 @@ def zoo_trainers(sizes: dict[str, int], workdir: str) -> dict[str, Trainer]:
     ]
     return {
         precision: benchmark_trainer(
-            "gpt",
-            f"{workdir}/{precision}",
+            model,
+            f"{workdir}/{model}-{precision}",
             [*overrides, f"trainer.precision={precision}"],
             jax.devices()[:1],
         )
-        for precision in PRECISIONS
+        for precision in precisions
     }
 
 
@@ -120,12 +125,22 @@ def torch_side(trainer: Trainer) -> dict[str, Callable[[int], None]] | str:
     }
 
 
-def measure(sizes: dict[str, int], rounds: int, steps: int, peak: float | None) -> dict[str, Any]:
+def measure(
+    sizes: dict[str, int],
+    rounds: int,
+    steps: int,
+    peak: float | None,
+    decoder_precisions: Sequence[str] = (),
+) -> dict[str, Any]:
     """Interleaved rounds of every loop (and, without a given `peak`, of the matmul that
-    measures it); tokens/s, FLOP/s and MFU per loop, medians over the rounds."""
+    measures it); tokens/s, FLOP/s and MFU per loop, medians over the rounds. The decoder's
+    training at the same sizes in `decoder_precisions` joins the rounds (zoo's side only: it
+    has no PyTorch twin here; its FLOPs are not gpt's, so its FLOP/s and MFU are left out)."""
     with tempfile.TemporaryDirectory() as workdir:
         trainers = zoo_trainers(sizes, workdir)
+        decoders = zoo_trainers(sizes, workdir, "decoder", decoder_precisions)
         advances = {f"zoo {p}": loops.zoo_loop(t) for p, t in trainers.items()}
+        advances |= {f"zoo decoder {p}": loops.zoo_loop(t) for p, t in decoders.items()}
         zoo_names = list(advances)
         torch = torch_side(trainers["fp32"])
         if not isinstance(torch, str):
@@ -142,7 +157,10 @@ def measure(sizes: dict[str, int], rounds: int, steps: int, peak: float | None) 
         finally:
             for name in zoo_names:
                 advances[name].close()  # type: ignore[attr-defined]
-        compilations = {p: t.train_step._cache_size() for p, t in trainers.items()}
+        compilations = {
+            name: t.train_step._cache_size()
+            for name, t in [*trainers.items(), *(("decoder " + p, t) for p, t in decoders.items())]
+        }
     per_token = flops_per_token(trainers["fp32"])
     tokens = steps * sizes["batch"] * sizes["context"]
     return {
@@ -150,7 +168,8 @@ def measure(sizes: dict[str, int], rounds: int, steps: int, peak: float | None) 
         "peak_flops": spread(peaks),
         "peak_source": "--peak-tflops" if peak else "measured float32 matmul",
         "loops": {
-            name: figures(times, tokens, per_token, peaks) for name, times in seconds.items()
+            name: figures(times, tokens, 0.0 if "decoder" in name else per_token, peaks)
+            for name, times in seconds.items()
         },
         "ratios": {
             f"zoo/torch {p}": spread(
@@ -186,14 +205,16 @@ def print_table(result: dict[str, Any], sizes: dict[str, int]) -> None:
         f"{result['flops_per_token'] / 1e6:.1f} MFLOP per token; peak {peak / 1e9:,.1f} GFLOP/s "
         f"({result['peak_source']}); medians (min-max) over rounds"
     )
-    print(f"{'loop':<12} {'tokens/s':>28} {'GFLOP/s':>10} {'MFU':>7}")
+    print(f"{'loop':<18} {'tokens/s':>28} {'GFLOP/s':>10} {'MFU':>7}")
     for name, row in result["loops"].items():
         t = row["tokens_per_sec"]
         span = f"{t['median']:,.0f} ({t['min']:,.0f}-{t['max']:,.0f})"
         gflops = row["flops_per_sec"]["median"] / 1e9
-        print(f"{name:<12} {span:>28} {gflops:>10,.1f} {100 * row['mfu']['median']:>6.1f}%")
+        mfu = f"{100 * row['mfu']['median']:>6.1f}%"
+        flops = f"{gflops:>10,.1f} {mfu}" if gflops else f"{'-':>10} {'-':>7}"
+        print(f"{name:<18} {span:>28} {flops}")
     for name, r in result["ratios"].items():
-        print(f"{name:<12} {r['median']:>11.2f} ({r['min']:.2f}-{r['max']:.2f}) tokens/s ratio")
+        print(f"{name:<18} {r['median']:>11.2f} ({r['min']:.2f}-{r['max']:.2f}) tokens/s ratio")
     for name, why in result["not_measured"].items():
         print(f"{name}: not measured: {why}")
 
@@ -210,6 +231,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         type=float,
         help=f"the device's peak (default: {H100_BF16_TFLOPS:g} on a GPU, measured on a CPU)",
     )
+    parser.add_argument(
+        "--decoder",
+        action="store_true",
+        help="also time the decoder's float32 training at the same sizes (zoo's side only)",
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
     # Two frameworks share the device: JAX takes memory as it needs it, not 75% up front.
@@ -218,12 +244,21 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     sizes = {name: getattr(args, name) or preset[name] for name in preset}
     device = jax.devices()[0]
     peak_tflops = args.peak_tflops or (H100_BF16_TFLOPS if device.platform == "gpu" else None)
-    result = measure(sizes, args.rounds, args.steps, peak_tflops and peak_tflops * 1e12)
+    result = measure(
+        sizes,
+        args.rounds,
+        args.steps,
+        peak_tflops and peak_tflops * 1e12,
+        ("fp32",) if args.decoder else (),
+    )
+    cpu = machine.cpu()
+    print(machine.describe(cpu))
     print_table(result, sizes)
     report = {
         "device": str(getattr(device, "device_kind", device)),
         "platform": device.platform,
         "cpus": os.cpu_count(),
+        "cpu": cpu,
         "jax": jax.__version__,
         "sizes": sizes,
         "rounds": args.rounds,
