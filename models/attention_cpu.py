@@ -1,0 +1,76 @@
+"""Attention as XLA:CPU runs it fastest: written out with the heads leading, and a causal
+product computed in blocks of queries, each against the keys up to its own last position.
+
+`jax.nn.dot_product_attention(implementation="xla")` maps its einsums over the query heads of
+a key/value head (`vmap`) and takes them in the (batch, length, heads, features) layout it is
+given; on a CPU the compiled step then spends most of its attention time transposing and
+scaling batch x heads x length x length arrays, and computes the whole square of logits of a
+causal product, the masked half included. Written out here, the queries, keys and values are
+transposed once to (batch, heads, length, features), so that every batched matmul has its
+batch dimensions leading; the logits' scale and mask fuse into the softmax; and the queries of
+a causal product are taken in up to `MAX_BLOCKS` blocks of at least `MIN_BLOCK` positions,
+block i against keys 0 ... its last position only, which skips up to 3/8 of the square.
+
+The result is the same attention up to float rounding (the softmax of a block's row sums
+fewer, exactly zero terms); measured at batch 8, context 256, 4 heads of 64 on a 2-core CPU,
+forward and backward take a third of the time of `jax.nn.dot_product_attention`'s (see
+docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+MIN_BLOCK = 64
+"""The fewest queries in a block: smaller matmuls lose more to overhead than they skip."""
+MAX_BLOCKS = 4
+"""The most blocks a causal product is split into (each a few more ops to compile)."""
+_NO_ATTENTION = -1e30  # a logit that softmax turns into exactly zero weight
+_ALGORITHMS = {
+    jnp.dtype(jnp.bfloat16): jax.lax.DotAlgorithmPreset.BF16_BF16_F32,
+    jnp.dtype(jnp.float16): jax.lax.DotAlgorithmPreset.F16_F16_F32,
+}
+"""The logits' algorithm for half-precision queries and keys, as jax's kernel asks for it: the
+backward pass then multiplies the logits' float32 cotangent rounded to the inputs' precision,
+not in float32."""
+
+
+def attend(
+    q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float | None, causal: bool
+) -> jax.Array:
+    """softmax(q.k * scale) . v over (batch, length, heads, features) queries, keys and values
+    of one length, each query seeing every key or (`causal`) itself and earlier ones; `scale`
+    None: 1/sqrt(features). Logits and softmax in float32, as jax's kernel computes them
+    (bfloat16 and float16 inputs multiplied as such, see `_ALGORITHMS`)."""
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    q, k, v = (jnp.swapaxes(t, 1, 2) for t in (q, k, v))  # batch, heads, length, features
+    length = q.shape[2]
+    blocks = min(MAX_BLOCKS, max(1, length // MIN_BLOCK)) if causal else 1
+    size = -(-length // blocks)
+    mixed = [
+        _block(q[:, :, start : start + size], k, v, start, scale, causal)
+        for start in range(0, length, size)
+    ]
+    return jnp.swapaxes(jnp.concatenate(mixed, axis=2) if len(mixed) > 1 else mixed[0], 1, 2)
+
+
+def _block(q, k, v, start: int, scale: float, causal: bool) -> jax.Array:
+    """The queries at positions start, start + 1, ... against the keys they may see."""
+    end = start + q.shape[2] if causal else k.shape[2]
+    k, v = k[:, :, :end], v[:, :, :end]
+    logits = jnp.einsum(
+        "bhqd,bhkd->bhqk",
+        q,
+        k,
+        precision=_ALGORITHMS.get(jnp.dtype(q.dtype)),
+        preferred_element_type=jnp.float32,
+    )
+    logits = logits * scale
+    if causal:
+        visible = jnp.arange(end)[None, :] <= (start + jnp.arange(q.shape[2]))[:, None]
+        logits = jnp.where(visible, logits, _NO_ATTENTION)
+    weights = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    return jnp.einsum("bhqk,bhkd->bhqd", weights, v)

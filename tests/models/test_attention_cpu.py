@@ -1,0 +1,93 @@
+"""The CPU's written-out attention (`zoo.models.attention_cpu`) computes what
+`jax.nn.dot_product_attention` does, forward and backward: causal in blocks of queries (lengths
+that the blocks divide and that they do not), bidirectional, another scale, bfloat16, and with
+batch and heads split over a mesh; and the shared block takes it on a CPU."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conformance.checks import MESH, on_mesh
+from jax.sharding import PartitionSpec as P
+from zoo.engine.sharding import logical_spec
+from zoo.models import attention_cpu
+
+BATCH, HEADS, HEAD_DIM = 4, 2, 8  # the batch splits 4 ways, the heads 2
+
+
+def qkvw(length: int, dtype=jnp.float32) -> tuple[jax.Array, ...]:
+    keys = jax.random.split(jax.random.key(length), 4)
+    return tuple(jax.random.normal(k, (BATCH, length, HEADS, HEAD_DIM)).astype(dtype) for k in keys)
+
+
+def value_and_grads(attend, q, k, v, w):
+    """The attention and the gradients of a weighted sum of it with respect to q, k and v."""
+
+    def objective(q, k, v):
+        mixed = attend(q, k, v)
+        return jnp.sum(mixed.astype(jnp.float32) * w.astype(jnp.float32)), mixed
+
+    (_, mixed), grads = jax.jit(jax.value_and_grad(objective, (0, 1, 2), has_aux=True))(q, k, v)
+    return [np.asarray(x, np.float32) for x in (mixed, *grads)]
+
+
+def both(q, k, v, w, causal, scale=None):
+    def ours(q, k, v):
+        return attention_cpu.attend(q, k, v, scale=scale, causal=causal)
+
+    def jax_kernel(q, k, v):
+        return jax.nn.dot_product_attention(
+            q, k, v, scale=scale, is_causal=causal, implementation="xla"
+        )
+
+    return value_and_grads(ours, q, k, v, w), value_and_grads(jax_kernel, q, k, v, w)
+
+
+@pytest.mark.parametrize(
+    "length, causal, scale",
+    [(256, True, None), (200, True, None), (130, True, 1.0), (40, True, None), (130, False, None)],
+    ids=["4-blocks", "3-uneven-blocks", "2-blocks-scale-1", "one-block", "bidirectional"],
+)
+def test_matches_jax_attention_forward_and_backward(length, causal, scale):
+    ours, reference = both(*qkvw(length), causal, scale)
+    for got, want in zip(ours, reference, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_matches_jax_attention_to_bfloat16_rounding():
+    ours, reference = both(*qkvw(130, jnp.bfloat16), causal=True)
+    for got, want in zip(ours, reference, strict=True):
+        np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+
+
+def test_batch_and_heads_split_over_a_mesh_give_the_one_device_result():
+    q, k, v, _ = qkvw(130)
+    whole = attention_cpu.attend(q, k, v, scale=None, causal=True)
+    with on_mesh(MESH):
+        spec = logical_spec("batch", None, "heads", None)
+        split = [jax.sharding.reshard(t, spec) for t in (q, k, v)]
+        mixed = jax.jit(lambda q, k, v: attention_cpu.attend(q, k, v, scale=None, causal=True))(
+            *split
+        )
+        assert jax.typeof(mixed).sharding.spec == P(*spec)
+    np.testing.assert_allclose(np.asarray(mixed), np.asarray(whole), rtol=1e-6, atol=1e-6)
+
+
+def test_the_shared_block_takes_it_on_a_cpu_without_a_cache(monkeypatch):
+    from flax import nnx
+    from zoo.models.gpt import GPT
+
+    calls = []
+    attend = attention_cpu.attend
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs["causal"])
+        return attend(*args, **kwargs)
+
+    monkeypatch.setattr(attention_cpu, "attend", counted)
+    with on_mesh({"data": 1, "fsdp": 1, "tensor": 1}):
+        model = GPT(context_length=16, dim=16, depth=2, num_heads=2, rngs=nnx.Rngs(0))
+        model(jnp.zeros((1, 16), jnp.int32))
+    assert calls == [True, True]
