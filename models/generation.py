@@ -38,6 +38,7 @@ from zoo.models.kv_cache import Slots
 from zoo.plugin import ZooError, unsplit_batch
 
 log = logging.getLogger("zoo.generation")
+"""Where each compilation is said (DEBUG: a run's console shows INFO)."""
 
 COMPILATIONS: collections.Counter = collections.Counter()
 """How many times each function was compiled: ("prefill", batch, bucket, slots) and
@@ -278,7 +279,7 @@ def _model(structure, weights):
 @functools.partial(jax.jit, static_argnames=("structure", "filters"), donate_argnames=("cache",))
 def _prefill(structure, weights, cache, tokens, first, keys, controls, filters):
     COMPILATIONS["prefill", *tokens.shape, _length(cache), filters] += 1
-    log.info("compiling the prefill of %d x %d tokens (%s)", *tokens.shape, ",".join(filters))
+    log.debug("compiling the prefill of %d x %d tokens (%s)", *tokens.shape, ",".join(filters))
     tokens, first = jax.sharding.reshard(tokens, P()), jax.sharding.reshard(first, P())
     slots = Slots(jnp.int32(0), first, prefill=True)
     logits, cache = _model(structure, weights).decode(tokens, cache, slots)
@@ -289,7 +290,7 @@ def _prefill(structure, weights, cache, tokens, first, keys, controls, filters):
 @functools.partial(jax.jit, static_argnames=("structure", "filters"), donate_argnames=("cache",))
 def _decode(structure, weights, cache, token, index, first, keys, step, controls, filters):
     COMPILATIONS["decode", token.shape[0], _length(cache), filters] += 1
-    log.info("compiling the decode step of %d rows (%s)", token.shape[0], ",".join(filters))
+    log.debug("compiling the decode step of %d rows (%s)", token.shape[0], ",".join(filters))
     first = jax.sharding.reshard(first, P())
     slots = Slots(index, first, prefill=False)
     logits, cache = _model(structure, weights).decode(token[:, None], cache, slots)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import functools
 import json
+import logging
 import math
 
 import jax
@@ -48,8 +49,9 @@ def compiled_since(before: collections.Counter) -> collections.Counter:
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_a_ragged_batch_equals_each_prompt_alone_and_transformers(name):
+def test_a_ragged_batch_equals_each_prompt_alone_and_transformers(name, caplog):
     model = one_device(name)
+    caplog.set_level(logging.DEBUG, "zoo.generation")
     prompts, expected = prompts_of(name)
     new = len(expected[0])
     jax.clear_caches()  # so that what compiles here is counted, whatever ran before
@@ -69,6 +71,8 @@ def test_a_ragged_batch_equals_each_prompt_alone_and_transformers(name):
     # the same prompts again compile nothing.
     assert compiled == {"prefill": 3, "decode": 1}
     assert compiled_since(before) == compiled
+    said = [r.getMessage().split(" of ")[0] for r in caplog.records if r.name == "zoo.generation"]
+    assert collections.Counter(said) == {"compiling the prefill": 4, "compiling the decode step": 2}
 
 
 @pytest.mark.parametrize("name", FAMILIES)
