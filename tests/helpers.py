@@ -19,13 +19,15 @@ ROOT = Path(__file__).resolve().parent.parent
 NO_COMPILE_CACHE = {"JAX_ENABLE_COMPILATION_CACHE": "false"}
 
 
-def run_cli(*args: str, env: dict[str, str | None] | None = None, timeout: float = 300, cwd=ROOT):
-    """`python -m zoo.train ARGS` from the repository root (or `cwd`), as a user would run it;
-    `env` entries set to None are removed from the environment."""
+def run_module(
+    module: str, *args, env: dict[str, str | None] | None = None, timeout: float = 300, cwd=ROOT
+) -> subprocess.CompletedProcess:
+    """`python -m MODULE ARGS` from the repository root (or `cwd`), as a user would run it, on 8
+    simulated devices; `env` entries set to None are removed from the environment."""
     merged = {**os.environ, "JAX_NUM_CPU_DEVICES": "8", **(env or {})}
     full_env = {key: value for key, value in merged.items() if value is not None}
     return subprocess.run(
-        [sys.executable, "-m", "zoo.train", *args],
+        [sys.executable, "-m", module, *map(str, args)],
         cwd=cwd,
         env=full_env,
         check=False,
@@ -33,6 +35,21 @@ def run_cli(*args: str, env: dict[str, str | None] | None = None, timeout: float
         text=True,
         timeout=timeout,
     )
+
+
+def run_cli(*args, env: dict[str, str | None] | None = None, timeout: float = 300, cwd=ROOT):
+    """`python -m zoo.train ARGS` (`run_module`)."""
+    return run_module("zoo.train", *args, env=env, timeout=timeout, cwd=cwd)
+
+
+def generate_cli(*args) -> subprocess.CompletedProcess:
+    """`python -m zoo.generate ARGS` (`run_module`)."""
+    return run_module("zoo.generate", *args)
+
+
+def export_cli(*args) -> subprocess.CompletedProcess:
+    """`python -m zoo.export ARGS` (`run_module`)."""
+    return run_module("zoo.export", *args)
 
 
 def read_events(workdir: str | os.PathLike) -> EventAccumulator:

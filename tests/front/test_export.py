@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import ROOT, run_cli
+from helpers import ROOT, export_cli, run_cli
 from zoo.engine import weights
 
 import zoo
@@ -59,17 +59,6 @@ def run(tmp_path_factory):
     result = run_cli(*FINETUNE, f"workdir={workdir}")
     assert result.returncode == 0, result.stderr
     return workdir
-
-
-def export_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "zoo.export", *map(str, args)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
 
 
 def params(directory, weights: str = "raw") -> dict:

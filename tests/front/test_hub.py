@@ -11,8 +11,6 @@ import hashlib
 import http.server
 import os
 import shutil
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -20,7 +18,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import ROOT, run_cli
+from helpers import ROOT, generate_cli, run_cli
 from zoo.data.text import load_tokenizer
 
 import zoo
@@ -134,17 +132,6 @@ def test_the_cli_fine_tunes_from_a_hub_name_and_resumes_offline(cache, tmp_path)
     assert longer.returncode == 0, longer.stdout + longer.stderr
     assert zoo.load(tmp_path).step == 4
     assert "Resuming at step 2" in longer.stderr
-
-
-def generate_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "zoo.generate", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
 
 
 def test_the_generate_cli_takes_a_hub_name(cache):
