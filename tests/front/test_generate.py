@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import importlib
 import re
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import ROOT, run_cli
+from helpers import ROOT, generate_cli, run_cli
 from zoo.data.text import load_tokenizer
 from zoo.engine.precision import computing
 from zoo.engine.rngs import on_eval_key
@@ -101,17 +99,6 @@ def test_a_bf16_run_with_a_tokenizer_generates_and_samples_through_it_in_bf16(ru
     shown, written = TOKENIZER.decode(prompt.tolist()), TOKENIZER.decode(new.tolist())
     log = (run / "train.log").read_text()
     assert f"sample @ step 2: {shown!r} -> {written!r}" in log
-
-
-def generate_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "zoo.generate", *map(str, args)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
 
 
 def test_generate_cli_prints_prompt_and_continuation():
