@@ -32,7 +32,9 @@ class Codec:
 
     tokenizer: Any = None
 
-    def encode(self, text: str | bytes) -> np.ndarray:
+    def encode(self, text: str | bytes | np.ndarray) -> np.ndarray:
+        if isinstance(text, np.ndarray):  # token ids already
+            return text.astype(np.int32)
         if self.tokenizer is None:
             data = text.encode() if isinstance(text, str) else bytes(text)
             return np.frombuffer(data or b"\n", np.uint8).astype(np.int32)

@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import jax
+import numpy as np
 import pytest
 from helpers import ROOT
 from zoo.data.text import load_tokenizer
@@ -85,6 +86,8 @@ def test_prompts_in_a_batch_a_stream_and_log_probabilities():
     first = zoo.generate(directory, prompts[0], **settings)  # row 0 draws as a prompt alone
     pieces = list(zoo.generate(directory, prompts[0], **settings, stream=True))
     scored = zoo.generate(directory, prompts, **settings, logprobs=True)
+    ids = np.asarray(load_tokenizer(directory).encode(prompts[0]).ids)  # token ids as a prompt
+    assert zoo.generate(directory, ids, **settings) == first
     assert isinstance(batch, list) and batch[0] == first == "".join(pieces)
     assert [row.text for row in scored] == batch
     assert all(isinstance(row, Completion) for row in scored)

@@ -81,10 +81,14 @@ def test_a_ragged_batch_on_the_mesh_equals_transformers(name):
     model, _ = loaded(FIXTURES / name, MESH)
     prompts, expected = prompts_of(name)
     with on_mesh(MESH), jax.default_matmul_precision("highest"):
-        batch = Session(model, ROWS, SLOTS).generate(prompts, len(expected[0]), GREEDY)
-        heads = jax.typeof(model.embedding[...]).sharding.mesh.shape["tensor"]
-    assert heads == 2
+        session = Session(model, ROWS, SLOTS)
+        batch = session.generate(prompts, len(expected[0]), GREEDY)
     assert [row.tokens for row in batch] == expected
+    kv_heads = getattr(model, "num_kv_heads", getattr(model, "num_heads", 0))
+    split = "tensor" if kv_heads % MESH["tensor"] == 0 else None  # one key/value head: whole
+    for keys, values in session._cache:
+        assert keys.sharding.spec[2] == values.sharding.spec[2] == split
+        assert keys.sharding.spec[0] is None  # the batch whole
 
 
 @pytest.mark.parametrize(("name", "windows"), [("mistral-window", 5), ("gemma3-tiny", 4)])

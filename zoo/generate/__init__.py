@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 
 from zoo.api import TrainedModel, load
 from zoo.chat_template import end_of_turn_ids, read_chat_template, render_chat, special_tokens
@@ -56,7 +57,7 @@ USAGE = (
 
 def generate(
     model: Any,
-    prompt: str | bytes | Sequence[str | bytes] | None = None,
+    prompt: str | bytes | np.ndarray | Sequence[str | bytes | np.ndarray] | None = None,
     max_new_tokens: int = 100,
     temperature: float = 1.0,
     top_k: int = 0,
@@ -78,7 +79,7 @@ def generate(
     probability (1: all), and those at least `min_p` times as likely as the likeliest (0: all);
     the same `seed` (an int or a JAX key) gives the same text.
 
-    `prompt` may be a list of prompts, of any lengths: they are decoded in one batch, each as it
+    `prompt` may also be token ids (a 1-D array of ints), or a list of prompts, of any lengths: they are decoded in one batch, each as it
     would be alone, and a list of texts comes back. Each ends at its first `stop` string (cut
     from the text) or end-of-sequence id: `eos`, by default the checkpoint's
     (`generation_config.json`'s `eos_token_id`, for a model with a tokenizer; none for bytes).
@@ -98,7 +99,7 @@ def generate(
     trained, module, codec, default_eos, activate = _resolved(model, tokenizer)
     if messages is not None:
         prompt, default_eos = chat_prompt(trained, messages, chat_template_kwargs)
-    prompts = [prompt] if isinstance(prompt, str | bytes) else list(prompt)
+    prompts = [prompt] if isinstance(prompt, str | bytes | np.ndarray) else list(prompt)
     if stream and len(prompts) != 1:
         raise ZooError(f"stream=True streams one prompt; got {len(prompts)}.")
     request = Request(
@@ -109,7 +110,7 @@ def generate(
             return _streamed(_stream(module, prompts[0], request, codec), activate)
         done = complete(module, prompts, request, codec)
     out = done if logprobs else [row.text for row in done]
-    return out[0] if isinstance(prompt, str | bytes) else out
+    return out[0] if isinstance(prompt, str | bytes | np.ndarray) else out
 
 
 def _streamed(pieces: Iterator[str], activate) -> Iterator[str]:
