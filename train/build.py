@@ -28,9 +28,10 @@ def build_model(
     entry: ModelEntry, hparams: Mapping[str, Any], seed: int, finetune: Any = None
 ) -> nnx.Module:
     """The model a run's config describes: the registered model, with the LoRA adapters that
-    `finetune` asks for (their base kernels quantized where it asks for QLoRA: the random
-    initialisation is quantized here, a checkpoint's kernels where they fill it). Call it under
-    the mesh, so everything is born sharded."""
+    `finetune` asks for (their base kernels quantized where it asks for QLoRA: a checkpoint's
+    kernels as they fill it, or with no checkpoint to start from, or params of the model that
+    start fresh, the random initialisation here). Call it under the mesh, so everything is
+    born sharded."""
     model = entry.build(hparams, rngs.init_rngs(seed))
     if finetune is not None and finetune.lora_rank:
         add_adapters(
@@ -39,6 +40,7 @@ def build_model(
             finetune.lora_layers,
             rngs.adapter_rngs(seed),
             finetune.quantize,
+            filled=finetune.init_from is not None and not finetune.reinit,
         )
     return model
 

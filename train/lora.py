@@ -36,7 +36,14 @@ class ShardedLoRA(nnx.Module):
     rank dimension replicated. The adapter's output is added in the layer's output dtype, so a
     model held in bfloat16 stays in bfloat16 with float32 adapters."""
 
-    def __init__(self, base_module: Dense, rank: int, rngs: nnx.Rngs, quantize: str | None = None):
+    def __init__(
+        self,
+        base_module: Dense,
+        rank: int,
+        rngs: nnx.Rngs,
+        quantize: str | None = None,
+        filled: bool = False,
+    ):
         kernel = base_module.kernel
         axes = kernel.get_metadata().get("out_sharding") or (None,) * kernel.ndim
         self.inputs, self.outputs = ins, outs = _kernel_axes(base_module)
@@ -49,17 +56,23 @@ class ShardedLoRA(nnx.Module):
         self.lora_b = nnx.LoRAParam(b_init(rngs.params(), (rank, *out_shape), jnp.float32))
         self.layout: quantization.Layout | None = None
         if quantize is not None:
-            self._hold_quantized(quantize, tuple(axes))
+            self._hold_quantized(quantize, tuple(axes), filled)
 
-    def _hold_quantized(self, qtype: str, axes: tuple[Any, ...]) -> None:
+    def _hold_quantized(self, qtype: str, axes: tuple[Any, ...], filled: bool) -> None:
         """Put codes and scales (`codes`, `scale`, annotated with the kernel's axes) in the place
-        of the layer's kernel, which the layer then lacks."""
+        of the layer's kernel, which the layer then lacks. `filled`: a checkpoint fills the
+        kernel next, so they start as zeros (the random initialisation is then never
+        computed, nor quantized)."""
         kernel = self.base_module.kernel
         self.kernel_axes = axes
         self.layout = quantization.Layout(
             tuple(kernel.shape), jnp.dtype(kernel.dtype), self.inputs[-1], qtype
         )
-        codes, scale = quantization.quantize(kernel[...], self.layout)
+        if filled:
+            shapes = jax.eval_shape(quantization.quantize, kernel[...], self.layout)
+            codes, scale = (jnp.zeros(s.shape, s.dtype) for s in shapes)
+        else:
+            codes, scale = quantization.quantize(kernel[...], self.layout)
         self.codes = quantization.QuantizedKernel(codes, out_sharding=axes)
         self.scale = quantization.QuantizedKernel(scale, out_sharding=axes)
         self.base_module.kernel = None
@@ -157,12 +170,18 @@ ADAPTED = (nnx.Linear, nnx.LinearGeneral, TransposedLinear)
 
 
 def add_adapters(
-    model: nnx.Module, rank: int, layers: str, rngs: nnx.Rngs, quantize: str | None = None
+    model: nnx.Module,
+    rank: int,
+    layers: str,
+    rngs: nnx.Rngs,
+    quantize: str | None = None,
+    filled: bool = False,
 ) -> list[str]:
     """Wrap every dense layer (`ADAPTED`) whose path `layers` matches; returns their
     paths. `quantize` (one of `zoo.engine.quantize.QTYPES`): hold each wrapped layer's kernel
-    quantized (QLoRA). Call it where the model is built (under the mesh), so the adapters are
-    born sharded."""
+    quantized (QLoRA); `filled`: a checkpoint fills every kernel next (`QuantizedFill`), so
+    the model's own initialisation is not quantized. Call it where the model is built (under
+    the mesh), so the adapters are born sharded."""
     chosen = [
         (path, module)
         for path, module in nnx.iter_modules(model)
@@ -175,7 +194,7 @@ def add_adapters(
             f"{', '.join(linears) or 'it has none'}."
         )
     for path, linear in chosen:
-        _replace(model, path, ShardedLoRA(linear, rank, rngs, quantize))
+        _replace(model, path, ShardedLoRA(linear, rank, rngs, quantize, filled))
     return [dotted(path) for path, _ in chosen]
 
 

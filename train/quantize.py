@@ -53,12 +53,6 @@ class Layout:
     def tiled(self) -> bool:
         return self.shape[self.axis] % TILE == 0
 
-    def scale_shape(self) -> tuple[int, ...]:
-        return tuple(
-            size // TILE if axis == self.axis and self.tiled else 1 if axis == self.axis else size
-            for axis, size in enumerate(self.shape)
-        )
-
 
 @functools.partial(jax.jit, static_argnums=1)
 @functools.partial(jax.jit, static_argnums=1)

@@ -101,9 +101,14 @@ def test_quantizing_gives_the_same_bits_every_time():
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.fixture(scope="module")
+def qwen():
+    return zoo.load(QWEN)
+
+
 @pytest.mark.parametrize("qtype", QTYPES)
-def test_an_untrained_qlora_model_computes_the_model_of_its_dequantized_kernels(qtype):
-    loaded = zoo.load(QWEN)
+def test_an_untrained_qlora_model_computes_the_model_of_its_dequantized_kernels(qwen, qtype):
+    loaded = qwen
     quantized = with_qlora(loaded, qtype)
     plain = nnx.clone(loaded.model)
     with loaded.activate():
@@ -125,16 +130,16 @@ def test_an_untrained_qlora_model_computes_the_model_of_its_dequantized_kernels(
 
 @pytest.fixture(scope="module")
 def tuned(tmp_path_factory):
-    """A QLoRA (nf4) fine-tune of the Qwen 3 fixture, its workdir, and the fixture's params."""
+    """A QLoRA (nf4) fine-tune of the Qwen 3 fixture, and its workdir."""
     workdir = tmp_path_factory.mktemp("qlora")
     result = zoo.finetune(
         QWEN, *TUNE, f"workdir={workdir}", lora_rank=4, lora_layers="layers", quantize="nf4"
     )
-    return result, workdir, zoo.load(QWEN)
+    return result, workdir
 
 
-def test_a_fine_tune_trains_the_adapters_alone_over_the_quantized_checkpoint(tuned):
-    result, _, pretrained = tuned
+def test_a_fine_tune_trains_the_adapters_alone_over_the_quantized_checkpoint(tuned, qwen):
+    (result, _), pretrained = tuned, qwen
     assert result.config.finetune.quantize == "nf4"
     checkpoint = kernels(pretrained.model)
     found = adapters(result.model)
@@ -155,8 +160,8 @@ def test_a_fine_tune_trains_the_adapters_alone_over_the_quantized_checkpoint(tun
             np.testing.assert_array_equal(value[...], original[key][...], err_msg=str(path))
 
 
-def test_merge_and_export_give_the_dequantized_kernel_plus_the_adapter(tuned, tmp_path):
-    _, workdir, pretrained = tuned
+def test_merge_and_export_give_the_dequantized_kernel_plus_the_adapter(tuned, qwen, tmp_path):
+    (_, workdir), pretrained = tuned, qwen
     loaded = zoo.load(workdir)  # rebuilt from the run's config, codes and adapters restored
     tokens = np.load(QWEN / "reference.npz")["tokens"]
     expected = {}
