@@ -37,13 +37,16 @@ os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 # cores, so it is off; a later arrival than 40 s under load is tolerated up to 120 s.
 # Compiling dominates the suite's time: XLA:CPU's backend optimisations (LLVM) are off, which
 # takes about 30% off the CPU time of tests that train (tests/conformance/test_conformance_runs.py
-# -k "mlp or cnn", imports included: 29 CPU seconds with them on, 21 off). Every comparison in the
-# suite is between programs compiled alike or against references at a tolerance, so it holds at
-# either level; flags already in XLA_FLAGS come last and win.
+# -k "mlp or cnn", imports included: 29 CPU seconds with them on, 21 off), and so are its MLIR
+# fusion emitters (it emits fusions the older way), which takes over a third off again
+# (tests/train/test_precision.py, whose time is its compilations: 147 CPU seconds with them, 92
+# without). Every comparison in the suite is between programs compiled alike or against
+# references at a tolerance, so it holds either way; flags already in XLA_FLAGS come last and win.
 os.environ["XLA_FLAGS"] = " ".join(
     [
         "--xla_backend_optimization_level=0",
         "--xla_llvm_disable_expensive_passes=true",
+        "--xla_cpu_use_fusion_emitters=false",
         "--xla_cpu_multi_thread_eigen=false",
         "--xla_cpu_collective_call_terminate_timeout_seconds=120",
         os.environ.get("XLA_FLAGS", ""),
@@ -77,22 +80,36 @@ def image_folder(tmp_path_factory):
 
 
 LONGEST_FIRST = (
+    "tests/train/test_precision.py",
     "tests/docs/test_doc_examples.py",
     "tests/train/test_resume.py",
-    "tests/train/test_precision.py",
-    "tests/front/test_costs_benchmark.py",
-    "tests/train/test_multiprocess.py",
-    "tests/models/test_gpt.py",
-    "tests/front/test_cli.py",
-    "tests/front/test_finetune_vision.py",
-    "tests/faults/test_disk_full.py",
-    "tests/faults/test_kill_pretrained.py",
-    "tests/front/test_finetune_pretrained.py",
     "tests/conformance/test_conformance_runs.py",
+    "tests/front/test_cli.py",
+    "tests/models/test_decoder.py",
+    "tests/front/test_costs_benchmark.py",
+    "tests/models/test_gpt.py",
+    "tests/train/test_multiprocess.py",
+    "tests/faults/test_kill_pretrained.py",
+    "tests/faults/test_kill.py",
+    "tests/front/test_bad_input.py",
+    "tests/front/test_finetune_vision.py",
+    "tests/train/test_sharding.py",
+    "tests/front/test_finetune.py",
+    "tests/front/test_hub.py",
+    "tests/conformance/test_conformance_families.py",
+    "tests/front/test_export_options.py",
+    "tests/train/test_tensorboard_screen.py",
+    "tests/train/test_accumulation.py",
+    "tests/train/test_tensorboard.py",
+    "tests/faults/test_bit_rot.py",
+    "tests/train/test_layering.py",
+    "tests/models/test_vae.py",
 )
-"""The files that take longest (2-core CI), in that order. pytest-xdist hands each worker whole
-files in collection order; these first, so that no long file starts near the end while the
-other worker has run out of files."""
+"""The files that take longest (2-core CI, 25 s and more), in that order. pytest-xdist hands each
+worker whole files in collection order (`--dist loadfile --no-loadscope-reorder`: without the
+latter it would reorder them by their number of tests, and a long file of one test would start
+last); these first, so that no long file starts near the end while the other worker has run out
+of files."""
 
 
 def pytest_collection_modifyitems(config, items):
