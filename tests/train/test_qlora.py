@@ -33,8 +33,9 @@ TUNE = (
     "optimizer.schedule=constant",
     "optimizer.learning_rate=1e-2",
 )
-# Largest |dequantized - kernel| over a scale's absmax: half a step of the format's grid (int8:
-# 127 steps each side, int4: 7; nf4: half its widest gap, between -1 and -0.6962).
+# Largest |dequantized - kernel| over a block's absmax: half a step of the format's grid (int8:
+# absmax at 127.5 steps, int4: 7.5, bounded here by 127 and 7 for the clipped edge of the grid;
+# nf4: half its widest gap, between -1 and -0.6962).
 BOUND = {"int8": 0.5 / 127, "int4": 0.5 / 7, "nf4": (1 - 0.6961928009986877) / 2}
 
 
@@ -88,8 +89,8 @@ def test_dequantized_kernels_lie_within_each_format_s_bound(fixture_kernels):
             assert (error <= BOUND[qtype] * absmax * (1 + 1e-5)).all(), (qtype, path)
             relative.append(np.sqrt((error**2).mean() / (blocks**2).mean()))
         errors[qtype] = float(np.mean(relative))
-    assert errors["int8"] < errors["nf4"] < 0.2 and errors["int8"] < errors["int4"] < 0.2, errors
-    assert errors["int8"] < 0.01, errors
+    # relative RMS errors here: int8 0.6%, nf4 8.6%, int4 9.4% (normal weights suit nf4)
+    assert errors["int8"] < 0.01 and errors["int8"] < errors["nf4"] < errors["int4"] < 0.12, errors
 
 
 def test_quantizing_gives_the_same_bits_every_time():
