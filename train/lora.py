@@ -8,8 +8,9 @@ params stay where they were (now under `<layer>.base_module`), and the adapter a
 `lora_b` with its output axes, so the adapters shard as the layer does; `lora_b` starts at zero,
 so an adapted model computes exactly what it did before training. Adapter params are
 `nnx.LoRAParam` (a `Param` subclass): LoRA-only training differentiates and optimizes
-`nnx.LoRAParam` alone. `merge_adapters` folds each adapter into its layer's kernel and puts the
-plain layer back.
+`nnx.LoRAParam` alone. With QLoRA the wrapped layer's kernel is held quantized instead, and a
+checkpoint fills it through `QuantizedFill`. `merge_adapters` folds each adapter into its
+layer's kernel (dequantized first) and puts the plain layer back.
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ class ShardedLoRA(nnx.Module):
     the kernel's input axes' annotations, `lora_b` its output axes', so the adapter shards as
     the layer does; each contraction says where its output lives (explicit sharding asks), the
     rank dimension replicated. The adapter's output is added in the layer's output dtype, so a
-    model held in bfloat16 stays in bfloat16 with float32 adapters."""
+    model held in bfloat16 stays in bfloat16 with float32 adapters. With `quantize` (QLoRA) the
+    layer's kernel is held as `codes` and `scale` (`zoo.engine.quantize`), which no optimizer
+    sees, and the layer computes with the kernel they stand for, dequantized at each call."""
 
     def __init__(
         self,
