@@ -52,6 +52,7 @@ from zoo.models.gpt import (
     language_model_loss,
     mask_padding,
     padded_vocab,
+    tied_logits,
 )
 from zoo.models.kv_cache import Slots, cache_slots
 from zoo.models.rope import ROPE_TYPES, Rope, Rotation, rotation
@@ -278,11 +279,10 @@ class Decoder(nnx.Module):
         )
         x, cache = self._run_layers(x, jax.random.split(key, self.depth), angles, cache, slots)
         x = self.norm(x)
-        vocab = logical_spec("batch", None, "vocab")
         if self.unembed is None:
-            logits = jnp.einsum("btd,vd->btv", x, table, out_sharding=vocab)
+            logits = tied_logits(x, table)
         else:
-            logits = self.unembed(x, out_sharding=vocab)
+            logits = self.unembed(x, out_sharding=logical_spec("batch", None, "vocab"))
         if self.final_softcap:
             logits = self.final_softcap * jnp.tanh(logits / self.final_softcap)
         return mask_padding(logits, self.vocab_size), cache

@@ -82,6 +82,20 @@ def mask_padding(logits: jax.Array, vocab_size: int) -> jax.Array:
     return jnp.where(real, logits, jnp.asarray(_MASKED, logits.dtype))
 
 
+def tied_logits(x: jax.Array, table: jax.Array) -> jax.Array:
+    """The logits of `x` (batch x length x features) through the embedding `table` (vocabulary
+    x features). For one position a row (a decode step) the table comes first in the product:
+    XLA:CPU multiplies a large matrix by a few rows several times faster that way (151,936 x
+    1,024 by 8 rows: 150 ms against 330 ms on one core); longer rows keep the order whose
+    output needs no transposing."""
+    vocab = logical_spec("batch", None, "vocab")
+    if x.shape[1] != 1:
+        return jnp.einsum("btd,vd->btv", x, table, out_sharding=vocab)
+    product = (((1,), (2,)), ((), ()))
+    out = jax.lax.dot_general(table, x, product, out_sharding=P(vocab[2], vocab[0], vocab[1]))
+    return jnp.transpose(out, (1, 2, 0))
+
+
 def padded_vocab(vocab_size: int) -> int:
     """The embedding's number of rows for a vocabulary of `vocab_size` tokens."""
     return -(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
@@ -282,11 +296,10 @@ class GPT(nnx.Module):
             x = x + held.at[slots.positions(length)].get(out_sharding=tokens_spec())
         x, cache = self._run_blocks(x, jax.random.split(key, self.depth), cache, slots)
         x = self.norm(x)
-        vocab = logical_spec("batch", None, "vocab")
         if self.unembed is None:
-            logits = jnp.einsum("btd,vd->btv", x, table, out_sharding=vocab)
+            logits = tied_logits(x, table)
         else:
-            logits = self.unembed(x, out_sharding=vocab)
+            logits = self.unembed(x, out_sharding=logical_spec("batch", None, "vocab"))
         return mask_padding(logits, self.vocab_size), cache
 
     def _run_blocks(self, x, keys, cache, slots):
