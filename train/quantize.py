@@ -81,7 +81,7 @@ def dequantize(codes: jax.Array, scale: jax.Array, layout: Layout) -> jax.Array:
     else:
         nibbles = _unpack(codes, layout.axis) if layout.packed else codes
         if layout.qtype == "nf4":
-            values = _lookup(_NF4.astype(layout.dtype), nibbles)
+            values = _lookup(numerics.get_nf4_buckets().astype(layout.dtype), nibbles)
         else:
             values = nibbles.astype(layout.dtype) - _OFFSET[layout.qtype]
     if not layout.tiled:
@@ -89,10 +89,6 @@ def dequantize(codes: jax.Array, scale: jax.Array, layout: Layout) -> jax.Array:
     axis, shape = layout.axis, values.shape
     tiles = values.reshape((*shape[:axis], shape[axis] // TILE, TILE, *shape[axis + 1 :]))
     return (tiles * jnp.expand_dims(scale, axis + 1)).reshape(shape)
-
-
-_NF4 = numerics.get_nf4_buckets()
-"""The 16 NormalFloat values, in code order."""
 
 
 def _lookup(table: jax.Array, codes: jax.Array) -> jax.Array:
