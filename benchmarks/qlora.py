@@ -14,9 +14,9 @@ short fine-tune reaches on a small decoder.
   codes and scales), the process's peak memory (`VmHWM`) less that of an interpreter that
   imported the same and did nothing, and the seconds of the build and of the fill. Goal: nf4's
   base weights at most 0.3x bfloat16's.
-- loss: a small decoder (`model=decoder`, width 256, 4 layers, bytes) trained from scratch on
-  the standard library's sources for `--base-steps` steps, then fine-tuned from that run for
-  `--steps` steps, its params in bfloat16, with LoRA of rank 16 over its kernels as they are and
+- loss: a small decoder (`model=decoder`, width 256, 4 layers, bytes, params in bfloat16)
+  trained from scratch on the standard library's sources for `--base-steps` steps, then
+  fine-tuned from that run for `--steps` steps, with LoRA of rank 16 over its kernels as they are and
   over their int8, int4 and nf4 codes; the train loss of the last window and the eval loss.
 """
 
@@ -139,6 +139,7 @@ def losses(base_steps: int, steps: int, workdir: Path) -> dict[str, dict[str, fl
         *SMALL,
         *SMALL_DATA,
         *common,
+        *BF16,  # as the fine-tunes hold it: a checkpoint is restored in the dtype it was saved in
         f"trainer.steps={base_steps}",
         f"workdir={workdir / 'base'}",
     )
@@ -196,7 +197,7 @@ def table(results: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cache", type=Path, default=CACHE, help="where the checkpoint is kept")
-    parser.add_argument("--base-steps", type=int, default=200)
+    parser.add_argument("--base-steps", type=int, default=100)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--measure", choices=["baseline", *FORMATS], help=argparse.SUPPRESS)
