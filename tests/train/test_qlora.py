@@ -202,3 +202,34 @@ def test_quantize_is_refused_without_adapters_or_for_an_unknown_format(tmp_path)
     )
     assert cli.returncode != 0
     assert "finetune.quantize=int4 quantizes the base weights" in cli.stderr, cli.stderr
+
+
+def test_a_qlora_fine_tune_of_a_zoo_run_quantizes_that_run_s_kernels(tmp_path):
+    small = (
+        "model.dim=64",
+        "model.depth=2",
+        "model.num_heads=4",
+        "model.context_length=32",
+        "data.window=32",
+        "data.eval_bytes=4096",
+        "trainer.batch_size=8",
+        "trainer.steps=2",
+        "trainer.eval_every=0",
+        "optimizer.warmup_steps=0",
+    )
+    base = zoo.finetune("decoder", *small, f"workdir={tmp_path / 'base'}")
+    tuned = zoo.finetune(
+        tmp_path / "base",
+        *small,
+        f"workdir={tmp_path / 'qlora'}",
+        lora_rank=4,
+        lora_layers="layers",
+        quantize="int4",
+    )
+    trained = kernels(base.model)
+    found = adapters(tuned.model)
+    assert found.keys() == trained.keys()
+    for path, adapter in found.items():
+        codes, scale = quantize(jnp.asarray(trained[path]), adapter.layout)
+        np.testing.assert_array_equal(np.asarray(adapter.codes[...]), np.asarray(codes), path)
+        np.testing.assert_array_equal(np.asarray(adapter.scale[...]), np.asarray(scale), path)
