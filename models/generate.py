@@ -45,6 +45,13 @@ class Codec:
 
     def decode(self, ids: Sequence[int]) -> str:
         if self.tokenizer is None:
+            beyond = [int(i) for i in ids if not 0 <= i < 256]
+            if beyond:
+                raise ZooError(
+                    f"The model wrote id {beyond[0]}, which is no byte: a model whose ids are "
+                    "not bytes writes text through its tokenizer (tokenizer=, or a checkpoint "
+                    "with its tokenizer.json)."
+                )
             return bytes(np.asarray(ids, np.uint8)).decode("utf-8", errors="replace")
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
