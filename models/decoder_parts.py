@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
-from zoo.models import kv_cache
+from zoo.models import attention_cpu, kv_cache
 from zoo.models.attention_route import current_platform, route
 from zoo.models.kv_cache import KVCache, Slots
 from zoo.models.rope import Rotation, rotate
@@ -178,8 +178,18 @@ class Attention(nnx.Module):
             cached=visible is not None,
             dropout=self.softcap > 0,
         )
-        if k.shape[2] != q.shape[2] and (path.kernel == "einsum" or _grouped_fails(q, k)):
+        cpu_kernel = (
+            path.kernel == "xla"
+            and visible is None
+            and not window
+            and current_platform().backend == "cpu"
+        )
+        if k.shape[2] != q.shape[2] and (
+            path.kernel == "einsum" or cpu_kernel or _grouped_fails(q, k)
+        ):
             k, v = (_repeat_heads(t, q) for t in (k, v))
+        if cpu_kernel:  # zoo's own, as the shared block's (see `zoo.models.attention_cpu`)
+            return attention_cpu.attend(q, k, v, scale=self.scale, causal=path.mask == "causal")
         if path.mask == "positions" and visible is None:
             distance = jnp.arange(q.shape[1])[:, None] - jnp.arange(k.shape[1])[None, :]
             visible = ((distance >= 0) & ((distance < window) if window else True))[None, None]
