@@ -42,10 +42,9 @@ from zoo.data.conversations import (
     conversation_files,
     held_out,
     read_rows,
-    write_atomically,
 )
 from zoo.data.examples import OnError
-from zoo.data.files import cache_root
+from zoo.data.files import cache_root, write_atomically
 from zoo.data.text import LENGTH, TOKENS, BucketPadding, load_tokenizer, tokenizer_file
 
 from zoo.plugin import LOSS_MASK, Batch, ExampleSource, Splits, ZooError, register_data

@@ -16,16 +16,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
-import tempfile
 import zlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow.parquet as pq
-from zoo.data.files import CACHE_ENV, cache_root
+from zoo.data.files import cache_root, write_atomically
 
 from zoo.plugin import ZooError
 
@@ -236,23 +234,3 @@ def write_conversations(rows: Sequence[Any], columns: Columns = Columns()) -> Pa
     if not target.is_file():
         write_atomically(target, lambda f: f.write(text))
     return target
-
-
-def write_atomically(target: Path, write: Callable[[Any], Any]) -> None:
-    """A cache entry written by `write(binary file)` to a temporary file and renamed into
-    place, so that a killed run leaves no partial entry."""
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=".", suffix=".part")
-    except OSError as e:
-        raise ZooError(
-            f"Cannot write to the data cache {target.parent} ({e.strerror}): set "
-            f"{CACHE_ENV} to a writable directory."
-        ) from None
-    try:
-        with os.fdopen(handle, "wb") as out:
-            write(out)
-        os.replace(temporary, target)
-    finally:
-        if os.path.exists(temporary):
-            os.remove(temporary)

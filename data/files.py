@@ -22,7 +22,9 @@ import os
 import tempfile
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from zoo.plugin import ZooError
 
@@ -188,3 +190,23 @@ def _describe(error: Exception) -> str:
     if isinstance(error, urllib.error.URLError):
         return str(error.reason)
     return str(error) or type(error).__name__
+
+
+def write_atomically(target: Path, write: Callable[[Any], Any]) -> None:
+    """A cache entry written by `write(binary file)` to a temporary file and renamed into
+    place, so that a killed run leaves no partial entry."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=".", suffix=".part")
+    except OSError as e:
+        raise ZooError(
+            f"Cannot write to the data cache {target.parent} ({e.strerror}): set "
+            f"{CACHE_ENV} to a writable directory."
+        ) from None
+    try:
+        with os.fdopen(handle, "wb") as out:
+            write(out)
+        os.replace(temporary, target)
+    finally:
+        if os.path.exists(temporary):
+            os.remove(temporary)

@@ -18,16 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import os
-import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from zoo.data.files import CACHE_ENV, cache_root
-
-from zoo.plugin import ZooError
+from zoo.data.files import cache_root, write_atomically
 
 PIECE = 1 << 20
 """Bytes read before a piece is cut and encoded."""
@@ -140,19 +136,8 @@ def _encode(piece: bytes, tokenizer: Any) -> np.ndarray:
 
 
 def _write(target: Path, chunks: Iterator[bytes]) -> None:
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=".", suffix=".part")
-    except OSError as e:
-        raise ZooError(
-            f"Cannot write to the data cache {target.parent} ({e.strerror}): set "
-            f"{CACHE_ENV} to a writable directory."
-        ) from None
-    try:
-        with os.fdopen(handle, "wb") as out:
-            for chunk in chunks:
-                out.write(chunk)
-        os.replace(temporary, target)
-    finally:
-        if os.path.exists(temporary):
-            os.remove(temporary)
+    def write(out) -> None:
+        for chunk in chunks:
+            out.write(chunk)
+
+    write_atomically(target, write)
