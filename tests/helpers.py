@@ -15,6 +15,18 @@ import numpy as np
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 ROOT = Path(__file__).resolve().parent.parent
+TINY_TEXT = ROOT / "tests" / "fixtures" / "pretrained" / "tiny.txt"
+TINY_TEXT_FINETUNE = (
+    f"data.path={TINY_TEXT}",
+    "data.window=16",
+    "trainer.steps=3",
+    "trainer.batch_size=8",
+    "trainer.eval_every=3",
+    "optimizer.warmup_steps=0",
+    "optimizer.schedule=constant",
+    "optimizer.learning_rate=1e-2",
+)
+"""A three-step fine-tune on the tiny text, which the pretrained fine-tuning tests share."""
 # The environment of a process whose compilations are counted: without the session's cache.
 NO_COMPILE_CACHE = {"JAX_ENABLE_COMPILATION_CACHE": "false"}
 

@@ -7,23 +7,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import ROOT
+from helpers import ROOT, TINY_TEXT_FINETUNE
 from zoo.engine import weights
 
 import zoo
 
 FIXTURES = ROOT / "tests" / "fixtures" / "pretrained"
 TINY, TEXT = FIXTURES / "gpt2-tiny", FIXTURES / "tiny.txt"
-TUNE = (
-    f"data.path={TEXT}",
-    "data.window=16",
-    "trainer.steps=3",
-    "trainer.batch_size=8",
-    "trainer.eval_every=3",
-    "optimizer.warmup_steps=0",
-    "optimizer.schedule=constant",
-    "optimizer.learning_rate=1e-2",
-)
+TUNE = TINY_TEXT_FINETUNE
 
 
 def params(model: nnx.Module) -> dict[str, np.ndarray]:

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import ROOT, run_cli
+from helpers import ROOT, TINY_TEXT_FINETUNE, run_cli
 from zoo.engine.errors import ZooError
 from zoo.engine.lora import ShardedLoRA, add_adapters
 from zoo.engine.quantize import QTYPES, TILE, Layout, dequantize, quantize
@@ -23,16 +23,7 @@ import zoo
 
 FIXTURES = ROOT / "tests" / "fixtures" / "pretrained"
 QWEN, LLAMA, TEXT = FIXTURES / "qwen3-tiny", FIXTURES / "llama-tiny", FIXTURES / "tiny.txt"
-TUNE = (
-    f"data.path={TEXT}",
-    "data.window=16",
-    "trainer.steps=3",
-    "trainer.batch_size=8",
-    "trainer.eval_every=3",
-    "optimizer.warmup_steps=0",
-    "optimizer.schedule=constant",
-    "optimizer.learning_rate=1e-2",
-)
+TUNE = TINY_TEXT_FINETUNE
 # Largest |dequantized - kernel| over a block's absmax: half a step of the format's grid (int8:
 # absmax at 127.5 steps, int4: 7.5, bounded here by 127 and 7 for the clipped edge of the grid;
 # nf4: half its widest gap, between -1 and -0.6962).
