@@ -58,7 +58,7 @@ from zoo.engine.precision import compute_loss
 from zoo.engine.report import EvalReport, Reporter, format_metrics
 from zoo.engine.signals import StopRequests
 from zoo.engine.steps import COUNT, Metrics, Trainable, make_steps, means, zero_metrics
-from zoo.engine.validate import check_data
+from zoo.engine.validate import check_data, check_packing
 
 log = logging.getLogger("zoo")
 
@@ -502,6 +502,7 @@ def _splits_and_hparams(
     data_entry = registry.get_data(cfg.data.name)
     params = OmegaConf.to_container(cfg.data)
     splits = data_entry.splits(params)
+    check_packing(entry, splits)
     return splits, entry.resolve(hparams, data_entry, params)
 
 

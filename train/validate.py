@@ -212,6 +212,7 @@ def check_data(entry: registry.ModelEntry, splits: registry.Splits, hparams: Map
     its classes (checked on arrays; a random-access source is read as the run goes)."""
     for split, data in (("train", splits.train), ("eval", splits.eval)):
         check_split(entry, split, data, hparams)
+    check_packing(entry, splits)
 
 
 def check_split(entry: registry.ModelEntry, split: str, data: Any, hparams: Mapping) -> None:
@@ -229,6 +230,25 @@ def check_split(entry: registry.ModelEntry, split: str, data: Any, hparams: Mapp
     classes = hparams.get("num_classes")
     if isinstance(data, Mapping) and "label" in data and isinstance(classes, int):
         _check_labels(split, np.asarray(data["label"]), classes, entry.name)
+
+
+def check_packing(entry: registry.ModelEntry, splits: registry.Splits) -> None:
+    """Refuse packed rows (a `SEGMENT_IDS` column) for a model that would let attention cross
+    their sequences: only one whose class sets `PACKED_ROWS` keeps them apart."""
+    if _packs(entry):
+        return
+    if registry.SEGMENT_IDS in _columns(splits.train) + _columns(splits.eval):
+        takes = [n for n in registry.list_models() if _packs(registry.get_model(n))]
+        raise ZooError(
+            f"Model '{entry.name}' cannot take packed rows (data.packing=true, or a "
+            f"'{registry.SEGMENT_IDS}' column): its attention would cross the sequences packed "
+            f"into a row. Set data.packing=false, or use a model that takes them: "
+            f"{', '.join(takes) or 'none registered'}."
+        )
+
+
+def _packs(entry: registry.ModelEntry) -> bool:
+    return bool(getattr(entry.constructor, "PACKED_ROWS", False))
 
 
 def columns_by_model() -> str:

@@ -14,7 +14,8 @@ module alone, as a project's own would be:
   (`LossFn`), marked with the batch columns it reads by `loss_contract`; a `WEIGHT` entry among
   the metrics weights the examples (tokens per sequence), `MASK` is the column that marks
   an eval batch's padding rows, and `LOSS_MASK` the column that marks which of a sequence's
-  next-token targets carry loss (a chat's replies).
+  next-token targets carry loss (a chat's replies); `SEGMENT_IDS` and `POSITIONS` the columns
+  of packed rows, which a model takes when its class sets `PACKED_ROWS = True`.
 - Sharding by logical axis names (`batch`, `embed`, `mlp`, `heads`, `vocab`, ...), which the
   run's rules map onto its mesh: `partitioned(init, axes)` annotates a param, `logical_spec`
   names an activation's axes, `unsplit_batch()` lifts the batch split for calls on a few
@@ -38,6 +39,8 @@ from zoo.engine.registry import (
     COMMON_INERT,
     COMMON_REFUSED,
     LOSS_MASK,
+    POSITIONS,
+    SEGMENT_IDS,
     WEIGHT,
     Batch,
     Family,
@@ -60,6 +63,8 @@ __all__ = [
     "COMMON_REFUSED",
     "LOSS_MASK",
     "MASK",
+    "POSITIONS",
+    "SEGMENT_IDS",
     "WEIGHT",
     "Batch",
     "EvalReport",
