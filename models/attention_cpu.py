@@ -39,25 +39,32 @@ not in float32."""
 
 
 def attend(
-    q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float | None, causal: bool
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    scale: float | None,
+    causal: bool,
+    segments: jax.Array | None = None,
 ) -> jax.Array:
     """softmax(q.k * scale) . v over (batch, length, heads, features) queries, keys and values
-    of one length, each query seeing every key or (`causal`) itself and earlier ones; `scale`
-    None: 1/sqrt(features). Logits and softmax in float32, as jax's kernel computes them
-    (bfloat16 and float16 inputs multiplied as such, see `_ALGORITHMS`)."""
+    of one length, each query seeing every key or (`causal`) itself and earlier ones, and with
+    `segments` (batch x length: each position's sequence in a packed row) only those of its
+    own sequence; `scale` None: 1/sqrt(features). Logits and softmax in float32, as jax's
+    kernel computes them (bfloat16 and float16 inputs multiplied as such, see `_ALGORITHMS`)."""
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
     q, k, v = (jnp.swapaxes(t, 1, 2) for t in (q, k, v))  # batch, heads, length, features
     length = q.shape[2]
     blocks = min(MAX_BLOCKS, max(1, length // MIN_BLOCK)) if causal else 1
     size = -(-length // blocks)
     mixed = [
-        _block(q[:, :, start : start + size], k, v, start, scale, causal)
+        _block(q[:, :, start : start + size], k, v, start, scale, causal, segments)
         for start in range(0, length, size)
     ]
     return jnp.swapaxes(jnp.concatenate(mixed, axis=2) if len(mixed) > 1 else mixed[0], 1, 2)
 
 
-def _block(q, k, v, start: int, scale: float, causal: bool) -> jax.Array:
+def _block(q, k, v, start: int, scale: float, causal: bool, segments) -> jax.Array:
     """The queries at positions start, start + 1, ... against the keys they may see."""
     end = start + q.shape[2] if causal else k.shape[2]
     k, v = k[:, :, :end], v[:, :, :end]
@@ -69,8 +76,14 @@ def _block(q, k, v, start: int, scale: float, causal: bool) -> jax.Array:
         preferred_element_type=jnp.float32,
     )
     logits = logits * scale
+    visible = None
     if causal:
         visible = jnp.arange(end)[None, :] <= (start + jnp.arange(q.shape[2]))[:, None]
+    if segments is not None:
+        queries = segments[:, start : start + q.shape[2]]
+        same = (queries[:, :, None] == segments[:, None, :end])[:, None]
+        visible = same if visible is None else same & visible
+    if visible is not None:
         logits = jnp.where(visible, logits, _NO_ATTENTION)
     weights = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
     return jnp.einsum("bhqk,bhkd->bhqd", weights, v)

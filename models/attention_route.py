@@ -68,10 +68,12 @@ def route(
     causal: bool,
     cached: bool,
     dropout: bool,
+    packed: bool = False,
 ) -> Route:
     """The kernel and mask of one attention call: queries, keys and values of `dtype` with
     heads of `head_dim`; `causal`: each position sees itself and earlier ones only; `cached`:
-    against a key/value cache (decoding); `dropout`: Dropout on the attention weights.
+    against a key/value cache (decoding); `dropout`: Dropout on the attention weights;
+    `packed`: rows of several sequences, each attending within itself.
 
     Why each condition (jax 0.10's cuDNN path, `jax/_src/cudnn/fused_attention_stablehlo.py`):
     - `dropout` takes the einsum path on every platform: the fused call has no Dropout on its
@@ -89,6 +91,9 @@ def route(
       scaling factors the block does not keep).
     - a head dimension that is a multiple of 8 and at most 128 (256 from Hopper, 9.0, on):
       jax raises otherwise.
+    - `packed` (rows of several sequences, each attending within itself only) stays on XLA
+      too: the sequences' mask is an array, which `dot_product_attention` hands cuDNN as an
+      additive bias, and it exposes no segment ids of cuDNN's.
     No condition on the sequence lengths: jax checks them (even lengths) only for a bias in
     training, and the block passes no bias. Nor on sharding: cuDNN's partitioning refuses a
     split sequence or head dimension, and the block splits only batch and heads."""
@@ -97,7 +102,7 @@ def route(
         mask = "positions" if cached or dropout else "causal"
     if dropout:
         return Route("einsum", mask)
-    if cached or not _flash_attention_runs(platform, jnp.dtype(dtype), head_dim):
+    if cached or packed or not _flash_attention_runs(platform, jnp.dtype(dtype), head_dim):
         return Route("xla", mask)
     return Route("cudnn", mask)
 

@@ -93,6 +93,9 @@ PARAM_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
     ),
 )
 class Decoder(nnx.Module):
+    PACKED_ROWS = True
+    """It takes packed rows (`segment_ids`, `positions`: see `__call__`)."""
+
     def __init__(
         self,
         # Tokens in the vocabulary: 256 bytes without a tokenizer; with data.tokenizer, at least its
@@ -228,12 +231,21 @@ class Decoder(nnx.Module):
         self.final_softcap = final_softcap
         self.scan_layers, self.remat, self.dropout_rate = scan_layers, remat, dropout_rate
 
-    def __call__(self, tokens: jax.Array, *, rngs: nnx.Rngs | None = None) -> jax.Array:
+    def __call__(
+        self,
+        tokens: jax.Array,
+        *,
+        rngs: nnx.Rngs | None = None,
+        segment_ids: jax.Array | None = None,
+        positions: jax.Array | None = None,
+    ) -> jax.Array:
         """Next-token logits (batch x length x padded vocabulary; the padded rows' are masked)
-        for every position of `tokens`."""
+        for every position of `tokens`. A packed row (`zoo.data.packing`) gives each token's
+        sequence, `segment_ids` (batch x length), and its position within it, `positions`:
+        a token then attends to its own sequence's alone, at rotary positions from 0 in each."""
         first = self.layers.dropout if self.scan_layers else self.layers[0].dropout
         key = dropout_key(rngs, self.dropout_rate, first.deterministic, "decoder")
-        logits, _ = self._forward(tokens, key, None, None)
+        logits, _ = self._forward(tokens, key, None, None, segment_ids, positions)
         return logits
 
     def empty_cache(self, batch_size: int, slots: int) -> Cache:
@@ -258,7 +270,7 @@ class Decoder(nnx.Module):
         cache comes back with these tokens' keys and values in it (`zoo.models.kv_cache`)."""
         return self._forward(tokens, jax.random.key(0), cache, slots)
 
-    def _forward(self, tokens, key, cache, slots):
+    def _forward(self, tokens, key, cache, slots, segments=None, positions=None):
         length = tokens.shape[1]
         if length > self.context_length:
             raise ZooError(
@@ -270,14 +282,16 @@ class Decoder(nnx.Module):
         x = embed_tokens(tokens, table)
         if self.embed_scale:
             x = x * jnp.asarray(self.embed_scale, table.dtype)
-        positions = jnp.arange(length) if slots is None else slots.positions(length)
+        if positions is None:
+            positions = jnp.arange(length) if slots is None else slots.positions(length)
         angles = {FULL: rotation(self.rope, self.head_dim, positions, x.dtype)}
         angles[SLIDING] = (
             angles[FULL]
             if self.local_rope == self.rope
             else rotation(self.local_rope, self.head_dim, positions, x.dtype)
         )
-        x, cache = self._run_layers(x, jax.random.split(key, self.depth), angles, cache, slots)
+        keys = jax.random.split(key, self.depth)
+        x, cache = self._run_layers(x, keys, angles, cache, slots, segments)
         x = self.norm(x)
         if self.unembed is None:
             logits = tied_logits(x, table)
@@ -295,35 +309,36 @@ class Decoder(nnx.Module):
         with `remat`); the window and which rotation it takes are fixed by `kind`."""
         window = self._window(kind)
 
-        def apply(layer, x, key, cache, slots, angles):
-            return layer(x, key, angles[kind], window, cache, slots)
+        def apply(layer, x, key, cache, slots, angles, segments):
+            return layer(x, key, angles[kind], window, cache, slots, segments)
 
         return nnx.remat(apply) if self.remat else apply
 
-    def _run_layers(self, x, keys, angles: dict[str, Rotation], cache, slots):
+    def _run_layers(self, x, keys, angles: dict[str, Rotation], cache, slots, segments):
         if self.scan_layers:
-            return self._scan_layers(x, keys, angles, cache, slots)
+            return self._scan_layers(x, keys, angles, cache, slots, segments)
         layer_caches = []
         for i, (layer, kind) in enumerate(zip(self.layers, self.layer_types, strict=True)):
             layer_cache = None if cache is None else cache[i]
-            x, layer_cache = self._step(kind)(layer, x, keys[i], layer_cache, slots, angles)
+            step = self._step(kind)
+            x, layer_cache = step(layer, x, keys[i], layer_cache, slots, angles, segments)
             layer_caches.append(layer_cache)
         return x, None if cache is None else tuple(layer_caches)
 
-    def _scan_layers(self, x, keys, angles, cache, slots):
+    def _scan_layers(self, x, keys, angles, cache, slots, segments):
         steps = {kind: self._step(kind) for kind in set(self.layer_types)}
         sliding = jnp.asarray([kind == SLIDING for kind in self.layer_types])
 
-        @nnx.scan(in_axes=(0, nnx.Carry, 0, 0, 0, None, None), out_axes=(nnx.Carry, 0))
-        def scan(layer, x, key, layer_cache, is_sliding, slots, angles):
-            args = (layer, x, key, layer_cache, slots, angles)
+        @nnx.scan(in_axes=(0, nnx.Carry, 0, 0, 0, None, None, None), out_axes=(nnx.Carry, 0))
+        def scan(layer, x, key, layer_cache, is_sliding, slots, angles, segments):
+            args = (layer, x, key, layer_cache, slots, angles, segments)
             if len(steps) == 1:
                 (step,) = steps.values()
                 return step(*args)
             # Layers of both types: each scanned step runs the branch of its layer's type.
             return nnx.cond(is_sliding, steps[SLIDING], steps[FULL], *args)
 
-        return scan(self.layers, x, keys, cache, sliding, slots, angles)
+        return scan(self.layers, x, keys, cache, sliding, slots, angles, segments)
 
 
 def _default_mlp_dim(dim: int) -> int:

@@ -149,10 +149,13 @@ class Attention(nnx.Module):
         window: int,
         cache: KVCache | None,
         slots: Slots | None,
+        segments: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         """Attention of the tokens to themselves and earlier ones (with a cache: of the tokens
         at `slots` to the cache's too, after writing theirs into it, `zoo.models.kv_cache`),
-        each seeing the last `window` positions only, itself included (0: all of them)."""
+        each seeing the last `window` positions only, itself included (0: all of them), and
+        with `segments` (batch x length, a packed row's sequence of each token) only those of
+        its own sequence."""
         heads = logical_spec("batch", None, "heads", None)
         kv = kv_heads_spec(self.num_kv_heads, "batch", None, "kv_heads", None)
         q = self.query(x, out_sharding=heads)
@@ -164,10 +167,10 @@ class Attention(nnx.Module):
         if cache is not None:
             k, v, visible, cache = kv_cache.update(cache, k, v, slots, window)
             visible = visible[:, None]  # the same for every head
-        mixed = self._attend(q, k, v, window, visible)
+        mixed = self._attend(q, k, v, window, visible, segments)
         return self.out(mixed, out_sharding=tokens_spec()), cache
 
-    def _attend(self, q, k, v, window: int, visible: jax.Array | None) -> jax.Array:
+    def _attend(self, q, k, v, window: int, visible: jax.Array | None, segments) -> jax.Array:
         # Soft-capping has no fused kernel: it takes the written-out path, as Dropout on the
         # attention weights does in the shared block.
         path = route(
@@ -177,6 +180,7 @@ class Attention(nnx.Module):
             causal=True,
             cached=visible is not None,
             dropout=self.softcap > 0,
+            packed=segments is not None,
         )
         cpu_kernel = (
             path.kernel == "xla"
@@ -189,10 +193,14 @@ class Attention(nnx.Module):
         ):
             k, v = (_repeat_heads(t, q) for t in (k, v))
         if cpu_kernel:  # zoo's own, as the shared block's (see `zoo.models.attention_cpu`)
-            return attention_cpu.attend(q, k, v, scale=self.scale, causal=path.mask == "causal")
+            causal = path.mask == "causal"
+            return attention_cpu.attend(q, k, v, scale=self.scale, causal=causal, segments=segments)
         if path.mask == "positions" and visible is None:
             distance = jnp.arange(q.shape[1])[:, None] - jnp.arange(k.shape[1])[None, :]
             visible = ((distance >= 0) & ((distance < window) if window else True))[None, None]
+        if segments is not None:  # a packed row's sequences see their own tokens only
+            same = (segments[:, :, None] == segments[:, None, :])[:, None]
+            visible = same if visible is None else visible & same
         if path.kernel == "einsum":
             return self._written_out(q, k, v, visible)
         return jax.nn.dot_product_attention(
@@ -287,9 +295,11 @@ class DecoderLayer(nnx.Module):
         window: int,
         cache: KVCache | None,
         slots: Slots | None,
+        segments: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         attention_key, mlp_key = jax.random.split(key)
-        h, cache = self.attention(self.attention_norm(x), angles, window, cache, slots)
+        normed = self.attention_norm(x)
+        h, cache = self.attention(normed, angles, window, cache, slots, segments)
         x = x + self.dropout(_after(self.post_attention_norm, h), rngs=attention_key)
         h = self.mlp(self.mlp_norm(x))
         return x + self.dropout(_after(self.post_mlp_norm, h), rngs=mlp_key), cache

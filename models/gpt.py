@@ -41,6 +41,8 @@ from zoo.models.transformer import Block, BlockOptions, dropout_key, tokens_spec
 
 from zoo.plugin import (
     LOSS_MASK,
+    POSITIONS,
+    SEGMENT_IDS,
     WEIGHT,
     ZooError,
     construction_rngs,
@@ -127,12 +129,17 @@ def language_model_loss(model: GPT, batch: Mapping[str, jax.Array], rngs: nnx.Rn
     same in bits per byte (per token, with a tokenizer); weighted by its number of real targets,
     so that the trainer's means are exact means over tokens, padding excluded. With a
     `LOSS_MASK` column (a chat's replies) only the targets it marks count, and `loss_tokens`
-    says how many the batch has (a mean over the log window's steps)."""
+    says how many the batch has (a mean over the log window's steps). Packed rows (`SEGMENT_IDS`
+    and `POSITIONS` columns) go to the model with them, and `packing_efficiency` says which
+    share of the batch's targets are real (not padding)."""
     tokens = batch["tokens"].astype(jnp.int32)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    log_probs = jax.nn.log_softmax(model(inputs, rngs=rngs).astype(jnp.float32), axis=-1)
+    packed = {name: batch[name] for name in (SEGMENT_IDS, POSITIONS) if name in batch}
+    logits = model(inputs, rngs=rngs, **packed)
+    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     per_token = -jnp.sum(jax.nn.one_hot(targets, log_probs.shape[-1]) * log_probs, axis=-1)
-    real = (jnp.arange(targets.shape[1])[None, :] < batch["length"][:, None]).astype(jnp.float32)
+    real_targets = jnp.arange(targets.shape[1])[None, :] < batch["length"][:, None]
+    real = real_targets.astype(jnp.float32)
     if LOSS_MASK in batch:
         real = real * batch[LOSS_MASK].astype(jnp.float32)
     count = jnp.sum(real, axis=-1)
@@ -141,6 +148,8 @@ def language_model_loss(model: GPT, batch: Mapping[str, jax.Array], rngs: nnx.Rn
     metrics = {unit: loss / math.log(2), WEIGHT: count}
     if LOSS_MASK in batch:  # the same for every sequence: its weighted mean is the batch's sum
         metrics["loss_tokens"] = jnp.zeros_like(count) + jnp.sum(count)
+    if packed:
+        metrics["packing_efficiency"] = jnp.zeros_like(count) + jnp.mean(real_targets)
     return loss, metrics
 
 
