@@ -22,6 +22,10 @@ cut to the largest bucket, and one left with no token that carries loss is skipp
 warning. Held out: `train/` and `val/` folders, else `data.eval_fraction` of the rows, chosen by
 the CRC-32 of each row's name (file and line), so that a row stays on its side as files are
 added.
+
+`data.packing=true` packs the training conversations several to a row instead
+(`zoo.data.packing`), with `segment_ids` and `positions` columns that a decoder reads to keep
+each conversation's attention and positions its own; the held-out ones stay one to a row.
 """
 
 from __future__ import annotations
@@ -45,9 +49,19 @@ from zoo.data.conversations import (
 )
 from zoo.data.examples import OnError
 from zoo.data.files import cache_root, write_atomically
+from zoo.data.packing import pack, packed_rows
 from zoo.data.text import LENGTH, TOKENS, BucketPadding, load_tokenizer, tokenizer_file
 
-from zoo.plugin import LOSS_MASK, Batch, ExampleSource, Splits, ZooError, register_data
+from zoo.plugin import (
+    LOSS_MASK,
+    POSITIONS,
+    SEGMENT_IDS,
+    Batch,
+    ExampleSource,
+    Splits,
+    ZooError,
+    register_data,
+)
 
 log = logging.getLogger("zoo")
 
@@ -96,20 +110,42 @@ class ChatExamples(ExampleSource):
         tokens = np.zeros((len(rows), self.longest + 1), np.int32)
         trained = np.zeros((len(rows), self.longest + 1), np.uint8)
         for i, row in enumerate(self.rows[rows]):
-            start, end = self.encoded.starts[row], self.encoded.starts[row + 1]
-            end = min(end, start + self.longest + 1)
-            tokens[i, : end - start] = self.encoded.ids[start:end]
-            trained[i, : end - start] = self.encoded.trained[start:end]
+            ids, marks = self.piece(row)
+            tokens[i, : len(ids)], trained[i, : len(ids)] = ids, marks
         lengths = np.minimum(np.diff(self.encoded.starts)[self.rows[rows]], self.longest + 1) - 1
         return {TOKENS: tokens, LENGTH: lengths.astype(np.int32), LOSS_MASK: trained[:, 1:]}
 
+    def piece(self, row: int) -> tuple[np.ndarray, np.ndarray]:
+        """Conversation `row`'s ids and loss marks, cut to `longest` targets."""
+        start, end = self.encoded.starts[row], self.encoded.starts[row + 1]
+        end = min(end, start + self.longest + 1)
+        return self.encoded.ids[start:end], self.encoded.trained[start:end]
+
+
+class PackedChatExamples(ChatExamples):
+    """The conversations packed several to a row (`zoo.data.packing`): an example is a row."""
+
+    def __init__(self, encoded: Encoded, rows: np.ndarray, longest: int):
+        super().__init__(encoded, rows, longest)
+        sizes = np.minimum(np.diff(encoded.starts)[self.rows], longest + 1)
+        self.packs = packed_rows(sizes, longest + 1)
+
+    def __len__(self) -> int:
+        return len(self.packs)
+
+    def examples(self, rows: np.ndarray, epochs: np.ndarray | None, seed: int) -> Batch:
+        return pack([[self.piece(self.rows[i]) for i in self.packs[r]] for r in rows], self.longest)
+
 
 class ChatPadding(BucketPadding):
-    """Text's bucket padding, with the loss mask cut as the tokens are."""
+    """Text's bucket padding, with the loss mask (and a packed row's segments and positions)
+    cut as the tokens are."""
 
     def __call__(self, batch: Batch) -> Batch:
         tokens = super().__call__(batch)[TOKENS]
-        return {TOKENS: tokens, LOSS_MASK: batch[LOSS_MASK][:, : tokens.shape[1] - 1]}
+        cut = tokens.shape[1] - 1
+        per_target = (c for c in (LOSS_MASK, SEGMENT_IDS, POSITIONS) if c in batch)
+        return {TOKENS: tokens, **{c: batch[c][:, :cut] for c in per_target}}
 
 
 def encoded_file(
@@ -289,6 +325,9 @@ def chat(
     eval_fraction: float = 0.1,
     # A row that is no conversation: `skip` it with a warning, or `raise`: stop, naming them all.
     on_error: OnError = OnError.skip,
+    # Training rows of several conversations end to end (the largest bucket long), attention and
+    # positions kept within each (a decoder only): less padding, more tokens per step.
+    packing: bool = False,
 ) -> Splits:
     """Conversations (or prompts and completions) rendered with a checkpoint's chat template,
     with a loss mask over the replies (see the module's doc)."""
@@ -319,7 +358,9 @@ def chat(
             "conversations: data=chat needs at least one of each (two conversations or more)."
         )
     return Splits(
-        train=ChatExamples(train, trainable_rows(train, train_rows, longest, "training"), longest),
+        train=(PackedChatExamples if packing else ChatExamples)(
+            train, trainable_rows(train, train_rows, longest, "training"), longest
+        ),
         eval=ChatExamples(test, trainable_rows(test, test_rows, longest, "held-out"), longest),
         transform=ChatPadding(list(buckets)),
         tokenizer=encoder.tokenizer,
