@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 from zoo.engine import rngs as zoo_rngs
 from zoo.engine.freeze import train_mode
 from zoo.engine.pipeline import MASK
-from zoo.engine.registry import WEIGHT
+from zoo.engine.registry import LOSS_MASK, WEIGHT
 
 COUNT = "count"
 """The sum of example weights (training: steps) under which the other sums are accumulated."""
@@ -218,13 +218,19 @@ def make_grad_step(
 def make_eval_step(graphdef: nnx.GraphDef, loss_fn: Callable) -> Callable:
     """`eval_step(state, sums, batch, key) -> sums`: per-example metrics summed under the
     batch's mask, so padding rows count for nothing and every real example counts once (or
-    with the weight the loss function gives it, see `zoo.engine.registry.WEIGHT`)."""
+    with the weight the loss function gives it, see `zoo.engine.registry.WEIGHT`). A padding
+    row's `LOSS_MASK` is zeroed too, so that a metric over the whole batch (`loss_tokens`)
+    counts the real rows' targets alone."""
 
     @jax.jit
     def eval_step(state, sums: Metrics, batch: Mapping[str, jax.Array], key: jax.Array):
         model, _ = nnx.merge(graphdef, state)
         model.eval()
         inputs = {name: value for name, value in batch.items() if name != MASK}
+        if LOSS_MASK in inputs:
+            trained = inputs[LOSS_MASK]
+            real = batch[MASK].reshape(-1, *(1,) * (trained.ndim - 1)) > 0
+            inputs[LOSS_MASK] = jnp.where(real, trained, jnp.zeros_like(trained))
         loss, metrics = loss_fn(model, inputs, zoo_rngs.call_rngs(key, 0))
         metrics = dict(metrics)
         weight = batch[MASK] * metrics.pop(WEIGHT, 1.0)
