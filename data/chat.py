@@ -36,9 +36,11 @@ import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-from zoo.data.chat_tokens import Encoder, LossOn, RowProblem
+from zoo.data.chat_prompts import check_reply_options, held_out_prompts
+from zoo.data.chat_tokens import Encoder, LossOn, RowProblem, check_template_kwargs
 from zoo.data.conversations import (
     DEFAULT_ROLES,
     Columns,
@@ -263,13 +265,16 @@ def _settings(tokenizer: Path, encoder: Encoder, columns: Columns, roles: Sequen
         "loss_on": encoder.loss_on.value,
         "columns": dataclasses.asdict(columns),
         "roles": list(roles),
+        "template_kwargs": encoder.template_kwargs,
     }
     digest = hashlib.sha256(tokenizer.read_bytes())
     digest.update(json.dumps(described, sort_keys=True).encode())
     return digest.digest()
 
 
-def _encoder(tokenizer: str | None, template: str | None, loss_on: LossOn) -> tuple[Path, Encoder]:
+def _encoder(
+    tokenizer: str | None, template: str | None, loss_on: LossOn, template_kwargs: Any
+) -> tuple[Path, Encoder]:
     if tokenizer is None and template is None:
         raise ZooError(
             "data=chat renders conversations with a checkpoint's chat template and tokenizer: "
@@ -284,7 +289,8 @@ def _encoder(tokenizer: str | None, template: str | None, loss_on: LossOn) -> tu
             "chat_template.jinja (or tokenizer_config.json's chat_template) renders the "
             "conversations, or leave it unset for the tokenizer's directory."
         )
-    return file, Encoder.load(directory, load_tokenizer(file), loss_on)
+    kwargs = check_template_kwargs(template_kwargs)
+    return file, Encoder.load(directory, load_tokenizer(file), loss_on, kwargs)
 
 
 def _check_keys(buckets: Sequence[int], eval_fraction: float, roles: Sequence[str]) -> None:
@@ -325,6 +331,12 @@ def chat(
     eval_fraction: float = 0.1,
     # A row that is no conversation: `skip` it with a warning, or `raise`: stop, naming them all.
     on_error: OnError = OnError.skip,
+    # Variables the chat template reads besides the messages (e.g. {enable_thinking: false}).
+    template_kwargs: Any = None,
+    # Held-out prompts whose replies each eval writes to TensorBoard's text tab (0: none), and
+    # the most new tokens a reply takes.
+    eval_replies: int = 3,
+    eval_reply_tokens: int = 64,
     # Training rows of several conversations end to end (the largest bucket long), attention and
     # positions kept within each (a decoder only): less padding, more tokens per step.
     packing: bool = False,
@@ -332,7 +344,8 @@ def chat(
     """Conversations (or prompts and completions) rendered with a checkpoint's chat template,
     with a loss mask over the replies (see the module's doc)."""
     _check_keys(buckets, eval_fraction, roles)
-    file, encoder = _encoder(tokenizer, template, loss_on)
+    check_reply_options(eval_replies, eval_reply_tokens)
+    file, encoder = _encoder(tokenizer, template, loss_on, template_kwargs)
     columns = Columns(messages, prompt, completion)
     settings = _settings(file, encoder, columns, roles)
     train_files, val_files = conversation_files(path)
@@ -357,11 +370,22 @@ def chat(
             f"data.path={path} leaves {len(train_rows)} training and {len(test_rows)} held-out "
             "conversations: data=chat needs at least one of each (two conversations or more)."
         )
+    held = trainable_rows(test, test_rows, longest, "held-out")
     return Splits(
         train=(PackedChatExamples if packing else ChatExamples)(
             train, trainable_rows(train, train_rows, longest, "training"), longest
         ),
-        eval=ChatExamples(test, trainable_rows(test, test_rows, longest, "held-out"), longest),
+        eval=ChatExamples(test, held, longest),
         transform=ChatPadding(list(buckets)),
         tokenizer=encoder.tokenizer,
+        prompts=held_out_prompts(
+            [test.wheres[r] for r in held],
+            val_files or train_files,
+            encoder,
+            columns,
+            roles,
+            eval_replies,
+            eval_reply_tokens,
+            longest,
+        ),
     )

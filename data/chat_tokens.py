@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -56,15 +57,24 @@ class Encoder:
     loss_on: LossOn
     where: str
     """The template's directory, for messages."""
+    template_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """The template's further variables (`data.template_kwargs`, e.g. `enable_thinking`)."""
 
     @classmethod
-    def load(cls, directory: Path, tokenizer: Any, loss_on: LossOn) -> Encoder:
+    def load(
+        cls,
+        directory: Path,
+        tokenizer: Any,
+        loss_on: LossOn,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> Encoder:
         return cls(
             ChatTemplate.load(directory),
             tokenizer,
             end_of_turn_texts(directory, tokenizer),
             LossOn(loss_on),
             str(directory),
+            dict(template_kwargs or {}),
         )
 
     def encode(self, conversation: Conversation) -> tuple[np.ndarray, np.ndarray]:
@@ -83,21 +93,25 @@ class Encoder:
 
     def _text_and_spans(self, conversation: Conversation, messages: list) -> tuple[str, list]:
         if self.loss_on == LossOn.all:
-            text = self.template.render(messages, add_generation_prompt=False)
+            text = self.render(messages, add_generation_prompt=False)
             return text, [(0, len(text))]
         replies = self._replies(conversation)
         if has_generation_markers(self.template.template):
-            text, marked = self.template.render_with_spans(messages)
+            text, marked = self.template.render_with_spans(messages, **self.template_kwargs)
             if conversation.prompt is not None or self.loss_on == LossOn.completion:
                 begin = self._start(messages, replies[0], text)
                 marked = [span for span in marked if span[0] >= begin]
             spans = marked
         else:
-            text = self.template.render(messages, add_generation_prompt=False)
+            text = self.render(messages, add_generation_prompt=False)
             spans = [self._reply_span(messages, i, text) for i in replies]
         if not any(end > start for start, end in spans):
             raise RowProblem("has no reply text that the chat template marks for training")
         return text, spans
+
+    def render(self, messages: list, add_generation_prompt: bool) -> str:
+        """The template's text for `messages`, with `data.template_kwargs`."""
+        return self.template.render(messages, add_generation_prompt, **self.template_kwargs)
 
     def _replies(self, conversation: Conversation) -> list[int]:
         """The indices of the messages that carry loss."""
@@ -114,7 +128,7 @@ class Encoder:
         opening of the assistant's turn."""
         if index == 0:
             raise RowProblem("opens with the assistant's message, which nothing prompts")
-        before = self.template.render(messages[:index], add_generation_prompt=True)
+        before = self.render(messages[:index], add_generation_prompt=True)
         if not text.startswith(before):
             raise ZooError(
                 f"The chat template of {self.where} renders a conversation's opening "
@@ -127,7 +141,7 @@ class Encoder:
 
     def _reply_span(self, messages: list, index: int, text: str) -> Span:
         start = self._start(messages, index, text)
-        through = self.template.render(messages[: index + 1], add_generation_prompt=False)
+        through = self.render(messages[: index + 1], add_generation_prompt=False)
         if text.startswith(through) and len(through) > start:
             end = len(through)
             found = [
@@ -153,3 +167,15 @@ def end_of_turn_texts(directory: Path, tokenizer: Any) -> tuple[str, ...]:
     texts = {tokenizer.id_to_token(i) for i in ids}
     texts.add(ChatTemplate.load(directory).tokens.get("eos_token"))
     return tuple(sorted(t for t in texts if t))
+
+
+def check_template_kwargs(kwargs: Any) -> dict[str, Any]:
+    """`data.template_kwargs`: a mapping of the template's variable names to values."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
+        raise ZooError(
+            f"data.template_kwargs={kwargs!r} is not a mapping of names to values: give the "
+            "chat template's variables by name, e.g. data.template_kwargs={enable_thinking:false}."
+        )
+    return dict(kwargs)

@@ -149,6 +149,7 @@ class Trainer:
         splits, self.hparams = _splits_and_hparams(cfg, entry, data)
         pipeline.check_host_memory(splits, trainer.batch_size, trainer.steps_per_dispatch)
         self.tokenizer = splits.tokenizer
+        self.prompts = splits.prompts or tuple
         self.train_data, self.eval_data = pipeline.process_pipelines(
             splits, trainer.batch_size, cfg.seed
         )
@@ -455,7 +456,14 @@ class Trainer:
                 return (self.shard(batch) for batch in self.eval_data)
 
             report = EvalReport(
-                step, key, self.eval_data[0], reporter, batches, self.tokenizer, self.class_names
+                step,
+                key,
+                self.eval_data[0],
+                reporter,
+                batches,
+                self.tokenizer,
+                self.class_names,
+                self.prompts,
             )
             self.on_eval(model, report)
         return metrics

@@ -108,6 +108,9 @@ class Splits:
     class_names: Sequence[str] | None = None
     """The names of labels 0, 1, ... where the data decides them (a folder's classes, a
     table's); None: the registered data set's `class_names`, or the numbers."""
+    prompts: Callable[[], Sequence[Any]] | None = None
+    """Held-out prompts a chat model's eval hook replies to (`zoo.engine.report.ReplyPrompt`s),
+    made when first asked for; None: data with no replies (text, images)."""
 
 
 @dataclasses.dataclass(frozen=True)

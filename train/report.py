@@ -187,6 +187,20 @@ def _abandon(writer: SummaryWriter) -> None:
     events._closed = True
 
 
+@dataclasses.dataclass(frozen=True)
+class ReplyPrompt:
+    """A held-out prompt whose reply a chat model's eval hook writes: the prompt's token ids
+    (the conversation before its last reply, rendered with the opening of the assistant's
+    turn), the same as text, the reply the data holds, the ids that end a reply, and how many
+    new tokens a reply may take at most."""
+
+    ids: np.ndarray
+    text: str
+    reference: str
+    end_of_turn: tuple[int, ...]
+    max_new_tokens: int
+
+
 @dataclasses.dataclass
 class EvalReport:
     """What a model's `on_eval` hook gets besides the model: the step, a key of its own (from
@@ -194,7 +208,8 @@ class EvalReport:
     sees it (host arrays, with the `mask` column), every eval batch on demand (`batches()`:
     device arrays sharded on the run's mesh, as the eval step gets them, for a hook that looks
     at the whole eval split), the data set's tokenizer (`Splits.tokenizer`; None: bytes), its
-    class names if it has them, and where to write what it makes."""
+    class names if it has them, its held-out prompts to reply to (`prompts()`, from
+    `Splits.prompts`; none for data that has no replies), and where to write what it makes."""
 
     step: int
     key: jax.Array
@@ -203,6 +218,7 @@ class EvalReport:
     batches: Callable[[], Iterator[Mapping[str, jax.Array]]]
     tokenizer: Any = None
     class_names: Sequence[str] | None = None  # the data set's names of labels 0, 1, ...
+    prompts: Callable[[], Sequence[ReplyPrompt]] = tuple
 
     def text(self, tag: str, markdown: str) -> None:
         """A TensorBoard text entry at this step."""

@@ -54,7 +54,7 @@ from zoo.engine.registry import (
     register_family,
     register_model,
 )
-from zoo.engine.report import EvalReport, image_grid
+from zoo.engine.report import EvalReport, ReplyPrompt, image_grid
 from zoo.engine.rngs import construction_rngs
 from zoo.engine.sharding import logical_spec, unsplit_batch
 
@@ -72,6 +72,7 @@ __all__ = [
     "Family",
     "LossFn",
     "OnEval",
+    "ReplyPrompt",
     "Rule",
     "Splits",
     "TransposedLinear",

@@ -1,7 +1,8 @@
 """Fine-tuning a chat checkpoint on conversations: `python -m zoo.train finetune.init_from=DIR
 data=chat data.path=FILE` in a subprocess, and `zoo.finetune(DIR, data=[...])` on conversations
 given from Python (written once to the data cache, read as `data=chat` reads files), each
-training on the replies alone and logging how many tokens carry loss."""
+training on the replies alone and logging how many tokens carry loss; at each eval, the replies
+to held-out prompts in TensorBoard's text tab."""
 
 from __future__ import annotations
 
@@ -12,8 +13,11 @@ import numpy as np
 import pytest
 from helpers import ROOT, read_events, run_cli, scalar_steps
 from omegaconf import OmegaConf
+from zoo.data.chat import chat
 
 import zoo
+from zoo.generate import chat_prompt
+from zoo.plugin import LOSS_MASK
 
 CONVERSATIONS = [
     [
@@ -24,6 +28,14 @@ CONVERSATIONS = [
 ]
 FIXTURES = ROOT / "tests" / "fixtures"
 STEPS = ("trainer.steps=2", "trainer.batch_size=8", "trainer.log_every=1", "trainer.eval_every=2")
+REPLIES = (
+    "trainer.eval_every=1",
+    "trainer.checkpoint_every=1",
+    "optimizer.learning_rate=1e-4",  # replies that are more than an end of turn at once
+    "data.eval_fraction=0.5",
+    "data.eval_replies=2",
+    "data.eval_reply_tokens=6",
+)
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +43,14 @@ def checkpoint():
     """A tiny Qwen 2.5 chat checkpoint: its real chat template, a tokenizer with its special
     tokens."""
     return FIXTURES / "pretrained" / "qwen25-chat"
+
+
+@pytest.fixture(scope="module")
+def finetuned(checkpoint, tmp_path_factory):
+    """Two steps on the conversations given from Python, an eval and a checkpoint after each,
+    writing the replies to two held-out prompts."""
+    workdir = tmp_path_factory.mktemp("chat") / "run"
+    return zoo.finetune(checkpoint, *STEPS, *REPLIES, f"workdir={workdir}", data=CONVERSATIONS)
 
 
 def test_the_command_line_fine_tunes_on_a_file_of_conversations(checkpoint, tmp_path):
@@ -42,27 +62,70 @@ def test_the_command_line_fine_tunes_on_a_file_of_conversations(checkpoint, tmp_
         "data=chat",
         f"data.path={data}",
         *STEPS,
+        "data.eval_replies=0",
         f"workdir={workdir}",
         env={"ZOO_DATA_DIR": str(tmp_path / "cache")},
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Training decoder on chat for 2 steps" in done.stdout + done.stderr
-    loss_tokens = scalar_steps(read_events(workdir), "train/loss_tokens")
+    events = read_events(workdir)
+    loss_tokens = scalar_steps(events, "train/loss_tokens")
     assert sorted(loss_tokens) == [1, 2] and all(v > 0 for v in loss_tokens.values())
+    # No replies: the eval continues the first held-out example instead, as for text.
+    texts = events.Tags()["tensors"]
+    assert "sample/text_summary" in texts and not [t for t in texts if t.startswith("replies")]
 
 
-def test_python_fine_tunes_on_conversations_given_as_a_list(checkpoint, tmp_path):
-    result = zoo.finetune(checkpoint, *STEPS, f"workdir={tmp_path / 'run'}", data=CONVERSATIONS)
-    config = OmegaConf.load(tmp_path / "run" / ".hydra" / "config.yaml")
+def test_python_fine_tunes_on_conversations_given_as_a_list(checkpoint, finetuned):
+    config = OmegaConf.load(Path(finetuned.workdir) / ".hydra" / "config.yaml")
     assert config.data.name == "chat" and config.data.loss_on == "assistant"
     lines = Path(config.data.path).read_text().splitlines()
     written = [json.loads(line)["messages"] for line in lines]
     assert written == CONVERSATIONS
-    assert result.step == 2 and np.isfinite(result.eval_metrics["loss"])
-    assert result.eval_metrics["loss_tokens"] > 0
+    assert finetuned.step == 2 and np.isfinite(finetuned.eval_metrics["loss"])
     # The same conversations are the same file, so the same call resumes the finished run.
-    again = zoo.finetune(checkpoint, *STEPS, f"workdir={tmp_path / 'run'}", data=CONVERSATIONS)
+    again = zoo.finetune(
+        checkpoint, *STEPS, *REPLIES, f"workdir={finetuned.workdir}", data=CONVERSATIONS
+    )
     assert again.start_step == 2
+
+
+def test_the_held_out_loss_tokens_are_the_real_examples(finetuned):
+    """The eval batch of 8 holds the few held-out conversations and padding rows, which count
+    for nothing."""
+    data = OmegaConf.to_container(finetuned.config.data)
+    held_out = chat(**{k: v for k, v in data.items() if k != "name"}).eval
+    assert 0 < len(held_out) < 8
+    batch = held_out.examples(np.arange(len(held_out)), None, 0)
+    assert finetuned.eval_metrics["loss_tokens"] == batch[LOSS_MASK].sum()
+
+
+def blocks(markdown: str) -> dict[str, str]:
+    """A text entry's parts: `**name**` and its indented block (a trailing line break is not
+    shown)."""
+    parts = markdown.split("**")[1:]
+    return {
+        name: "\n".join(line[4:] for line in text.strip("\n").split("\n"))
+        for name, text in zip(parts[::2], parts[1::2])
+    }
+
+
+def test_each_eval_writes_the_replies_that_generation_gives(checkpoint, finetuned):
+    events = read_events(finetuned.workdir)
+    asked = {c[1]["content"]: c[0] for c in CONVERSATIONS}
+    seen = set()
+    for index in range(2):
+        entries = events.Tensors(f"replies/{index}/text_summary")
+        assert [e.step for e in entries] == [1, 2]
+        for entry in entries:
+            shown = blocks(entry.tensor_proto.string_val[0].decode())
+            messages = [asked[shown["reference"]]]
+            assert shown["prompt"] == chat_prompt(finetuned, messages)[0].rstrip("\n")
+            at_step = zoo.load(finetuned.workdir, step=entry.step)
+            reply = zoo.generate(at_step, messages=messages, temperature=0, max_new_tokens=6)
+            assert shown["reply"] == reply.rstrip("\n")
+            seen.add((entry.step, reply))
+    assert any(reply for _, reply in seen)  # the model writes before its end of turn
 
 
 def test_a_list_that_is_not_conversations_is_refused(checkpoint):

@@ -1,0 +1,111 @@
+"""The held-out prompts whose replies a chat fine-tune writes to TensorBoard at each eval
+(`data.eval_replies`): the first held-out conversations, each up to its last reply and rendered
+with the opening of the assistant's turn by the checkpoint's template, as `zoo.generate(model,
+messages=...)` renders a chat, with the reply the data holds beside the model's.
+
+The token cache holds ids, not messages: the prompts are read again from the conversations'
+files, only when the first eval asks for them, and only from the files that hold them.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from zoo.data.chat_tokens import Encoder
+from zoo.data.conversations import ASSISTANT, Columns, Conversation, read_rows
+
+from zoo.plugin import ReplyPrompt, ZooError
+
+
+@functools.cache
+def _nothing() -> list[ReplyPrompt]:
+    return []
+
+
+def held_out_prompts(
+    wheres: Sequence[str],
+    files: Sequence[Path],
+    encoder: Encoder,
+    columns: Columns,
+    roles: Sequence[str],
+    count: int,
+    reply_tokens: int,
+    longest: int,
+) -> Callable[[], list[ReplyPrompt]]:
+    """The prompts of the first `count` of the held-out conversations named `wheres` (in order)
+    whose prompt leaves room for a reply within `longest` tokens, made on first call; each reply
+    takes at most `reply_tokens` new tokens, and no more than that room."""
+    if count == 0:
+        return _nothing
+
+    @functools.cache
+    def prompts() -> list[ReplyPrompt]:
+        conversations = _conversations(wheres, files, columns, roles)
+        made = []
+        for where in wheres:
+            prompt = _prompt(conversations[where], encoder, reply_tokens, longest)
+            if prompt is not None:
+                made.append(prompt)
+            if len(made) == count:
+                break
+        return made
+
+    return prompts
+
+
+def _conversations(
+    wheres: Sequence[str], files: Sequence[Path], columns: Columns, roles: Sequence[str]
+) -> dict[str, Conversation]:
+    """The conversations named `wheres`, read from the files that hold them."""
+    wanted = set(wheres)
+    found = {}
+    for file in files:
+        if any(w.startswith((f"{file}:", f"{file} row ")) for w in wanted):
+            found.update({row.where: row.conversation for row in read_rows(file, columns, roles)})
+    return {w: found[w] for w in wheres}
+
+
+def _prompt(
+    conversation: Conversation, encoder: Encoder, reply_tokens: int, longest: int
+) -> ReplyPrompt | None:
+    """The prompt before a conversation's last reply (a prompt and completion's prompt), or
+    None when it leaves no room for a reply within `longest` tokens."""
+    messages = list(conversation.messages)
+    if conversation.prompt is not None:
+        cut = conversation.prompt
+    else:
+        cut = max(i for i, m in enumerate(messages) if m["role"] == ASSISTANT)
+    text = encoder.render(messages[:cut], add_generation_prompt=True)
+    ids = np.asarray(encoder.tokenizer.encode(text, add_special_tokens=False).ids, np.int32)
+    room = min(reply_tokens, longest - len(ids))
+    if room < 1:
+        return None
+    reference = "".join(_text(m.get("content")) for m in messages[cut:])
+    stops = (encoder.tokenizer.token_to_id(t) for t in encoder.end_of_turn)
+    return ReplyPrompt(ids, text, reference, tuple(i for i in stops if i is not None), room)
+
+
+def _text(content: Any) -> str:
+    """A message's content as text (structured content as JSON)."""
+    if isinstance(content, str):
+        return content
+    return "" if content is None else json.dumps(content, ensure_ascii=False)
+
+
+def check_reply_options(count: int, reply_tokens: int) -> None:
+    """`data.eval_replies` and `data.eval_reply_tokens`: counts."""
+    if count < 0:
+        raise ZooError(
+            f"data.eval_replies={count} must be 0 (no replies at evals) or the number of "
+            "held-out prompts whose replies each eval writes."
+        )
+    if reply_tokens < 1:
+        raise ZooError(
+            f"data.eval_reply_tokens={reply_tokens} must be at least 1: the most new tokens "
+            "a reply written at an eval takes."
+        )
