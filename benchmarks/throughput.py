@@ -7,7 +7,7 @@ fp32 and bf16, against the same model in PyTorch (`torch.compile`) on the same d
 Sizes: by default GPT-2 small (12 layers, width 768, 12 heads, context 1024, GPT-2's vocabulary
 of 50,257 tokens, batch 16); `--small`: 4 layers, width 256, 4 heads, context 256, the byte
 vocabulary (256), batch 8. Any size can be set on its own. `--decoder`: the decoder's training
-at the same sizes joins the rounds (zoo alone). The table is printed under the CPU's model and
+at the same sizes joins the rounds, beside its PyTorch twin (`benchmarks.torch_decoder`). The table is printed under the CPU's model and
 vector features (`benchmarks.machine`).
 
 zoo's side is the trainer's real loop (`benchmarks.loops.zoo_loop`: the run that
@@ -105,11 +105,14 @@ def zoo_trainers(
     }
 
 
-def torch_side(trainer: Trainer) -> dict[str, Callable[[int], None]] | str:
-    """PyTorch's loops (one per precision) on the trainer's first batches and device, or why
-    there are none."""
+def torch_side(
+    trainer: Trainer, model: str = "gpt", precisions: Sequence[str] = PRECISIONS
+) -> dict[str, Callable[[int], None]] | str:
+    """PyTorch's loops of `model`'s twin (gpt's, `benchmarks.torch_gpt`, or the decoder's,
+    `benchmarks.torch_decoder`), one per precision, on the trainer's first batches and device,
+    or why there are none."""
     try:
-        from benchmarks.torch_gpt import gpt_loop
+        from benchmarks.torch_gpt import GPTLoss, compiled_loop
     except ImportError:
         return "PyTorch is not installed (pip install torch); zoo was measured alone"
     import torch
@@ -117,11 +120,17 @@ def torch_side(trainer: Trainer) -> dict[str, Callable[[int], None]] | str:
     device = "cuda" if jax.devices()[0].platform == "gpu" else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
         return "this PyTorch build has no CUDA; zoo was measured alone"
+    if model == "decoder":
+        from benchmarks.torch_decoder import DecoderLoss as twin
+    else:
+        twin = GPTLoss
     tokens = [batch["tokens"] for batch in loops.host_batches(trainer)]
     optimizer = OmegaConf.to_container(trainer.cfg.optimizer, resolve=True, enum_to_str=True)
     return {
-        precision: gpt_loop(trainer.hparams, optimizer, tokens, precision, device)
-        for precision in PRECISIONS
+        precision: compiled_loop(
+            lambda: twin(trainer.hparams), optimizer, tokens, precision, device
+        )
+        for precision in precisions
     }
 
 
@@ -134,8 +143,8 @@ def measure(
 ) -> dict[str, Any]:
     """Interleaved rounds of every loop (and, without a given `peak`, of the matmul that
     measures it); tokens/s, FLOP/s and MFU per loop, medians over the rounds. The decoder's
-    training at the same sizes in `decoder_precisions` joins the rounds (zoo's side only: it
-    has no PyTorch twin here; its FLOPs are not gpt's, so its FLOP/s and MFU are left out)."""
+    training at the same sizes in `decoder_precisions` joins the rounds, beside its PyTorch twin
+    (its FLOPs are not gpt's, so its FLOP/s and MFU are left out)."""
     with tempfile.TemporaryDirectory() as workdir:
         trainers = zoo_trainers(sizes, workdir)
         decoders = zoo_trainers(sizes, workdir, "decoder", decoder_precisions)
@@ -145,6 +154,9 @@ def measure(
         torch = torch_side(trainers["fp32"])
         if not isinstance(torch, str):
             advances |= {f"torch {p}": loop for p, loop in torch.items()}
+            if decoders:
+                twin = torch_side(next(iter(decoders.values())), "decoder", list(decoders))
+                advances |= {f"torch decoder {p}": loop for p, loop in twin.items()}
         try:
             for advance in advances.values():
                 advance(2)  # compilation
@@ -172,11 +184,12 @@ def measure(
             for name, times in seconds.items()
         },
         "ratios": {
-            f"zoo/torch {p}": spread(
-                [t / z for z, t in zip(seconds[f"zoo {p}"], seconds[f"torch {p}"], strict=True)]
+            f"zoo/torch{name}": spread(
+                [t / z for z, t in zip(seconds[f"zoo{name}"], seconds[f"torch{name}"], strict=True)]
             )
-            for p in PRECISIONS
-            if f"torch {p}" in seconds
+            for name in [f" {p}" for p in PRECISIONS]
+            + [f" decoder {p}" for p in decoder_precisions]
+            if f"torch{name}" in seconds
         },
         "not_measured": {} if not isinstance(torch, str) else {"torch": torch},
         "compilations": compilations,
@@ -234,7 +247,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--decoder",
         action="store_true",
-        help="also time the decoder's float32 training at the same sizes (zoo's side only)",
+        help="also time the decoder's float32 training at the same sizes, and its PyTorch twin's",
     )
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)

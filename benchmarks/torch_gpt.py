@@ -78,19 +78,20 @@ class GPTLoss(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
-def gpt_loop(
-    hparams: Mapping[str, Any],
+def compiled_loop(
+    make_model: Callable[[], nn.Module],
     optimizer: Mapping[str, Any],
     tokens: Sequence[np.ndarray],
     precision: str,
     device: str,
 ) -> Callable[[int], None]:
-    """`advance(n)`: n training steps of the compiled twin on `device` ("cpu" or "cuda"),
-    cycling through `tokens` (host batches, placed on the device once, up front), returning
-    once the device has finished them. The optimizer is `optimizer`'s twin, fused."""
+    """`advance(n)`: n training steps of the compiled twin (`make_model()`, a module whose
+    forward pass on a batch of tokens returns the loss) on `device` ("cpu" or "cuda"), cycling
+    through `tokens` (host batches, placed on the device once, up front), returning once the
+    device has finished them. The optimizer is `optimizer`'s twin, fused."""
     torch.manual_seed(0)
     torch.set_float32_matmul_precision("high")
-    model = GPTLoss(hparams).to(device).train()
+    model = make_model().to(device).train()
     update = torch_update(model, optimizer, fused=True)
     compiled = torch.compile(model)
     cycle = itertools.cycle([torch.from_numpy(t).to(device, torch.long) for t in tokens])

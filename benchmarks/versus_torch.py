@@ -37,14 +37,16 @@ def rows(gpt: dict[str, Any], cnn: dict[str, Any]) -> list[dict[str, Any]]:
             }
         )
     for name, loop in gpt["loops"].items():
-        if "decoder" in name:
+        if name.startswith("zoo decoder"):
             precision = name.split()[-1]
             table.append(
                 {
                     "workload": f"decoder {precision} training, tokens/s",
                     "zoo": loop["tokens_per_sec"],
-                    "torch": None,
-                    "ratio": None,
+                    "torch": gpt["loops"]
+                    .get(f"torch decoder {precision}", {})
+                    .get("tokens_per_sec"),
+                    "ratio": gpt["ratios"].get(f"zoo/torch decoder {precision}"),
                 }
             )
     table.append(
