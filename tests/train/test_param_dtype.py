@@ -12,6 +12,7 @@ import optax
 import pytest
 from flax import nnx
 from helpers import assert_same_bits, overriding
+from zoo.engine.checkpoints.reader import restore_arrays
 from zoo.engine.loop import Trainer
 from zoo.engine.master import MasterWeightsOptimizer, masters
 
@@ -206,3 +207,25 @@ def test_frozen_params_get_no_master(tmp_path):
     result = Trainer(run_config(tmp_path, "finetune.freeze=hidden", "trainer.steps=4")).fit()
     remainder = result.state[1]["opt_state"]["remainder"]
     assert set(remainder) == {"head"}
+
+
+def test_a_float32_run_fine_tunes_in_bfloat16(tmp_path):
+    """A run's params are read as they were saved, checked against their checksums, then cast
+    to the fine-tune's `param_dtype` (reading them cast made every checksum differ)."""
+    base = Trainer(run_config(tmp_path / "fp32", "model.param_dtype=fp32")).fit()
+    tuned = zoo.finetune(
+        base, *overriding("model.param_dtype=bf16", "trainer.steps=1", f"workdir={tmp_path}/ft")
+    )
+    params = jax.tree.leaves(nnx.state(tuned.model, nnx.Param))
+    assert {x.dtype for x in params} == {jnp.dtype(jnp.bfloat16)}
+    assert np.isfinite(tuned.eval_metrics["loss"])
+    step_path = tmp_path / "fp32" / "checkpoints" / str(base.step)
+    saved = jax.tree.leaves_with_path(nnx.to_pure_dict(base.state[0]))
+    paths = [("0", *(str(getattr(k, "key", k)) for k in path)) for path, _ in saved]
+    targets = {
+        p: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16, sharding=x.sharding)
+        for p, (_, x) in zip(paths, saved, strict=True)
+    }
+    read = restore_arrays(step_path, targets)
+    for path, (_, x) in zip(paths, saved, strict=True):
+        assert_same_bits(read[path], x.astype(jnp.bfloat16))

@@ -39,23 +39,48 @@ head kernel ('0': the model, '1': the optimizer)."""
 
 def saved_shapes(step_path: str | os.PathLike) -> dict[SavedPath, tuple[int, ...]]:
     """The shape of every array in the checkpoint's `state`, read from its metadata only."""
+    return {path: tuple(leaf.shape) for path, leaf in _saved_leaves(step_path).items()}
+
+
+def _saved_leaves(step_path: str | os.PathLike) -> dict[SavedPath, Any]:
+    """The metadata (shape, dtype) of every array in the checkpoint's `state`."""
     handler = ocp.PyTreeCheckpointHandler()
     try:
         metadata = handler.metadata(epath.Path(step_path) / "state")
     finally:
         handler.close()
-    shapes = {}
+    leaves = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(metadata.tree)[0]:
         parts = tuple(str(getattr(key, "key", key)) for key in path)
-        shapes[parts[:-1] if parts[-1] == "value" else parts] = tuple(leaf.shape)
-    return shapes
+        leaves[parts[:-1] if parts[-1] == "value" else parts] = leaf
+    return leaves
 
 
 def restore_arrays(
     step_path: str | os.PathLike, targets: Mapping[SavedPath, jax.ShapeDtypeStruct]
 ) -> dict[SavedPath, jax.Array]:
     """Only the arrays `targets` names from the checkpoint's `state`, each placed with its
-    target's sharding (so a checkpoint written on one mesh loads onto another)."""
+    target's sharding (so a checkpoint written on one mesh loads onto another) and cast to its
+    target's dtype (a float32 run fine-tuned with `model.param_dtype=bf16`) once it is checked
+    against its checksum, which was taken of the array as it was saved."""
+    saved = _saved_leaves(step_path)
+    as_saved = {
+        path: jax.ShapeDtypeStruct(
+            target.shape, getattr(saved.get(path), "dtype", target.dtype), sharding=target.sharding
+        )
+        for path, target in targets.items()
+    }
+    arrays = _restored(step_path, as_saved)
+    verify(step_path, {"/".join(("state", *path)): array for path, array in arrays.items()})
+    return {
+        path: array if array.dtype == targets[path].dtype else array.astype(targets[path].dtype)
+        for path, array in arrays.items()
+    }
+
+
+def _restored(
+    step_path: str | os.PathLike, targets: Mapping[SavedPath, jax.ShapeDtypeStruct]
+) -> dict[SavedPath, jax.Array]:
     tree: dict[str, Any] = {}
     for path, target in targets.items():
         node = tree
@@ -80,7 +105,6 @@ def restore_arrays(
         for part in path:
             node = node[part]
         arrays[path] = node["value"]
-    verify(step_path, {"/".join(("state", *path)): array for path, array in arrays.items()})
     return arrays
 
 
