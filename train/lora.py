@@ -259,3 +259,17 @@ def _replace(model: nnx.Module, path: tuple[Any, ...], new: nnx.Module) -> None:
         parent[path[-1]] = new
     else:
         setattr(parent, path[-1], new)
+
+
+def check_unstacked(finetune: Any, model: Any) -> None:
+    """Refuse adapters for a model whose layers are stacked for `nnx.scan`
+    (`model.scan_layers=true`): an adapter sizes itself from its layer's kernel, which there
+    holds every layer's along a leading axis, and scanning would not slice it per layer."""
+    if finetune.lora_rank and model.get("scan_layers"):
+        raise ZooError(
+            f"finetune.lora_rank={finetune.lora_rank} adds LoRA adapters to each layer, which "
+            "zoo does not do for layers stacked for scanning (model.scan_layers=true, one "
+            "kernel of every layer's weights): set model.scan_layers=false (the same weights, "
+            "the layers one after another), or fine-tune without adapters "
+            "(finetune.lora_rank=0)."
+        )

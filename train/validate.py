@@ -20,6 +20,7 @@ from zoo.engine import registry
 from zoo.engine.config import Config, resume_step
 from zoo.engine.dispatch import check_cadences
 from zoo.engine.errors import ZooError
+from zoo.engine.lora import check_unstacked
 from zoo.engine.pipeline import ExampleSource
 from zoo.engine.quantize import QTYPES
 from zoo.engine.sharding import AxisRules, check_mesh_sizes
@@ -45,6 +46,7 @@ def validate(cfg: DictConfig) -> None:
     AxisRules.from_mapping(cfg.mesh.rules)
     check_optimizer(cfg.optimizer, cfg.trainer.steps)
     check_finetune(cfg.finetune)
+    check_unstacked(cfg.finetune, cfg.model)
     check_distributed(cfg.distributed)
 
 

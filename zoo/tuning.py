@@ -32,6 +32,7 @@ from zoo.engine.checkpoints.warm_start import locate
 from zoo.engine.errors import ZooError
 from zoo.engine.freeze import Filter
 from zoo.engine.loop import RunResult, Trainer
+from zoo.engine.lora import check_unstacked
 from zoo.engine.validate import check_finetune
 from zoo.hub import local
 from zoo.overrides import compose
@@ -158,6 +159,7 @@ def finetune(
         if quantize is not None:
             settings.quantize = quantize
         check_finetune(settings)
+        check_unstacked(settings, cfg.model)
         if freeze is not None and not isinstance(freeze, str):
             settings.freeze = repr(freeze)  # a filter is code: the config records what it is
         user_data = isinstance(data, registry.Splits)

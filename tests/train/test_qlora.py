@@ -195,6 +195,20 @@ def test_quantize_is_refused_without_adapters_or_for_an_unknown_format(tmp_path)
     assert "finetune.quantize=int4 quantizes the base weights" in cli.stderr, cli.stderr
 
 
+@pytest.mark.parametrize("start, quantize", [(QWEN, "nf4"), ("gpt", None)])
+def test_adapters_are_refused_for_layers_stacked_for_scanning(start, quantize, tmp_path):
+    with pytest.raises(ZooError, match=r"lora_rank=4 adds LoRA .* model.scan_layers=false"):
+        zoo.finetune(
+            start,
+            *TUNE,
+            "model.scan_layers=true",
+            f"workdir={tmp_path}",
+            lora_rank=4,
+            quantize=quantize,
+        )
+    assert not any(tmp_path.iterdir())  # refused before anything was written
+
+
 def test_a_qlora_fine_tune_of_a_zoo_run_quantizes_that_run_s_kernels(tmp_path):
     small = (
         "model.dim=64",
