@@ -333,9 +333,9 @@ def chat(
     on_error: OnError = OnError.skip,
     # Variables the chat template reads besides the messages (e.g. {enable_thinking: false}).
     template_kwargs: Any = None,
-    # Held-out prompts whose replies each eval writes to TensorBoard's text tab (0: none), and
-    # the most new tokens a reply takes.
+    # Held-out prompts whose replies each eval writes to TensorBoard's text tab (0: none).
     eval_replies: int = 3,
+    # The most new tokens a reply written at an eval takes.
     eval_reply_tokens: int = 64,
     # Training rows of several conversations end to end (the largest bucket long), attention and
     # positions kept within each (a decoder only): less padding, more tokens per step.
