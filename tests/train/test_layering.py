@@ -31,6 +31,20 @@ THIRD_PARTY = (
     "jinja2",
     "rich",
     "safetensors",
+    # What zoo's modules load beyond the above: their submodules, qwix (LoRA, QLoRA), tarfile.
+    "safetensors.numpy",
+    "qwix",
+    "jax.experimental.pallas",
+    "tensorboardX.proto.plugin_hparams_pb2",
+    "PIL.ImageDraw",
+    "PIL.ImageFont",
+    "PIL.ImageEnhance",
+    "PIL.ImageFilter",
+    "PIL.ImageStat",
+    "jinja2.sandbox",
+    "jinja2.meta",
+    "rich.progress",
+    "tarfile",
 )
 """The libraries zoo imports, loaded once before the project's modules are imported one by one
 (a library left out costs time, not strength: each child then imports it itself)."""
