@@ -14,7 +14,9 @@ unless it says otherwise, and reads the run's own `train.log` (see `benchmarks.c
   first step dispatched (compiled and running), and to the command's exit.
 - `compiles`: a run with `JAX_LOG_COMPILES=1`, with an eval and a checkpoint half way, then the
   same run resumed for half as many steps again; counts each jitted function's compilations and
-  distinct argument signatures (shapes and shardings), on 1 and on 8 CPU devices. The goal: one
+  distinct argument signatures (shapes and shardings), on 1 and on 8 CPU devices, with JAX's
+  persistent compilation cache off whatever the environment sets (a cache hit is no
+  compilation: it would hide what a first run compiles). The goal: one
   train step (`train_step`, or `train_steps` when K steps are dispatched at a time) and one
   `eval_step` per signature. The counts are deterministic: one run each.
 - `checkpoint`: a run saving every quarter of its steps, then `--repeats` resumes, each
@@ -139,7 +141,7 @@ def startup(tmp: Path, models: Sequence[str], repeats: int, steps: int | None) -
 
 
 def compiles(tmp: Path, models: Sequence[str], steps: int | None) -> dict[str, Any]:
-    env = {"JAX_LOG_COMPILES": "1"}
+    env = {"JAX_LOG_COMPILES": "1", "JAX_ENABLE_COMPILATION_CACHE": "false"}
     results: dict[str, Any] = {model: {} for model in models}
     for devices in DEVICE_COUNTS:
         for model in models:
