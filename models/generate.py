@@ -28,9 +28,13 @@ from zoo.plugin import ZooError
 
 @dataclasses.dataclass(frozen=True)
 class Codec:
-    """Text to a model's ids and back: bytes, or `tokenizer`'s ids."""
+    """Text to a model's ids and back: bytes, or `tokenizer`'s ids. A text gets the special
+    tokens its tokenizer adds (`tokenizer.json`'s post-processor: Llama 3's and Gemma 3's
+    prepend BOS), as transformers' tokenizer gives them, unless it is `rendered` by a chat
+    template, which writes its own."""
 
     tokenizer: Any = None
+    rendered: bool = False
 
     def encode(self, text: str | bytes | np.ndarray) -> np.ndarray:
         if isinstance(text, np.ndarray):  # token ids already
@@ -40,7 +44,8 @@ class Codec:
             return np.frombuffer(data or b"\n", np.uint8).astype(np.int32)
         text = text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text
         return np.asarray(
-            self.tokenizer.encode(text or "\n", add_special_tokens=False).ids, np.int32
+            self.tokenizer.encode(text or "\n", add_special_tokens=not self.rendered).ids,
+            np.int32,
         )
 
     def decode(self, ids: Sequence[int]) -> str:

@@ -17,12 +17,14 @@ import numpy as np
 import pytest
 from helpers import ROOT
 from zoo.data.text import load_tokenizer
+from zoo.models.generate import Codec
 from zoo.models.generation import Completion
 
 import zoo
 
 FIXTURES = ROOT / "tests" / "fixtures" / "pretrained"
 CHATS = ("llama3-chat", "qwen25-chat", "qwen3-chat", "gemma3-chat")
+BOS = {"llama3-chat": "<|begin_of_text|>", "gemma3-chat": "<bos>"}
 zoo_chat = importlib.import_module("zoo.chat")
 
 
@@ -49,6 +51,29 @@ def test_a_reply_to_messages_is_transformers_greedy_reply(checkpoint):
         )
         assert reply == expected, conversation["messages"]
     assert any(c["stopped_at_eos"] for c in reference["conversations"].values())
+
+
+def test_a_plain_prompt_is_encoded_and_continued_as_transformers_does(checkpoint):
+    """A text prompt gets the BOS that Llama's and Gemma's tokenizers prepend (Qwen's add
+    none), and the greedy continuation is transformers' after those ids; the chat template's
+    rendering is encoded without, since it writes its own BOS."""
+    name, trained, reference = checkpoint
+    plain, tokenizer = reference["plain_prompt"], load_tokenizer(FIXTURES / name)
+    assert Codec(tokenizer).encode(plain["text"]).tolist() == plain["ids"]
+    bos = reference["special_tokens"].get(BOS.get(name))
+    assert (plain["ids"][0] == bos) == (name in BOS)
+    rendered = reference["conversations"]["system-user"]
+    ids = Codec(tokenizer, rendered=True).encode(rendered["prompt"]).tolist()
+    assert ids == rendered["prompt_ids"]
+    (written,) = zoo.generate(
+        trained,
+        [plain["text"]],
+        max_new_tokens=len(plain["greedy_ids"]),
+        temperature=0,
+        eos=(),
+        logprobs=True,
+    )
+    assert written.tokens == plain["greedy_ids"]
 
 
 def test_the_terminal_chat_keeps_the_conversation():

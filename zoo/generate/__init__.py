@@ -17,6 +17,7 @@ generates in bfloat16, as it trained. The engine: `zoo.models.generation`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -99,6 +100,7 @@ def generate(
     trained, module, codec, default_eos, activate = _resolved(model, tokenizer)
     if messages is not None:
         prompt, default_eos = chat_prompt(trained, messages, chat_template_kwargs)
+        codec = dataclasses.replace(codec, rendered=True)  # the template wrote its BOS
     prompts = [prompt] if isinstance(prompt, str | bytes | np.ndarray) else list(prompt)
     if stream and len(prompts) != 1:
         raise ZooError(f"stream=True streams one prompt; got {len(prompts)}.")
