@@ -1,24 +1,26 @@
 """A fine-tune of a pretrained checkpoint (a tiny fixture, with its tokenizer, on a text file)
 killed with SIGKILL mid-run and run again ends with the bits and the logged losses of an
 uninterrupted fine-tune: GPT-2 with every param trained, and Qwen 3 with LoRA adapters on its
-attention and MLP projections, over its own kernels or over their nf4 codes (QLoRA) (the
-adapters, their optimizer state, the codes and the data position are what the resume must
-restore)."""
+attention and MLP projections, over its own kernels or over their nf4 codes (QLoRA), and with
+QLoRA on conversations packed several to a row (`data.packing`) (the adapters, their optimizer
+state, the codes and the data position are what the resume must restore). The packed run logs
+its packing efficiency to TensorBoard."""
 
 from __future__ import annotations
 
+import json
 import signal
 
+import numpy as np
 import pytest
 from fault_tools import assert_same_arrays, final_arrays, logged_step, run, start, wait_for
 from helpers import ROOT, read_events, scalar_steps
 
 FIXTURES = ROOT / "tests" / "fixtures" / "pretrained"
 STEPS, KILL_AFTER = 80, 20
+TEXT = (f"data.path={FIXTURES / 'tiny.txt'}", "data.window=16")
 COMMON = (
-    f"data.path={FIXTURES / 'tiny.txt'}",
-    "data.window=16",
-    "trainer.batch_size=8",  # 35 batches an epoch: the run crosses epoch boundaries
+    "trainer.batch_size=8",  # 35 batches an epoch of text: the run crosses epoch boundaries
     f"trainer.steps={STEPS}",
     "trainer.log_every=5",
     "trainer.checkpoint_every=10",
@@ -39,20 +41,45 @@ STARTS = {
         "finetune.lora_layers=layers",
         "finetune.quantize=nf4",
     ),
+    "qwen3-qlora-packed": (
+        f"finetune.init_from={FIXTURES / 'qwen3-chat'}",
+        "finetune.lora_rank=4",
+        "finetune.lora_layers=layers",
+        "finetune.quantize=nf4",
+        "data=chat",
+        "data.packing=true",
+        "data.buckets=[64]",  # rows of 64 targets, about 3 conversations each
+    ),
 }
+PACKED = "qwen3-qlora-packed"
+
+
+@pytest.fixture(scope="module")
+def conversations(tmp_path_factory):
+    """60 conversations of skewed lengths, packed into a few batches an epoch."""
+    words = np.minimum(np.random.default_rng(0).pareto(1.5, 60) * 4, 30).astype(int)
+    path = tmp_path_factory.mktemp("chat") / "chat.jsonl"
+    rows = [
+        [{"role": "user", "content": f"q{i}" + " w" * n}, {"role": "assistant", "content": f"a{i}"}]
+        for i, n in enumerate(words)
+    ]
+    path.write_text("".join(json.dumps({"messages": row}) + "\n" for row in rows))
+    return path
 
 
 @pytest.fixture(scope="module", params=sorted(STARTS))
-def case(request, tmp_path_factory):
-    """(the run's arguments, the final arrays and logged losses of it run uninterrupted)."""
-    args = (*STARTS[request.param], *COMMON)
+def case(request, tmp_path_factory, conversations):
+    """(the run's arguments, the final arrays and logged losses of it run uninterrupted, its
+    workdir)."""
+    data = (f"data.path={conversations}",) if request.param == PACKED else TEXT
+    args = (*STARTS[request.param], *data, *COMMON)
     workdir = tmp_path_factory.mktemp("uninterrupted")
     status, stderr, _ = run(*args, f"workdir={workdir}")
     assert status == 0, stderr
     family = request.param.split("-")[0]
     assert f"Starting from the {family} checkpoint" in (workdir / "train.log").read_text()
     losses = scalar_steps(read_events(workdir), "train/loss")
-    return args, final_arrays(workdir, STEPS), losses
+    return args, final_arrays(workdir, STEPS), losses, workdir
 
 
 def saved(workdir) -> list[int]:
@@ -66,7 +93,7 @@ def saved(workdir) -> list[int]:
 
 
 def test_a_killed_fine_tune_run_again_ends_with_the_same_bits(case, tmp_path):
-    args, final, losses = case
+    args, final, losses, _ = case
     process = start(*args, f"workdir={tmp_path}")
     logged = logged_step(tmp_path, KILL_AFTER, STEPS)
     wait_for(lambda: logged() and bool(saved(tmp_path)), process)
@@ -84,3 +111,10 @@ def test_a_killed_fine_tune_run_again_ends_with_the_same_bits(case, tmp_path):
     after = [step for step in losses if step > resumed_from]
     assert after and all(resumed[step] == losses[step] for step in after)
     assert all(resumed[step] == losses[step] for step in resumed)
+
+
+@pytest.mark.parametrize("case", [PACKED], indirect=True)
+def test_a_packed_fine_tune_logs_its_packing_efficiency(case):
+    efficiency = scalar_steps(read_events(case[3]), "train/packing_efficiency")
+    assert sorted(efficiency) == list(range(5, STEPS + 1, 5))
+    assert all(0.8 < share <= 1 for share in efficiency.values())
