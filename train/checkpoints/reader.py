@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from etils import epath
 from zoo.engine.checkpoints import checksums
@@ -66,7 +67,7 @@ def restore_arrays(
     saved = _saved_leaves(step_path)
     as_saved = {
         path: jax.ShapeDtypeStruct(
-            target.shape, getattr(saved.get(path), "dtype", target.dtype), sharding=target.sharding
+            target.shape, _saved_float(saved.get(path), target.dtype), sharding=target.sharding
         )
         for path, target in targets.items()
     }
@@ -76,6 +77,14 @@ def restore_arrays(
         path: array if array.dtype == targets[path].dtype else array.astype(targets[path].dtype)
         for path, array in arrays.items()
     }
+
+
+def _saved_float(leaf: Any, dtype: Any) -> Any:
+    """The dtype a float array was saved in, to read it in; `dtype` for anything else (a
+    random key, saved as its integers)."""
+    stored = getattr(leaf, "dtype", None)
+    floats = stored is not None and jnp.issubdtype(stored, jnp.floating)
+    return stored if floats and jnp.issubdtype(dtype, jnp.floating) else dtype
 
 
 def _restored(
