@@ -49,16 +49,28 @@ class ShardedLoRA(nnx.Module):
     ):
         kernel = base_module.kernel
         axes = kernel.get_metadata().get("out_sharding") or (None,) * kernel.ndim
+        self.stacked = lead = _stacked(base_module)
         self.inputs, self.outputs = ins, outs = _kernel_axes(base_module)
-        in_shape, out_shape = (tuple(kernel.shape[i] for i in dims) for dims in (ins, outs))
-        in_axes, out_axes = (tuple(axes[i] for i in dims) for dims in (ins, outs))
-        a_init = partitioned(nnx.initializers.he_uniform(), (*in_axes, None))
-        b_init = partitioned(nnx.initializers.zeros_init(), (None, *out_axes))
+        shape, named = kernel.shape[lead:], axes[lead:]
+        in_shape, out_shape = (tuple(shape[i] for i in dims) for dims in (ins, outs))
+        in_axes, out_axes = (tuple(named[i] for i in dims) for dims in (ins, outs))
+        stack, stack_axes = tuple(kernel.shape[:lead]), tuple(axes[:lead])
+        a_init = partitioned(
+            nnx.initializers.he_uniform(batch_axis=tuple(range(lead))),
+            (*stack_axes, *in_axes, None),
+        )
+        b_init = partitioned(nnx.initializers.zeros_init(), (*stack_axes, None, *out_axes))
         self.base_module = base_module
-        self.lora_a = nnx.LoRAParam(a_init(rngs.params(), (*in_shape, rank), jnp.float32))
-        self.lora_b = nnx.LoRAParam(b_init(rngs.params(), (rank, *out_shape), jnp.float32))
+        self.lora_a = nnx.LoRAParam(a_init(rngs.params(), (*stack, *in_shape, rank), jnp.float32))
+        self.lora_b = nnx.LoRAParam(b_init(rngs.params(), (*stack, rank, *out_shape), jnp.float32))
         self.layout: quantization.Layout | None = None
         if quantize is not None:
+            if lead:
+                raise ZooError(
+                    f"finetune.quantize={quantize} quantizes the kernels of single layers; this "
+                    "layer is stacked for scanning (model.scan_layers=true): use "
+                    "model.scan_layers=false for QLoRA."
+                )
             self._hold_quantized(quantize, tuple(axes), filled)
 
     def _hold_quantized(self, qtype: str, axes: tuple[Any, ...], filled: bool) -> None:
@@ -119,10 +131,11 @@ class ShardedLoRA(nnx.Module):
         """The layer's kernel with the adapter folded in: `kernel + lora_a @ lora_b`, laid out
         as the kernel is (a quantized kernel dequantized first), in the kernel's dtype."""
         kernel = self.base_kernel()
-        ins, outs = self.inputs, self.outputs
         letters = _LETTERS[: kernel.ndim]
+        lead, own = letters[: self.stacked], letters[self.stacked :]
+        ins, outs = ("".join(own[i] for i in dims) for dims in (self.inputs, self.outputs))
         delta = jnp.einsum(
-            f"{''.join(letters[i] for i in ins)}r,r{''.join(letters[i] for i in outs)}->{letters}",
+            f"{lead}{ins}r,{lead}r{outs}->{letters}",
             self.lora_a[...],
             self.lora_b[...],
             out_sharding=jax.typeof(kernel).sharding.spec,
@@ -146,15 +159,26 @@ Dense = nnx.Linear | nnx.LinearGeneral | TransposedLinear
 
 
 def _kernel_axes(layer: Dense) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Which axes of `layer`'s kernel it contracts with its input, and which it gives out: the
-    leading ones are the inputs of a Linear or LinearGeneral, the trailing ones of a
-    TransposedLinear."""
-    ndim = layer.kernel.ndim
+    """Which axes of one layer's kernel (past the axes that stack layers) it contracts with its
+    input, and which it gives out: the leading ones are the inputs of a Linear or
+    LinearGeneral, the trailing ones of a TransposedLinear."""
+    ndim = layer.kernel.ndim - _stacked(layer)
     if isinstance(layer, TransposedLinear):
         outputs = len(layer.out_features)
         return tuple(range(outputs, ndim)), tuple(range(outputs))
     inputs = len(layer.in_features) if isinstance(layer, nnx.LinearGeneral) else 1
     return tuple(range(inputs)), tuple(range(inputs, ndim))
+
+
+def _stacked(layer: Dense) -> int:
+    """How many leading axes of `layer`'s kernel stack copies of the layer beyond the axes its
+    features give: 1 for a model's layers stacked for `nnx.scan` (`scan_layers`), whose scan
+    hands each step one layer's slice of the kernel and of its adapter alike."""
+    if isinstance(layer, nnx.Linear):
+        own = 2
+    else:
+        own = len(tuple(layer.in_features)) + len(tuple(layer.out_features))
+    return layer.kernel.ndim - own
 
 
 def _adaptable(layer: nnx.Module) -> bool:
@@ -262,14 +286,14 @@ def _replace(model: nnx.Module, path: tuple[Any, ...], new: nnx.Module) -> None:
 
 
 def check_unstacked(finetune: Any, model: Any) -> None:
-    """Refuse adapters for a model whose layers are stacked for `nnx.scan`
-    (`model.scan_layers=true`): an adapter sizes itself from its layer's kernel, which there
-    holds every layer's along a leading axis, and scanning would not slice it per layer."""
-    if finetune.lora_rank and model.get("scan_layers"):
+    """Refuse QLoRA for a model whose layers are stacked for `nnx.scan`
+    (`model.scan_layers=true`): a quantized kernel's layout is one layer's (LoRA alone stacks
+    its adapters with the layers)."""
+    if finetune.quantize is not None and finetune.lora_rank and model.get("scan_layers"):
         raise ZooError(
-            f"finetune.lora_rank={finetune.lora_rank} adds LoRA adapters to each layer, which "
-            "zoo does not do for layers stacked for scanning (model.scan_layers=true, one "
+            f"finetune.quantize={finetune.quantize} holds each adapted layer's kernel quantized, "
+            "which zoo does not do for layers stacked for scanning (model.scan_layers=true, one "
             "kernel of every layer's weights): set model.scan_layers=false (the same weights, "
-            "the layers one after another), or fine-tune without adapters "
-            "(finetune.lora_rank=0)."
+            "the layers one after another), or use LoRA without quantizing "
+            "(finetune.quantize=null)."
         )

@@ -195,16 +195,37 @@ def test_quantize_is_refused_without_adapters_or_for_an_unknown_format(tmp_path)
     assert "finetune.quantize=int4 quantizes the base weights" in cli.stderr, cli.stderr
 
 
-@pytest.mark.parametrize("start, quantize", [(QWEN, "nf4"), ("gpt", None)])
-def test_adapters_are_refused_for_layers_stacked_for_scanning(start, quantize, tmp_path):
-    with pytest.raises(ZooError, match=r"lora_rank=4 adds LoRA .* model.scan_layers=false"):
+def test_lora_on_scanned_layers_stacks_the_adapters_and_merges_and_exports_each_layer(tmp_path):
+    """`model.scan_layers=true`: each adapter holds every layer's, stacked as the kernels are,
+    and the scan hands each step its layer's; the merge folds each layer's into its kernel."""
+    scan = ("model.scan_layers=true", f"workdir={tmp_path / 'run'}")
+    tuned = zoo.finetune(QWEN, *TUNE, *scan, lora_rank=4, lora_layers="layers")
+    found = adapters(tuned.model)
+    assert len(found) == 7  # q, k, v, o, gate, up, down: one adapter for both layers
+    query = found["layers.attention.query"]
+    assert query.lora_a.shape == (2, 32, 4) and query.lora_b.shape == (2, 4, 4, 16)
+    for adapter in found.values():  # both layers' adapters trained, each its own
+        b = np.asarray(adapter.lora_b[...])
+        assert np.abs(b[0]).max() > 0 and np.abs(b[1]).max() > 0 and not np.allclose(b[0], b[1])
+    tokens = np.load(QWEN / "reference.npz")["tokens"]
+    adapted = zoo.predict(tuned, tokens)
+    merged = zoo.merge_lora(tuned)
+    np.testing.assert_allclose(zoo.predict(merged, tokens), adapted, atol=1e-5, rtol=0)
+    exported = zoo.export(tmp_path / "run", tmp_path / "hf", format="hf")
+    unscanned = zoo.load(exported)  # the checkpoint's layout, read a layer at a time
+    assert not unscanned.config.model.scan_layers
+    np.testing.assert_allclose(zoo.predict(unscanned, tokens), adapted, atol=1e-5, rtol=0)
+
+
+def test_qlora_is_refused_for_layers_stacked_for_scanning(tmp_path):
+    with pytest.raises(ZooError, match=r"quantize=nf4 holds .* model.scan_layers=false"):
         zoo.finetune(
-            start,
+            QWEN,
             *TUNE,
             "model.scan_layers=true",
             f"workdir={tmp_path}",
             lora_rank=4,
-            quantize=quantize,
+            quantize="nf4",
         )
     assert not any(tmp_path.iterdir())  # refused before anything was written
 
