@@ -10,7 +10,9 @@ so an adapted model computes exactly what it did before training. Adapter params
 `nnx.LoRAParam` (a `Param` subclass): LoRA-only training differentiates and optimizes
 `nnx.LoRAParam` alone. With QLoRA the wrapped layer's kernel is held quantized instead, and a
 checkpoint fills it through `QuantizedFill`. `merge_adapters` folds each adapter into its
-layer's kernel (dequantized first) and puts the plain layer back.
+layer's kernel (dequantized first) and puts the plain layer back. A model's layers stacked for
+`nnx.scan` (`scan_layers`) hold each kernel with a leading layer axis; their adapters get the
+same leading axis, so that the scan hands each step its own layer's adapter.
 """
 
 from __future__ import annotations
