@@ -16,7 +16,9 @@ scanned step runs the branch of its layer's type), `remat` recomputes a layer's 
 the backward pass; every layer is initialised from its own key either way, so both layouts hold
 the same weights. `decode(tokens, cache, slots)` runs new tokens against a key/value cache of
 `num_kv_heads` heads, a sliding layer's bounded by its window (`zoo.models.kv_cache`;
-generation: `zoo.models.generation`).
+generation: `zoo.models.generation`). A packed row of several sequences (`data.packing`,
+`zoo.data.packing`) comes with each token's sequence and position in it: attention stays within
+a sequence, in every kind of layer, and rotary positions restart at each.
 
 `param_dtype=bf16` holds every param in bfloat16 (a checkpoint as it is stored: half the
 memory) and computes in it; norms' statistics and attention's softmax stay float32, as does the

@@ -52,12 +52,15 @@ LOSS_MASK = "loss_mask"
 target that carries loss, 0 for the others (a chat's system and user turns and its template's
 text), so that a model is trained on the replies alone."""
 
-SEGMENT_IDS, POSITIONS = "segment_ids", "positions"
-"""Batch columns of packed rows (several sequences end to end in one row, `data.packing`):
-each input position's sequence, 1, 2, ... (0: padding), and its position within that sequence.
-Only a model whose class sets `PACKED_ROWS = True` takes them (its attention stays within a
-sequence, its positions restart at each); for any other, data with them is refused before the
-model is built (`zoo.engine.validate.check_packing`)."""
+SEGMENT_IDS = "segment_ids"
+"""A batch column of packed rows (several sequences end to end in one row, `data.packing`):
+the sequence of each input position, 1, 2, ... (0: padding). Only a model whose class sets
+`PACKED_ROWS = True` takes packed rows (its attention stays within a sequence, its positions
+restart at each); for any other, data with this column is refused before the model is built."""
+
+POSITIONS = "positions"
+"""A batch column of packed rows beside `SEGMENT_IDS`: each input position's position within
+its own sequence (0 at each sequence's first token)."""
 
 OnEval = Callable[[nnx.Module, Any], None]
 """`on_eval(model, report)`: called after each eval with the model in eval mode and a
