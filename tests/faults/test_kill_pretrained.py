@@ -1,10 +1,10 @@
 """A fine-tune of a pretrained checkpoint (a tiny fixture, with its tokenizer, on a text file)
 killed with SIGKILL mid-run and run again ends with the bits and the logged losses of an
 uninterrupted fine-tune: GPT-2 with every param trained, and Qwen 3 with LoRA adapters on its
-attention and MLP projections, over its own kernels or over their nf4 codes (QLoRA), and with
-QLoRA on conversations packed several to a row (`data.packing`) (the adapters, their optimizer
-state, the codes and the data position are what the resume must restore). The packed run logs
-its packing efficiency to TensorBoard."""
+attention and MLP projections over its own kernels, and Qwen 3 with adapters over the nf4 codes of
+its kernels (QLoRA) on conversations packed several to a row (`data.packing`) (the adapters,
+their optimizer state, the codes and the data position are what the resume must restore). The
+packed run logs its packing efficiency to TensorBoard."""
 
 from __future__ import annotations
 
@@ -34,12 +34,6 @@ STARTS = {
         f"finetune.init_from={FIXTURES / 'qwen3-tiny'}",
         "finetune.lora_rank=4",
         "finetune.lora_layers=layers",
-    ),
-    "qwen3-qlora": (
-        f"finetune.init_from={FIXTURES / 'qwen3-tiny'}",
-        "finetune.lora_rank=4",
-        "finetune.lora_layers=layers",
-        "finetune.quantize=nf4",
     ),
     "qwen3-qlora-packed": (
         f"finetune.init_from={FIXTURES / 'qwen3-chat'}",
