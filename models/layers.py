@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 from flax import nnx
+from zoo.models import cpu_dot
 
 from zoo.plugin import logical_spec, partitioned
 
@@ -32,7 +33,8 @@ def dense(
     use_bias: bool = True,
 ) -> nnx.Linear:
     """A Linear layer whose kernel is annotated `axes` = (input axis, output axis); its bias
-    follows the output axis unless that is `embed`."""
+    follows the output axis unless that is `embed`. Its product in bfloat16 on a CPU is
+    `zoo.models.cpu_dot`'s (XLA:CPU's bfloat16 path, backward pass included)."""
     bias_axis = None if axes[1] == "embed" else axes[1]
     return nnx.Linear(
         din,
@@ -40,6 +42,7 @@ def dense(
         use_bias=use_bias,
         kernel_init=partitioned(_LECUN, axes),
         bias_init=partitioned(_ZEROS, (bias_axis,)),
+        dot_general=cpu_dot.dot_general,
         rngs=rngs,
     )
 
@@ -60,6 +63,7 @@ def head_projections(
             use_bias=use_bias,
             kernel_init=partitioned(_LECUN, axes),
             bias_init=partitioned(_ZEROS, bias_axes),
+            dot_general=cpu_dot.dot_general,
             rngs=rngs,
         )
 

@@ -1,0 +1,178 @@
+"""zoo.models.cpu_dot: a dense layer's bfloat16 product on a CPU, forward and backward, equals the
+float32 product of the same bfloat16 operands to within one bfloat16 rounding, on one device
+and split over a mesh, gives the same bits when rerun, and reaches XLA:CPU's products with
+bfloat16 operands (where `jax.lax.dot_general`'s are widened to float32)."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conformance.checks import MESH, on_mesh
+from flax import nnx
+from zoo.engine.precision import lowered
+from zoo.engine.sharding import logical_spec
+from zoo.models import cpu_dot
+from zoo.models.layers import dense, head_projections
+
+BF16 = jnp.bfloat16
+# x (batch..., inputs...) and w (inputs..., outputs...), contracting `k` axes: a Linear layer's,
+# attention's query projection (outputs split into heads) and its output projection (inputs).
+CASES = {
+    "linear": ((4, 24, 48), (48, 80), 1),
+    "heads out": ((4, 24, 48), (48, 4, 16), 1),
+    "heads in": ((4, 24, 4, 16), (4, 16, 48), 2),
+}
+
+
+def operands(x_shape, w_shape, seed=0):
+    kx, kw, kd = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(kx, x_shape).astype(BF16)
+    w = (jax.random.normal(kw, w_shape) / np.sqrt(np.prod(w_shape[:-1]))).astype(BF16)
+    return x, w, kd
+
+
+def products(x, w, k, dy):
+    """y, dx, dw of `cpu_dot.product` for the cotangent dy."""
+    y, pullback = jax.vjp(lambda x, w: cpu_dot.product(x, w, k), x, w)
+    return (y, *pullback(dy))
+
+
+def reference(x, w, k, dy):
+    """The same three products in float32 from the same bfloat16 operands (each exact product
+    of two bfloat16 numbers is a float32 number), each with |a| . |b| beside it."""
+    f32 = [np.asarray(a, np.float64) for a in (x, w, dy)]
+    x64, w64, dy64 = f32
+    xa = x64.ndim - k
+    y = np.tensordot(x64, w64, k)
+    dx = np.tensordot(dy64, w64, (list(range(xa, dy64.ndim)), list(range(k, w64.ndim))))
+    dw = np.tensordot(x64, dy64, (list(range(xa)), list(range(xa))))
+    scale_y = np.tensordot(np.abs(x64), np.abs(w64), k)
+    scale_dx = np.tensordot(
+        np.abs(dy64), np.abs(w64), (list(range(xa, dy64.ndim)), list(range(k, w64.ndim)))
+    )
+    scale_dw = np.tensordot(np.abs(x64), np.abs(dy64), (list(range(xa)), list(range(xa))))
+    return (y, scale_y), (dx, scale_dx), (dw, scale_dw)
+
+
+def assert_within_bf16_rounding(got, want, scale):
+    """|got - want| <= 2^-8 |want| + 2^-16 (|a| . |b|): the result's one rounding to bfloat16
+    (at most half its spacing, 2^-9 of it, doubled for the float32 sum it rounds) and the float32
+    sum's own error, at most (terms) x 2^-24 x the sum of the terms' magnitudes, under 2^-16 of
+    it for the 256 terms at most summed here."""
+    got = np.asarray(got, np.float64)
+    bound = 2.0**-8 * np.abs(want) + 2.0**-16 * scale
+    excess = np.abs(got - want) - bound
+    assert excess.max() <= 0, f"off by {excess.max():.3g} beyond bfloat16 rounding"
+
+
+def shaped_cotangent(x, w, k, key):
+    y_shape = (*x.shape[: x.ndim - k], *w.shape[k:])
+    return jax.random.normal(key, y_shape).astype(BF16)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_forward_and_gradients_are_the_bf16_product_to_within_its_rounding(case):
+    x_shape, w_shape, k = CASES[case]
+    x, w, key = operands(x_shape, w_shape)
+    dy = shaped_cotangent(x, w, k, key)
+    got = jax.jit(products, static_argnums=2)(x, w, k, dy)
+    assert [a.dtype for a in got] == [BF16] * 3
+    for value, (want, scale) in zip(got, reference(x, w, k, dy), strict=True):
+        assert value.shape == want.shape
+        assert_within_bf16_rounding(value, want, scale)
+    # jax's own bfloat16 product is held to the same bound: the bound is bfloat16's, not ours.
+    plain = jax.jit(
+        lambda x, w: jax.lax.dot_general(
+            x, w, ((tuple(range(x.ndim - k, x.ndim)), tuple(range(k))), ((), ()))
+        )
+    )(x, w)
+    assert_within_bf16_rounding(plain, *reference(x, w, k, dy)[0])
+
+
+def test_rerun_gives_the_same_bits():
+    x_shape, w_shape, k = CASES["heads in"]
+    x, w, key = operands(x_shape, w_shape)
+    dy = shaped_cotangent(x, w, k, key)
+    first = jax.jit(products, static_argnums=2)(x, w, k, dy)
+    again = jax.jit(products, static_argnums=2)(x, w, k, dy)
+    for a, b in zip(first, again, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("case", ["linear", "heads in"])
+def test_split_over_a_mesh_it_gives_the_bf16_product_with_the_operands_shardings(case):
+    x_shape, w_shape, k = CASES[case]
+    x, w, key = operands(x_shape, w_shape)
+    dy = shaped_cotangent(x, w, k, key)
+    with on_mesh(MESH):
+        rest = (None,) * (x.ndim - 1)
+        x_spec = logical_spec("batch", *rest)
+        w_spec = logical_spec("embed", *(None,) * (w.ndim - 1)) if k == 1 else None
+        w_spec = w_spec or logical_spec("heads", *(None,) * (w.ndim - 1))
+        dy_spec = logical_spec("batch", *(None,) * (dy.ndim - 1))
+        split = [jax.sharding.reshard(a, s) for a, s in ((x, x_spec), (w, w_spec), (dy, dy_spec))]
+        got = jax.jit(products, static_argnums=2)(split[0], split[1], k, split[2])
+        assert jax.typeof(got[1]).sharding.spec == x_spec
+        assert jax.typeof(got[2]).sharding.spec == w_spec
+    for value, (want, scale) in zip(got, reference(x, w, k, dy), strict=True):
+        assert_within_bf16_rounding(value, want, scale)
+
+
+def test_float32_and_other_products_are_jaxs_own():
+    x, w, _ = operands((4, 24, 48), (48, 80))
+    wide = [a.astype(jnp.float32) for a in (x, w)]
+    batched = x[:, :8].transpose(0, 2, 1)
+    for operands_, numbers in (
+        (wide, (((2,), (0,)), ((), ()))),  # float32
+        ((x, batched), (((2,), (1,)), ((0,), (0,)))),  # a batched product: not a dense layer's
+    ):
+        ours = jax.make_jaxpr(cpu_dot.dot_general, static_argnums=2)(*operands_, numbers)
+        jaxs = jax.make_jaxpr(jax.lax.dot_general, static_argnums=2)(*operands_, numbers)
+        assert str(ours) == str(jaxs)
+
+
+class Block(nnx.Module):
+    """A Linear layer and attention's four projections, as the shared transformer block
+    builds them (`zoo.models.layers`)."""
+
+    def __init__(self, rngs):
+        self.mlp = dense(32, 64, ("embed", "mlp"), rngs=rngs)
+        self.query, _, _, self.out = head_projections(32, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(self.query(x)) + self.mlp(x)[..., :32]
+
+
+def dot_operand_dtypes(model, x):
+    """The operand dtypes of every product in the compiled gradient of the sum of `model(x)`."""
+    graph, params = nnx.split(model)
+
+    def loss(params, x):
+        return jnp.sum(nnx.merge(graph, params)(x).astype(jnp.float32))
+
+    text = jax.jit(jax.grad(loss)).lower(params, x).compile().as_text()
+    computations = re.findall(r"\n%\S+ \(([^)]*)\) -> \S+ \{\n((?:.+\n)*?)\}", text)
+    return [
+        re.findall(r": (\w+)\[", signature)
+        for signature, body in computations
+        if re.search(r"= \S+ dot\(", body)
+    ]
+
+
+def test_the_dense_layers_products_and_their_gradients_reach_xla_in_bf16(monkeypatch):
+    with on_mesh({"data": 1, "fsdp": 1, "tensor": 1}):
+        model = Block(nnx.Rngs(0))
+        graph, params = nnx.split(model)
+        low = nnx.merge(graph, lowered(params))
+        # 2,048 rows: XLA:CPU leaves products of a few rows to Eigen, in float32, when its Eigen
+        # runs single-threaded (as the suite's conftest sets it).
+        x = jnp.ones((8, 256, 32), BF16)
+        ours = dot_operand_dtypes(low, x)
+        assert len(ours) >= 5 and all(dtypes == ["bf16", "bf16"] for dtypes in ours), ours
+        monkeypatch.setattr(cpu_dot, "_on_bf16_path", lambda *_: False)
+        widened = dot_operand_dtypes(low, x)
+        assert widened and all("bf16" not in dtypes for dtypes in widened), widened
