@@ -109,10 +109,10 @@ def test_split_over_a_mesh_it_gives_the_bf16_product_with_the_operands_shardings
     x, w, key = operands(x_shape, w_shape)
     dy = shaped_cotangent(x, w, k, key)
     with on_mesh(MESH):
-        rest = (None,) * (x.ndim - 1)
-        x_spec = logical_spec("batch", *rest)
-        w_spec = logical_spec("embed", *(None,) * (w.ndim - 1)) if k == 1 else None
-        w_spec = w_spec or logical_spec("heads", *(None,) * (w.ndim - 1))
+        x_spec = logical_spec("batch", *(None,) * (x.ndim - 1))
+        # The kernel split on its first input axis: `embed` (FSDP) for a Linear layer's, the
+        # heads for the output projection's.
+        w_spec = logical_spec("embed" if k == 1 else "heads", *(None,) * (w.ndim - 1))
         dy_spec = logical_spec("batch", *(None,) * (dy.ndim - 1))
         split = [jax.sharding.reshard(a, s) for a, s in ((x, x_spec), (w, w_spec), (dy, dy_spec))]
         got = jax.jit(products, static_argnums=2)(split[0], split[1], k, split[2])
