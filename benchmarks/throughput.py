@@ -28,7 +28,8 @@ wasted work (remat, the padded vocabulary's masked logits) does not count. MFU =
 per token / peak FLOP/s, the peak being `--peak-tflops` (default: 989, an H100 SXM's dense bf16)
 for both precisions. On a CPU, which has no such datasheet figure, the peak is by default
 measured: the float32 FLOP/s of the fastest of a few XLA matmuls (2048 x 2048) timed in each
-round beside the loops (XLA:CPU computes bfloat16 in float32); the table says which peak it used.
+round beside the loops (the same peak for bf16: zoo's bf16 dense products reach up to about 3x
+it on a CPU with AVX-512 BF16, docs/performance.md); the table says which peak it used.
 """
 
 from __future__ import annotations
