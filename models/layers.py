@@ -14,9 +14,8 @@ from collections.abc import Callable, Sequence
 
 import jax
 from flax import nnx
-from zoo.models import cpu_dot
 
-from zoo.plugin import logical_spec, partitioned
+from zoo.plugin import dense_dot_general, logical_spec, partitioned
 
 Axis = str | tuple[str, ...] | None  # one logical name, several (split on all their axes), none
 Axes = tuple[Axis, ...]
@@ -34,7 +33,7 @@ def dense(
 ) -> nnx.Linear:
     """A Linear layer whose kernel is annotated `axes` = (input axis, output axis); its bias
     follows the output axis unless that is `embed`. Its product in bfloat16 on a CPU is
-    `zoo.models.cpu_dot`'s (XLA:CPU's bfloat16 path, backward pass included)."""
+    `zoo.plugin.dense_dot_general`'s (XLA:CPU's bfloat16 path, backward pass included)."""
     bias_axis = None if axes[1] == "embed" else axes[1]
     return nnx.Linear(
         din,
@@ -42,7 +41,7 @@ def dense(
         use_bias=use_bias,
         kernel_init=partitioned(_LECUN, axes),
         bias_init=partitioned(_ZEROS, (bias_axis,)),
-        dot_general=cpu_dot.dot_general,
+        dot_general=dense_dot_general,
         rngs=rngs,
     )
 
@@ -63,7 +62,7 @@ def head_projections(
             use_bias=use_bias,
             kernel_init=partitioned(_LECUN, axes),
             bias_init=partitioned(_ZEROS, bias_axes),
-            dot_general=cpu_dot.dot_general,
+            dot_general=dense_dot_general,
             rngs=rngs,
         )
 

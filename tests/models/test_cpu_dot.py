@@ -1,11 +1,14 @@
-"""zoo.models.cpu_dot: a dense layer's bfloat16 product on a CPU, forward and backward, equals the
+"""zoo.engine.cpu_dot: a dense layer's bfloat16 product on a CPU, forward and backward, equals the
 float32 product of the same bfloat16 operands to within one bfloat16 rounding, on one device
-and split over a mesh, gives the same bits when rerun, and reaches XLA:CPU's products with
-bfloat16 operands (where `jax.lax.dot_general`'s are widened to float32)."""
+and split over a mesh, with the kernel held inputs first (`nnx.Linear`'s) or outputs first
+(`TransposedLinear`'s), gives the same bits when rerun, and reaches XLA:CPU's products with
+bfloat16 operands (where `jax.lax.dot_general`'s are widened to float32), in the shared
+transformer block and in the decoder's."""
 
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -13,10 +16,13 @@ import numpy as np
 import pytest
 from conformance.checks import MESH, on_mesh
 from flax import nnx
+from zoo.engine import cpu_dot
 from zoo.engine.precision import lowered
 from zoo.engine.sharding import logical_spec
-from zoo.models import cpu_dot
+from zoo.models.decoder import Decoder
 from zoo.models.layers import dense, head_projections
+
+from zoo.plugin import TransposedLinear
 
 BF16 = jnp.bfloat16
 # x (batch..., inputs...) and w (inputs..., outputs...), contracting `k` axes: a Linear layer's,
@@ -35,10 +41,33 @@ def operands(x_shape, w_shape, seed=0):
     return x, w, kd
 
 
-def products(x, w, k, dy):
-    """y, dx, dw of `cpu_dot.product` for the cotangent dy."""
-    y, pullback = jax.vjp(lambda x, w: cpu_dot.product(x, w, k), x, w)
-    return (y, *pullback(dy))
+# How the layer holds its kernel: inputs first (`cpu_dot.product`, an `nnx.Linear`'s) or outputs
+# first (a `TransposedLinear`, which holds the transpose of the same w).
+HELD = ["inputs first", "outputs first"]
+
+
+def held_outputs_first(w, k):
+    return jnp.transpose(w, (*range(k, w.ndim), *range(k)))
+
+
+def transposed_linear(x, held, k):
+    """`TransposedLinear`'s call with the kernel `held` (outputs..., inputs...) and no bias, on x
+    (as LoRA calls it with a kernel of its own, `zoo.engine.lora`)."""
+    inputs, outputs = held.shape[held.ndim - k :], held.shape[: held.ndim - k]
+    layer = SimpleNamespace(kernel=held, bias=None, in_features=inputs, out_features=outputs)
+    return TransposedLinear.__call__(layer, x)
+
+
+def products(x, w, k, dy, held="inputs first"):
+    """y, dx, dw of the layer for the cotangent dy, dw laid out as w (inputs..., outputs...)."""
+    if held == "inputs first":
+        y, pullback = jax.vjp(lambda x, w: cpu_dot.product(x, w, k), x, w)
+        return (y, *pullback(dy))
+    held_w = held_outputs_first(w, k)
+    y, pullback = jax.vjp(lambda x, held_w: transposed_linear(x, held_w, k), x, held_w)
+    dx, dheld = pullback(dy)
+    outputs = w.ndim - k
+    return y, dx, jnp.transpose(dheld, (*range(outputs, w.ndim), *range(outputs)))
 
 
 def reference(x, w, k, dy):
@@ -74,12 +103,13 @@ def shaped_cotangent(x, w, k, key):
     return jax.random.normal(key, y_shape).astype(BF16)
 
 
+@pytest.mark.parametrize("held", HELD)
 @pytest.mark.parametrize("case", CASES)
-def test_forward_and_gradients_are_the_bf16_product_to_within_its_rounding(case):
+def test_forward_and_gradients_are_the_bf16_product_to_within_its_rounding(case, held):
     x_shape, w_shape, k = CASES[case]
     x, w, key = operands(x_shape, w_shape)
     dy = shaped_cotangent(x, w, k, key)
-    got = jax.jit(products, static_argnums=2)(x, w, k, dy)
+    got = jax.jit(products, static_argnums=(2, 4))(x, w, k, dy, held)
     assert [a.dtype for a in got] == [BF16] * 3
     for value, (want, scale) in zip(got, reference(x, w, k, dy), strict=True):
         assert value.shape == want.shape
@@ -103,8 +133,9 @@ def test_rerun_gives_the_same_bits():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.parametrize("held", HELD)
 @pytest.mark.parametrize("case", ["linear", "heads in"])
-def test_split_over_a_mesh_it_gives_the_bf16_product_with_the_operands_shardings(case):
+def test_split_over_a_mesh_it_gives_the_bf16_product_with_the_operands_shardings(case, held):
     x_shape, w_shape, k = CASES[case]
     x, w, key = operands(x_shape, w_shape)
     dy = shaped_cotangent(x, w, k, key)
@@ -115,7 +146,7 @@ def test_split_over_a_mesh_it_gives_the_bf16_product_with_the_operands_shardings
         w_spec = logical_spec("embed" if k == 1 else "heads", *(None,) * (w.ndim - 1))
         dy_spec = logical_spec("batch", *(None,) * (dy.ndim - 1))
         split = [jax.sharding.reshard(a, s) for a, s in ((x, x_spec), (w, w_spec), (dy, dy_spec))]
-        got = jax.jit(products, static_argnums=2)(split[0], split[1], k, split[2])
+        got = jax.jit(products, static_argnums=(2, 4))(split[0], split[1], k, split[2], held)
         assert jax.typeof(got[1]).sharding.spec == x_spec
         assert jax.typeof(got[2]).sharding.spec == w_spec
     for value, (want, scale) in zip(got, reference(x, w, k, dy), strict=True):
@@ -149,10 +180,10 @@ class Block(nnx.Module):
 
 def dot_operand_dtypes(model, x):
     """The operand dtypes of every product in the compiled gradient of the sum of `model(x)`."""
-    graph, params = nnx.split(model)
+    graph, params, rest = nnx.split(model, nnx.Param, ...)
 
     def loss(params, x):
-        return jnp.sum(nnx.merge(graph, params)(x).astype(jnp.float32))
+        return jnp.sum(nnx.merge(graph, params, rest)(x).astype(jnp.float32))
 
     text = jax.jit(jax.grad(loss)).lower(params, x).compile().as_text()
     computations = re.findall(r"\n%\S+ \(([^)]*)\) -> \S+ \{\n((?:.+\n)*?)\}", text)
@@ -176,3 +207,26 @@ def test_the_dense_layers_products_and_their_gradients_reach_xla_in_bf16(monkeyp
         monkeypatch.setattr(cpu_dot, "_on_bf16_path", lambda *_: False)
         widened = dot_operand_dtypes(low, x)
         assert widened and all("bf16" not in dtypes for dtypes in widened), widened
+
+
+def test_the_decoders_projections_and_their_gradients_reach_xla_in_bf16(monkeypatch):
+    """A decoder layer's seven projections (query, key, value, output; gate, up, down), each
+    with its two backward products: 21 products more take bfloat16 operands than with
+    `jax.lax.dot_general` alone, all of them its widened ones. A decoding step of a few rows
+    (`FEW_ROWS`) keeps the kernel-first product and still runs."""
+    with on_mesh({"data": 1, "fsdp": 1, "tensor": 1}):
+        model = Decoder(vocab_size=256, context_length=256, dim=32, depth=1, rngs=nnx.Rngs(0))
+        graph, params, rest = nnx.split(model, nnx.Param, ...)
+        low = nnx.merge(graph, lowered(params), rest)
+        tokens = jnp.ones((8, 256), jnp.int32)
+
+        def count(dtypes):
+            return sum(d == ["bf16", "bf16"] for d in dtypes)
+
+        ours = count(dot_operand_dtypes(low, tokens))
+        monkeypatch.setattr(cpu_dot, "_on_bf16_path", lambda *_: False)
+        widened = count(dot_operand_dtypes(low, tokens))
+        monkeypatch.undo()
+        assert ours - widened == 21, (ours, widened)
+        decoded = jax.jit(lambda m, t: m(t))(low, tokens[:1, :8])
+        assert bool(jnp.isfinite(decoded.astype(jnp.float32)).all())

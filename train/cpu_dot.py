@@ -1,0 +1,156 @@
+"""A dense layer's product for bfloat16 on a CPU, written so that XLA:CPU takes its bfloat16 path
+in the forward pass and in both products of the backward pass.
+
+jaxlib's XLA:CPU multiplies bfloat16 matrices on the CPU's bfloat16 instructions (YNNPACK) only
+for a product that asks for a float32 result with both operands in the plain `a @ b` layout: the
+first's trailing axes against the second's leading ones, each laid out row-major. Any other
+product, a bfloat16 result or the transposed products autodiff writes for the backward pass
+(`dy @ w.T`, `x.T @ dy`), is rewritten early on (XLA's operand upcaster, before its layout and
+simplification passes) to convert both operands to float32 first, so a bfloat16 step would run
+at float32 speed. Here the product is a `jax.custom_vjp` whose three products are each plain,
+ask for float32 and round to bfloat16 after: the arithmetic of XLA's bfloat16 `dot` (bfloat16
+operands, float32 sums, one rounding), with its float32 copies of both operands gone. The
+backward pass's transposed operand is copied transposed first (see `_materialised`): a
+memory-bound copy of one operand, small beside the product it feeds.
+
+A kernel held (outputs..., inputs...) (`zoo.engine.dense.TransposedLinear`) takes the same
+product with `outputs_first`: its forward product reads the kernel copied transposed, the input's
+gradient reads it as held, and the kernel's gradient reads the output's gradient copied
+transposed."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+WIDE = jnp.float32
+
+
+def dot_general(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    dimension_numbers: Any,
+    precision: Any = None,
+    preferred_element_type: Any = None,
+    out_sharding: Any = None,
+) -> jax.Array:
+    """`jax.lax.dot_general`, for `nnx.Linear(dot_general=...)`: on a CPU, a product of two
+    bfloat16 arrays contracting the first's trailing axes with the second's leading ones (a
+    dense layer's) or trailing ones (a kernel held outputs first) takes `product`; every other
+    product is `jax.lax.dot_general`'s."""
+    contracted, outputs_first = _dense_contraction(lhs, rhs, dimension_numbers)
+    if contracted and _on_bf16_path(lhs, rhs, precision, preferred_element_type):
+        return product(lhs, rhs, contracted, out_sharding, outputs_first)
+    return jax.lax.dot_general(
+        lhs,
+        rhs,
+        dimension_numbers,
+        precision=precision,
+        preferred_element_type=preferred_element_type,
+        out_sharding=out_sharding,
+    )
+
+
+def _dense_contraction(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any) -> tuple[int, bool]:
+    """How many axes a product contracts if it is a dense layer's (lhs's trailing axes against
+    rhs's leading ones, or its trailing ones, in order, no batch axes), else 0; and whether they
+    are rhs's trailing ones (a kernel held outputs first)."""
+    (lhs_axes, rhs_axes), (lhs_batch, rhs_batch) = dimension_numbers
+    lhs_axes = tuple(a % lhs.ndim for a in lhs_axes)
+    rhs_axes = tuple(a % rhs.ndim for a in rhs_axes)
+    k = len(lhs_axes)
+    if not k or lhs_batch or rhs_batch or lhs.ndim <= k or rhs.ndim <= k:
+        return 0, False
+    if lhs_axes != tuple(range(lhs.ndim - k, lhs.ndim)):
+        return 0, False
+    outputs_first = rhs_axes == tuple(range(rhs.ndim - k, rhs.ndim))
+    return (k if outputs_first or rhs_axes == tuple(range(k)) else 0), outputs_first
+
+
+def _on_bf16_path(lhs: jax.Array, rhs: jax.Array, precision: Any, preferred: Any) -> bool:
+    bf16 = jnp.dtype(jnp.bfloat16)
+    return (
+        jax.default_backend() == "cpu"
+        and lhs.dtype == bf16
+        and rhs.dtype == bf16
+        and precision is None
+        and (preferred is None or jnp.dtype(preferred) == bf16)
+    )
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def product(
+    x: jax.Array,
+    w: jax.Array,
+    contracted: int,
+    out_sharding: Any = None,
+    outputs_first: bool = False,
+) -> jax.Array:
+    """x's trailing `contracted` axes against w's leading ones (its trailing ones with
+    `outputs_first`), in bfloat16 with float32 sums, its gradients computed the same way (see
+    the module's doc)."""
+    return _forward(x, w, contracted, out_sharding, outputs_first)[0]
+
+
+def _forward(x, w, contracted, out_sharding, outputs_first):
+    w_in_first = _materialised(_outputs_last(w, contracted)) if outputs_first else w
+    return _plain(x, w_in_first, contracted, out_sharding), (x, w)
+
+
+def _backward(contracted, out_sharding, outputs_first, residuals, dy):
+    x, w = residuals
+    batch, outputs = x.ndim - contracted, w.ndim - contracted
+    if outputs_first:
+        dx = _plain(dy, w, outputs, _sharding(x))
+        dy_t = _materialised(jnp.transpose(dy, (*range(batch, dy.ndim), *range(batch))))
+        dw = _plain(dy_t, x, batch, _sharding(w))
+    else:
+        w_t = _materialised(_outputs_first(w, contracted))
+        x_t = _materialised(jnp.transpose(x, (*range(batch, x.ndim), *range(batch))))
+        dx = _plain(dy, w_t, outputs, _sharding(x))
+        dw = _plain(x_t, dy, batch, _sharding(w))
+    return dx, dw
+
+
+def _outputs_first(w: jax.Array, inputs: int) -> jax.Array:
+    """w (inputs..., outputs...) as (outputs..., inputs...)."""
+    return jnp.transpose(w, (*range(inputs, w.ndim), *range(inputs)))
+
+
+def _outputs_last(w: jax.Array, inputs: int) -> jax.Array:
+    """w (outputs..., inputs...) as (inputs..., outputs...)."""
+    outputs = w.ndim - inputs
+    return jnp.transpose(w, (*range(outputs, w.ndim), *range(outputs)))
+
+
+product.defvjp(_forward, _backward)
+
+
+def _plain(a: jax.Array, b: jax.Array, contracted: int, out_sharding: Any) -> jax.Array:
+    axes = (tuple(range(a.ndim - contracted, a.ndim)), tuple(range(contracted)))
+    wide = jax.lax.dot_general(
+        a, b, (axes, ((), ())), preferred_element_type=WIDE, out_sharding=out_sharding
+    )
+    return wide.astype(a.dtype)
+
+
+def _materialised(transposed: jax.Array) -> jax.Array:
+    """`transposed` as a row-major copy that XLA cannot fold back into the product reading it.
+    A transpose alone reaches the product as a transposed layout, which the upcaster turns to
+    float32; behind an optimization barrier it still does (the barrier keeps the layout). A
+    reshape through the barrier (adding a leading axis and taking it away) is not a layout
+    change, so the copy happens before it and the product sees a plain operand."""
+    return jax.lax.optimization_barrier(transposed[None])[0]
+
+
+def _sharding(a: jax.Array) -> Any:
+    """The sharding a gradient takes, its array's, where that is typed over a mesh with
+    explicit axes: a backward product contracting the batch, split on both operands, needs it
+    named (a replicated array's too)."""
+    sharding = getattr(jax.typeof(a), "sharding", None)
+    types = getattr(getattr(sharding, "mesh", None), "axis_types", ())
+    explicit = jax.sharding.AxisType.Explicit in types
+    return sharding if explicit and getattr(sharding, "spec", None) is not None else None
