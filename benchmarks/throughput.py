@@ -248,7 +248,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--decoder",
         action="store_true",
-        help="also time the decoder's float32 training at the same sizes, and its PyTorch twin's",
+        help="also time the decoder's training (fp32, bf16) at the same sizes, and its PyTorch twin's",
     )
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
@@ -263,7 +263,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         args.rounds,
         args.steps,
         peak_tflops and peak_tflops * 1e12,
-        ("fp32",) if args.decoder else (),
+        PRECISIONS if args.decoder else (),
     )
     cpu = machine.cpu()
     print(machine.describe(cpu))
