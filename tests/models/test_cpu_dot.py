@@ -20,6 +20,7 @@ from zoo.engine import cpu_dot
 from zoo.engine.precision import lowered
 from zoo.engine.sharding import logical_spec
 from zoo.models.decoder import Decoder
+from zoo.models.generate import generate_tokens
 from zoo.models.layers import dense, head_projections
 
 from zoo.plugin import TransposedLinear
@@ -228,5 +229,5 @@ def test_the_decoders_projections_and_their_gradients_reach_xla_in_bf16(monkeypa
         widened = count(dot_operand_dtypes(low, tokens))
         monkeypatch.undo()
         assert ours - widened == 21, (ours, widened)
-        decoded = jax.jit(lambda m, t: m(t))(low, tokens[:1, :8])
-        assert bool(jnp.isfinite(decoded.astype(jnp.float32)).all())
+        new = generate_tokens(low, np.arange(8), max_new_tokens=4, temperature=0.0)
+        assert new.shape == (4,) and ((new >= 0) & (new < 256)).all()
