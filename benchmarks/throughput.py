@@ -219,16 +219,16 @@ def print_table(result: dict[str, Any], sizes: dict[str, int]) -> None:
         f"{result['flops_per_token'] / 1e6:.1f} MFLOP per token; peak {peak / 1e9:,.1f} GFLOP/s "
         f"({result['peak_source']}); medians (min-max) over rounds"
     )
-    print(f"{'loop':<18} {'tokens/s':>28} {'GFLOP/s':>10} {'MFU':>7}")
+    print(f"{'loop':<26} {'tokens/s':>28} {'GFLOP/s':>10} {'MFU':>7}")
     for name, row in result["loops"].items():
         t = row["tokens_per_sec"]
         span = f"{t['median']:,.0f} ({t['min']:,.0f}-{t['max']:,.0f})"
         gflops = row["flops_per_sec"]["median"] / 1e9
         mfu = f"{100 * row['mfu']['median']:>6.1f}%"
         flops = f"{gflops:>10,.1f} {mfu}" if gflops else f"{'-':>10} {'-':>7}"
-        print(f"{name:<18} {span:>28} {flops}")
+        print(f"{name:<26} {span:>28} {flops}")
     for name, r in result["ratios"].items():
-        print(f"{name:<18} {r['median']:>11.2f} ({r['min']:.2f}-{r['max']:.2f}) tokens/s ratio")
+        print(f"{name:<26} {r['median']:>11.2f} ({r['min']:.2f}-{r['max']:.2f}) tokens/s ratio")
     for name, why in result["not_measured"].items():
         print(f"{name}: not measured: {why}")
 
