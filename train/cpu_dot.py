@@ -96,7 +96,7 @@ def product(
 
 
 def _forward(x, w, contracted, out_sharding, outputs_first):
-    w_in_first = _materialised(_outputs_last(w, contracted)) if outputs_first else w
+    w_in_first = _materialised(_rolled(w, w.ndim - contracted)) if outputs_first else w
     return _plain(x, w_in_first, contracted, out_sharding), (x, w)
 
 
@@ -105,25 +105,18 @@ def _backward(contracted, out_sharding, outputs_first, residuals, dy):
     batch, outputs = x.ndim - contracted, w.ndim - contracted
     if outputs_first:
         dx = _plain(dy, w, outputs, _sharding(x))
-        dy_t = _materialised(jnp.transpose(dy, (*range(batch, dy.ndim), *range(batch))))
-        dw = _plain(dy_t, x, batch, _sharding(w))
+        dw = _plain(_materialised(_rolled(dy, batch)), x, batch, _sharding(w))
     else:
-        w_t = _materialised(_outputs_first(w, contracted))
-        x_t = _materialised(jnp.transpose(x, (*range(batch, x.ndim), *range(batch))))
-        dx = _plain(dy, w_t, outputs, _sharding(x))
-        dw = _plain(x_t, dy, batch, _sharding(w))
+        dx = _plain(dy, _materialised(_rolled(w, contracted)), outputs, _sharding(x))
+        dw = _plain(_materialised(_rolled(x, batch)), dy, batch, _sharding(w))
     return dx, dw
 
 
-def _outputs_first(w: jax.Array, inputs: int) -> jax.Array:
-    """w (inputs..., outputs...) as (outputs..., inputs...)."""
-    return jnp.transpose(w, (*range(inputs, w.ndim), *range(inputs)))
-
-
-def _outputs_last(w: jax.Array, inputs: int) -> jax.Array:
-    """w (outputs..., inputs...) as (inputs..., outputs...)."""
-    outputs = w.ndim - inputs
-    return jnp.transpose(w, (*range(outputs, w.ndim), *range(outputs)))
+def _rolled(a: jax.Array, leading: int) -> jax.Array:
+    """`a` with its first `leading` axes moved last, in order: a kernel (inputs..., outputs...)
+    as (outputs..., inputs...) and back, or an activation (batch..., features...) as
+    (features..., batch...)."""
+    return jnp.transpose(a, (*range(leading, a.ndim), *range(leading)))
 
 
 product.defvjp(_forward, _backward)
