@@ -51,8 +51,10 @@ def first_fit(sizes: np.ndarray, capacity: int) -> np.ndarray:
 def packed_rows(sizes: np.ndarray, capacity: int) -> list[np.ndarray]:
     """Which items (indices into `sizes`) each packed row holds, in the order they were placed."""
     rows = first_fit(sizes, capacity)
-    order = np.argsort(-np.asarray(sizes), kind="stable")
-    return [order[rows[order] == row] for row in range(int(rows.max()) + 1 if len(rows) else 0)]
+    placed = np.argsort(-np.asarray(sizes), kind="stable")  # the order they were placed in
+    by_row = placed[np.argsort(rows[placed], kind="stable")]
+    ends = np.cumsum(np.bincount(rows, minlength=int(rows.max()) + 1 if len(rows) else 0))
+    return np.split(by_row, ends[:-1]) if len(rows) else []
 
 
 def pack(pieces: list[list[tuple[np.ndarray, np.ndarray]]], longest: int) -> Batch:
