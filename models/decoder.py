@@ -284,8 +284,8 @@ class Decoder(nnx.Module):
         x = embed_tokens(tokens, table)
         if self.embed_scale:
             x = x * jnp.asarray(self.embed_scale, table.dtype)
-        if positions is None:
-            positions = jnp.arange(length) if slots is None else slots.positions(length)
+        if positions is None:  # a row's own, known now: the rotation's tables are constants
+            positions = np.arange(length) if slots is None else slots.positions(length)
         angles = {FULL: rotation(self.rope, self.head_dim, positions, x.dtype)}
         angles[SLIDING] = (
             angles[FULL]

@@ -65,10 +65,20 @@ def _llama3(inv_freq: np.ndarray, rope: Rope) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def rotation(rope: Rope, head_dim: int, positions: jax.Array, dtype: jnp.dtype) -> Rotation:
+def rotation(
+    rope: Rope, head_dim: int, positions: jax.Array | np.ndarray, dtype: jnp.dtype
+) -> Rotation:
     """Cosines and sines (in `dtype`) of the angles at `positions` (integers: length, or
     batch x length for rows of their own positions): computed in float32, then rounded to the
-    dtype the heads are in, as transformers does."""
+    dtype the heads are in, as transformers does.
+
+    Positions known when the step is traced (a numpy array: a training row's 0, 1, ...) give
+    tables computed then, by the same XLA operations, which the compiled step holds as
+    constants: traced, XLA:CPU fuses the cosines and sines into every op that reads them (each
+    rotation, each of attention's blocks, their gradients) and computes them again in each."""
+    if isinstance(positions, np.ndarray):
+        with jax.ensure_compile_time_eval():
+            return rotation(rope, head_dim, jnp.asarray(positions), dtype)
     inv_freq = jnp.asarray(inverse_frequencies(rope, head_dim))
     angles = positions.astype(jnp.float32)[..., None] * inv_freq
     angles = jnp.concatenate([angles, angles], axis=-1)
