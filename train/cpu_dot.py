@@ -16,15 +16,26 @@ memory-bound copy of one operand, small beside the product it feeds.
 A kernel held (outputs..., inputs...) (`zoo.engine.dense.TransposedLinear`) takes the same
 product with `outputs_first`: its forward product reads the kernel copied transposed, the input's
 gradient reads it as held, and the kernel's gradient reads the output's gradient copied
-transposed."""
+transposed.
+
+In float32 on a CPU, a kernel held outputs first that has no more inputs than outputs (a
+decoder's query, key, value and gate/up projections) takes `wide_outputs_first`: the same
+forward product and input gradient as `jax.lax.dot_general`'s, and a kernel gradient made from
+the input copied transposed, (x.T @ dy).T, rather than from the output's gradient transposed,
+dy.T @ x. XLA:CPU otherwise writes dy.T with the ops that make dy (a SwiGLU's derivative, the
+rotary positions' inverse) fused into the transposing copy, several times slower than a plain
+copy; the input is the same for all the projections that read it (one copy for query, key and
+value) and has the fewer features. Only the order of the sums of the kernel gradient changes."""
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 WIDE = jnp.float32
 
@@ -39,11 +50,14 @@ def dot_general(
 ) -> jax.Array:
     """`jax.lax.dot_general`, for `nnx.Linear(dot_general=...)`: on a CPU, a product of two
     bfloat16 arrays contracting the first's trailing axes with the second's leading ones (a
-    dense layer's) or trailing ones (a kernel held outputs first) takes `product`; every other
-    product is `jax.lax.dot_general`'s."""
+    dense layer's) or trailing ones (a kernel held outputs first) takes `product`, a float32
+    one with a kernel held outputs first and no more inputs than outputs `wide_outputs_first`;
+    every other product is `jax.lax.dot_general`'s."""
     contracted, outputs_first = _dense_contraction(lhs, rhs, dimension_numbers)
     if contracted and _on_bf16_path(lhs, rhs, precision, preferred_element_type):
         return product(lhs, rhs, contracted, out_sharding, outputs_first)
+    if outputs_first and _wide_outputs(lhs, rhs, contracted, precision, preferred_element_type):
+        return wide_outputs_first(lhs, rhs, contracted, out_sharding)
     return jax.lax.dot_general(
         lhs,
         rhs,
@@ -120,6 +134,49 @@ def _rolled(a: jax.Array, leading: int) -> jax.Array:
 
 
 product.defvjp(_forward, _backward)
+
+
+def _wide_outputs(lhs, rhs, contracted: int, precision: Any, preferred: Any) -> bool:
+    """Whether a float32 product with a kernel held outputs first goes to `wide_outputs_first`
+    (on a CPU, no more inputs than outputs)."""
+    outputs, inputs = rhs.shape[: rhs.ndim - contracted], rhs.shape[rhs.ndim - contracted :]
+    return (
+        jax.default_backend() == "cpu"
+        and lhs.dtype == rhs.dtype == WIDE
+        and precision is None
+        and (preferred is None or jnp.dtype(preferred) == WIDE)
+        and math.prod(inputs) <= math.prod(outputs)
+    )
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def wide_outputs_first(
+    x: jax.Array, w: jax.Array, contracted: int, out_sharding: Any = None
+) -> jax.Array:
+    """x's trailing `contracted` axes against the trailing ones of w (outputs..., inputs...),
+    as `jax.lax.dot_general`, its kernel gradient from x copied transposed (see the module's
+    doc)."""
+    return _outputs_first_forward(x, w, contracted, out_sharding)[0]
+
+
+def _outputs_first_forward(x, w, contracted, out_sharding):
+    axes = (tuple(range(x.ndim - contracted, x.ndim)), tuple(range(w.ndim - contracted, w.ndim)))
+    return jax.lax.dot_general(x, w, (axes, ((), ())), out_sharding=out_sharding), (x, w)
+
+
+def _outputs_first_backward(contracted, out_sharding, residuals, dy):
+    x, w = residuals
+    batch, outputs = x.ndim - contracted, w.ndim - contracted
+    dx = _plain(dy, w, outputs, _sharding(x))
+    inputs_first = _sharding(w)
+    if inputs_first is not None:
+        spec = (*inputs_first.spec, *(None,) * (w.ndim - len(inputs_first.spec)))
+        inputs_first = inputs_first.update(spec=P(*spec[outputs:], *spec[:outputs]))
+    dw = _plain(_materialised(_rolled(x, batch)), dy, batch, inputs_first)
+    return dx, _rolled(dw, contracted)
+
+
+wide_outputs_first.defvjp(_outputs_first_forward, _outputs_first_backward)
 
 
 def _plain(a: jax.Array, b: jax.Array, contracted: int, out_sharding: Any) -> jax.Array:

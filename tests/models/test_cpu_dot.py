@@ -3,7 +3,8 @@ float32 product of the same bfloat16 operands to within one bfloat16 rounding, o
 and split over a mesh, with the kernel held inputs first (`nnx.Linear`'s) or outputs first
 (`TransposedLinear`'s), gives the same bits when rerun, and reaches XLA:CPU's products with
 bfloat16 operands (where `jax.lax.dot_general`'s are widened to float32), in the shared
-transformer block and in the decoder's."""
+transformer block and in the decoder's. A float32 kernel held outputs first gives float32's
+product and gradients, whichever way its kernel gradient is taken."""
 
 from __future__ import annotations
 
@@ -152,6 +153,31 @@ def test_split_over_a_mesh_it_gives_the_bf16_product_with_the_operands_shardings
         assert jax.typeof(got[2]).sharding.spec == w_spec
     for value, (want, scale) in zip(got, reference(x, w, k, dy), strict=True):
         assert_within_bf16_rounding(value, want, scale)
+
+
+@pytest.mark.parametrize("mesh", [None, MESH], ids=["one device", "mesh"])
+@pytest.mark.parametrize("case", CASES)
+def test_float32_kernels_held_outputs_first_are_the_product_and_its_gradients(case, mesh):
+    """A float32 kernel held outputs first with no more inputs than outputs takes its gradient
+    from the input copied transposed (`wide_outputs_first`), others stay jax's; either way the
+    product and both gradients are float32's, with the operands' shardings on a mesh."""
+    x_shape, w_shape, k = CASES[case]
+    x, w = (a.astype(jnp.float32) for a in operands(x_shape, w_shape)[:2])
+    dy = shaped_cotangent(x, w, k, jax.random.key(1)).astype(jnp.float32)
+    held = held_outputs_first(w, k)
+    wide = np.prod(w_shape[:k]) <= np.prod(w_shape[k:])
+    jaxpr = str(jax.make_jaxpr(lambda x, h: transposed_linear(x, h, k))(x, held))
+    assert ("custom_vjp" in jaxpr) == wide
+    with on_mesh(mesh or {"data": 1, "fsdp": 1, "tensor": 1}):
+        w_spec = logical_spec("embed" if k == 1 else "heads", *(None,) * (w.ndim - 1))
+        x_spec = logical_spec("batch", *(None,) * (x.ndim - 1))
+        dy_spec = logical_spec("batch", *(None,) * (dy.ndim - 1))
+        split = [jax.sharding.reshard(a, s) for a, s in ((x, x_spec), (w, w_spec), (dy, dy_spec))]
+        got = jax.jit(products, static_argnums=(2, 4))(split[0], split[1], k, split[2], HELD[1])
+        assert jax.typeof(got[1]).sharding.spec == x_spec
+    for value, (want, scale) in zip(got, reference(x, w, k, dy), strict=True):
+        assert value.dtype == jnp.float32 and value.shape == want.shape
+        np.testing.assert_array_less(np.abs(np.asarray(value, np.float64) - want), 2.0**-18 * scale)
 
 
 def test_float32_and_other_products_are_jaxs_own():
