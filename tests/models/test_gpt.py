@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import math
 
+import compiled_as_users
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -89,16 +90,19 @@ def _text_batch(size: int = 8) -> dict[str, np.ndarray]:
     return {name: value[:size] for name, value in splits.eval.items()}
 
 
+def scanned_weights_are_the_loop_s() -> None:
+    """Layer i of the loop is slice i of the scanned stack, bit for bit (`compiled_as_users`)."""
+    loop = nnx.state(_model(dropout_rate=0.1).blocks, nnx.Param)
+    scanned = nnx.state(_model(dropout_rate=0.1, scan_layers=True, remat=True).blocks, nnx.Param)
+    for i in range(3):
+        for a, b in zip(jax.tree.leaves(loop[i]), jax.tree.leaves(scanned), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b)[i])
+
+
 def test_scan_and_remat_compute_what_the_layer_loop_does():
+    compiled_as_users.run("test_gpt", "scanned_weights_are_the_loop_s")
     loop = _model(dropout_rate=0.1)
     scanned = _model(dropout_rate=0.1, scan_layers=True, remat=True)
-    loop_blocks = nnx.state(loop.blocks, nnx.Param)
-    scanned_blocks = nnx.state(scanned.blocks, nnx.Param)
-    for i in range(3):  # the same weights: layer i of the loop is slice i of the stack
-        for a, b in zip(
-            jax.tree.leaves(loop_blocks[i]), jax.tree.leaves(scanned_blocks), strict=True
-        ):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b)[i])
     batch, loss_fn = _text_batch(), zoo.get_model("gpt").loss
 
     @nnx.jit
