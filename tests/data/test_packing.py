@@ -6,6 +6,7 @@ run; and a model that cannot take packed rows refused by name before it is built
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -105,7 +106,10 @@ def test_every_training_conversation_is_packed_once(conversations):
         )
     )
     assert sorted(seen) == expected
-    assert np.mean(batch["segment_ids"] > 0) > 0.9
+    # Within one row of the fewest that could hold its tokens (the held-out rows, and so the
+    # share of padding, depend on the file's path: 0.885-0.958 non-pad over 40 paths).
+    real = int(np.sum(batch["segment_ids"] > 0))
+    assert len(packed.train) <= math.ceil(real / 512) + 1
     shaped = packed.transform(batch)
     assert shaped["tokens"].shape[1] - 1 == shaped["segment_ids"].shape[1] == 512
     again = chat(**kwargs, packing=True).train.packs  # the same rows on every run
