@@ -84,15 +84,20 @@ def _dense_contraction(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any) -
     return (k if outputs_first or rhs_axes == tuple(range(k)) else 0), outputs_first
 
 
-def _on_bf16_path(lhs: jax.Array, rhs: jax.Array, precision: Any, preferred: Any) -> bool:
-    bf16 = jnp.dtype(jnp.bfloat16)
+def _on_cpu_in(dtype: Any, lhs: jax.Array, rhs: jax.Array, precision: Any, preferred: Any) -> bool:
+    """Whether a product runs on a CPU with both operands and its result in `dtype`, at the
+    default precision."""
+    dtype = jnp.dtype(dtype)
     return (
         jax.default_backend() == "cpu"
-        and lhs.dtype == bf16
-        and rhs.dtype == bf16
+        and lhs.dtype == rhs.dtype == dtype
         and precision is None
-        and (preferred is None or jnp.dtype(preferred) == bf16)
+        and (preferred is None or jnp.dtype(preferred) == dtype)
     )
+
+
+def _on_bf16_path(lhs: jax.Array, rhs: jax.Array, precision: Any, preferred: Any) -> bool:
+    return _on_cpu_in(jnp.bfloat16, lhs, rhs, precision, preferred)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
@@ -140,13 +145,8 @@ def _wide_outputs(lhs, rhs, contracted: int, precision: Any, preferred: Any) -> 
     """Whether a float32 product with a kernel held outputs first goes to `wide_outputs_first`
     (on a CPU, no more inputs than outputs)."""
     outputs, inputs = rhs.shape[: rhs.ndim - contracted], rhs.shape[rhs.ndim - contracted :]
-    return (
-        jax.default_backend() == "cpu"
-        and lhs.dtype == rhs.dtype == WIDE
-        and precision is None
-        and (preferred is None or jnp.dtype(preferred) == WIDE)
-        and math.prod(inputs) <= math.prod(outputs)
-    )
+    on_cpu = _on_cpu_in(WIDE, lhs, rhs, precision, preferred)
+    return on_cpu and math.prod(inputs) <= math.prod(outputs)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2, 3))
