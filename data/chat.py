@@ -48,6 +48,7 @@ from zoo.data.conversations import (
     conversation_files,
     held_out,
     read_rows,
+    split_names,
 )
 from zoo.data.examples import OnError
 from zoo.data.files import cache_root, write_atomically
@@ -351,19 +352,19 @@ def chat(
     train_files, val_files = conversation_files(path)
     longest = max(buckets)
 
-    def load(files: list[Path]) -> Encoded:
-        encoded = Encoded.joined(
-            [encoded_file(f, encoder, settings, columns, roles) for f in files]
-        )
+    def load(files: list[Path]) -> tuple[Encoded, list[str]]:
+        parts = [encoded_file(f, encoder, settings, columns, roles) for f in files]
+        encoded = Encoded.joined(parts)
         handle_problems(encoded, on_error, f"data.path={path}")
-        return encoded
+        root = Path(path).expanduser()
+        return encoded, [n for f, p in zip(files, parts) for n in split_names(p.wheres, f, root)]
 
-    train = load(train_files)
+    train, names = load(train_files)
     if val_files is None:
-        out = held_out(train.wheres, eval_fraction)
+        out = held_out(names, eval_fraction)
         test, train_rows, test_rows = train, np.flatnonzero(~out), np.flatnonzero(out)
     else:
-        test = load(val_files)
+        test, _ = load(val_files)
         train_rows, test_rows = np.arange(len(train)), np.arange(len(test))
     if not len(train_rows) or not len(test_rows):
         raise ZooError(

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -195,6 +196,18 @@ def _message(message: Any, where: str, roles: Sequence[str]) -> dict[str, Any]:
     if content is not None and not isinstance(content, str | list | dict):
         raise _Problem(f"has {where} whose content is a {type(content).__name__}, not text")
     return {key: value for key, value in message.items() if value is not None}
+
+
+_ROW = re.compile(r"(:\d+| row \d+)$")
+"""The end of a row's name that says which row of its file it is (`_lines`, `_parquet_records`)."""
+
+
+def split_names(wheres: Sequence[str], file: Path, root: Path) -> list[str]:
+    """`file`'s rows named for the held-out draw by the file's path within `root` (its name when
+    `root` is the file) and the row's line or index: the same split wherever the data lies and
+    however `data.path` spells it."""
+    name = file.name if file == root else file.relative_to(root).as_posix()
+    return [name + _ROW.search(w).group() for w in wheres]
 
 
 def held_out(wheres: Sequence[str], fraction: float) -> np.ndarray:

@@ -290,6 +290,26 @@ def test_held_out_rows_and_val_folders(tmp_path, checkpoints):
     assert (len(splits.train), len(splits.eval)) == (5, 2)
 
 
+def test_the_split_is_the_same_wherever_the_data_lies(tmp_path, checkpoints, monkeypatch):
+    tokenizer = str(checkpoints["qwen3"])
+
+    def held_lines(path: str) -> set[str]:
+        splits = chat(path=path, tokenizer=tokenizer, eval_fraction=0.25)
+        return {splits.eval.encoded.wheres[r].rsplit(":", 1)[1] for r in splits.eval.rows}
+
+    (tmp_path / "a").mkdir()
+    write_jsonl(tmp_path / "a" / "c.jsonl", conversations(40))
+    held = held_lines(str(tmp_path / "a" / "c.jsonl"))
+    monkeypatch.chdir(tmp_path)
+    assert held_lines("a/c.jsonl") == held
+    (tmp_path / "b" / "deeper").mkdir(parents=True)
+    shutil.move(tmp_path / "a" / "c.jsonl", tmp_path / "b" / "deeper" / "c.jsonl")
+    assert held_lines(str(tmp_path / "b" / "deeper" / "c.jsonl")) == held
+    # In a folder, a row is named by its file's path within data.path.
+    assert held_lines(str(tmp_path / "b")) != held
+    assert held_lines("b") == held_lines(str(tmp_path / "b"))
+
+
 def test_tokenised_once_and_cached(tmp_path, checkpoints, cache, monkeypatch):
     file = write_jsonl(tmp_path / "c.jsonl", conversations(5))
     tokenizer = str(checkpoints["qwen3"])
@@ -330,7 +350,8 @@ def test_replies_cut_off_by_the_longest_bucket_are_skipped(tmp_path, checkpoints
             ]
         }
     ]
-    file = write_jsonl(tmp_path / "c.jsonl", rows + conversations(6))
+    # The split draws by "c.jsonl:<line>": line 1 is held out, the long row (line 7) trains.
+    file = write_jsonl(tmp_path / "c.jsonl", conversations(6) + rows)
     with caplog.at_level(logging.WARNING, logger="zoo"):
         splits = chat(path=str(file), tokenizer=str(checkpoints["qwen3"]), buckets=[64])
     assert len(splits.train) + len(splits.eval) == 6
