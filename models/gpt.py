@@ -48,6 +48,7 @@ from zoo.plugin import (
     construction_rngs,
     logical_spec,
     loss_contract,
+    outputs_first_product,
     partitioned,
     register_model,
     repeated,
@@ -86,16 +87,14 @@ def mask_padding(logits: jax.Array, vocab_size: int) -> jax.Array:
 
 def tied_logits(x: jax.Array, table: jax.Array) -> jax.Array:
     """The logits of `x` (batch x length x features) through the embedding `table` (vocabulary
-    x features). For one position a row (a decode step) the table comes first in the product:
-    XLA:CPU multiplies a large matrix by a few rows several times faster that way (151,936 x
-    1,024 by 8 rows: 150 ms against 330 ms on one core); longer rows keep the order whose
-    output needs no transposing."""
+    x features). For one position a row (a decode step) it is a `TransposedLinear`'s product
+    (`outputs_first_product`): the table first, as XLA:CPU multiplies a large matrix by a few
+    rows several times faster (151,936 x 1,024 by 8 rows: 150 ms against 330 ms on one core),
+    or zoo's bfloat16 kernel; longer rows keep the order whose output needs no transposing."""
     vocab = logical_spec("batch", None, "vocab")
     if x.shape[1] != 1:
         return jnp.einsum("btd,vd->btv", x, table, out_sharding=vocab)
-    product = (((1,), (2,)), ((), ()))
-    out = jax.lax.dot_general(table, x, product, out_sharding=P(vocab[2], vocab[0], vocab[1]))
-    return jnp.transpose(out, (1, 2, 0))
+    return outputs_first_product(x, table, out_sharding=vocab)
 
 
 def padded_vocab(vocab_size: int) -> int:

@@ -7,7 +7,8 @@ several times the read of the file itself (a transposed copy runs at a fraction 
 speed). Held as the checkpoint holds it, a projection loads with a straight copy (a reshape at
 most), and the contraction over the kernel's last axes costs the same as over its first (XLA
 picks the operand order of the dot). In bfloat16 on a CPU the product of more than `FEW_ROWS`
-rows and its gradients are `zoo.engine.cpu_dot`'s (XLA:CPU's bfloat16 path)."""
+rows and its gradients are `zoo.engine.cpu_dot`'s (XLA:CPU's bfloat16 path); a few rows (a
+decoding step's) are `zoo.engine.bf16_rows`'s where that kernel runs."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn.dtypes import promote_dtype
 from jax.sharding import PartitionSpec as P
-from zoo.engine import cpu_dot
+from zoo.engine import bf16_rows, cpu_dot
 from zoo.engine.abstract import partitioned
 
 
@@ -66,18 +67,28 @@ class TransposedLinear(nnx.Module):
         kernel = self.kernel[...]
         bias = None if self.bias is None else self.bias[...]
         x, kernel, bias = promote_dtype((x, kernel, bias))
-        inputs, batch = len(self.in_features), x.ndim - len(self.in_features)
-        x_axes, kernel_axes = range(batch, x.ndim), range(kernel.ndim - inputs, kernel.ndim)
-        if math.prod(x.shape[:batch]) > FEW_ROWS:
-            contracted = (tuple(x_axes), tuple(kernel_axes))
-            y = cpu_dot.dot_general(x, kernel, (contracted, ((), ())), out_sharding=out_sharding)
-        else:  # the kernel first: XLA:CPU would otherwise copy it transposed on every call
-            outputs = len(self.out_features)
-            spec = None if out_sharding is None else P(*out_sharding[batch:], *out_sharding[:batch])
-            contracted = (tuple(kernel_axes), tuple(x_axes))
-            y = jax.lax.dot_general(kernel, x, (contracted, ((), ())), out_sharding=spec)
-            y = jnp.moveaxis(y, tuple(range(outputs)), tuple(range(batch, batch + outputs)))
+        y = outputs_first_product(x, kernel, len(self.in_features), out_sharding)
         return y if bias is None else y + bias
+
+
+def outputs_first_product(
+    x: jax.Array, kernel: jax.Array, inputs: int = 1, out_sharding: Any = None
+) -> jax.Array:
+    """x (batch..., inputs...) . kernel (outputs..., inputs...) over the last `inputs` axes of
+    both: a `TransposedLinear`'s product, or logits through a tied embedding table."""
+    batch = x.ndim - inputs
+    x_axes, kernel_axes = range(batch, x.ndim), range(kernel.ndim - inputs, kernel.ndim)
+    if bf16_rows.applies(x, kernel, inputs):
+        return bf16_rows.product(x, kernel, inputs, out_sharding)
+    if math.prod(x.shape[:batch]) > FEW_ROWS:
+        contracted = (tuple(x_axes), tuple(kernel_axes))
+        return cpu_dot.dot_general(x, kernel, (contracted, ((), ())), out_sharding=out_sharding)
+    # The kernel first: XLA:CPU would otherwise copy it transposed on every call.
+    outputs = kernel.ndim - inputs
+    spec = None if out_sharding is None else P(*out_sharding[batch:], *out_sharding[:batch])
+    contracted = (tuple(kernel_axes), tuple(x_axes))
+    y = jax.lax.dot_general(kernel, x, (contracted, ((), ())), out_sharding=spec)
+    return jnp.moveaxis(y, tuple(range(outputs)), tuple(range(batch, batch + outputs)))
 
 
 FEW_ROWS = 64

@@ -22,7 +22,8 @@ module alone, as a project's own would be:
   examples; `repeated(make, count)` builds a stack of like layers (cloned in abstract builds).
 - `TransposedLinear`: a dense layer holding its kernel (outputs..., inputs...), as PyTorch
   checkpoints do, so that loading one is a straight copy; LoRA adapts it as it does
-  `nnx.Linear`. `dense_dot_general`: the `dot_general` to give an `nnx.Linear` or
+  `nnx.Linear`; `outputs_first_product` its product alone (logits through a tied embedding
+  table). `dense_dot_general`: the `dot_general` to give an `nnx.Linear` or
   `nnx.LinearGeneral`, so that its bfloat16 product on a CPU, backward pass included, takes
   XLA:CPU's bfloat16 path (`TransposedLinear` takes it itself).
 - Evaluation hooks: `EvalReport` (what `on_eval` receives) and `image_grid`.
@@ -35,7 +36,7 @@ of the plugin surface.
 
 from zoo.engine.abstract import partitioned, repeated
 from zoo.engine.cpu_dot import dot_general as dense_dot_general
-from zoo.engine.dense import TransposedLinear
+from zoo.engine.dense import TransposedLinear, outputs_first_product
 from zoo.engine.errors import ZooError
 from zoo.engine.pipeline import MASK, ExampleSource
 from zoo.engine.registry import (
@@ -85,6 +86,7 @@ __all__ = [
     "image_grid",
     "logical_spec",
     "loss_contract",
+    "outputs_first_product",
     "partitioned",
     "register_data",
     "register_families",

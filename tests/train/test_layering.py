@@ -105,10 +105,11 @@ INSTALLED_AS = {"zoo": "zoo", "models": "zoo/models", "data": "zoo/data", "train
 
 
 def test_the_wheel_holds_every_module_of_the_four_folders(wheel):
-    """A subpackage left out of pyproject.toml's `packages` would be missing from installs."""
+    """A subpackage left out of pyproject.toml's `packages`, or a C++ source out of its
+    `package-data`, would be missing from installs."""
     files = set(zipfile.ZipFile(wheel).namelist())
     for folder, installed_as in INSTALLED_AS.items():
-        for path in (ROOT / folder).rglob("*.py"):
+        for path in [*(ROOT / folder).rglob("*.py"), *(ROOT / folder).rglob("*.cc")]:
             name = f"{installed_as}/{path.relative_to(ROOT / folder).as_posix()}"
             assert name in files, f"{path.relative_to(ROOT)} is not in the wheel as {name}"
 
