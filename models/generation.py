@@ -127,7 +127,7 @@ class Session:
         self.model, self.batch_size, self.slots = model, batch_size, slots
         graphdef, state = nnx.split(model)
         leaves, treedef = jax.tree.flatten(state)
-        self._weights, self._structure = leaves, (graphdef, treedef)
+        self._weights, self._structure = leaves, _Structure((graphdef, treedef))
         with unsplit_batch():
             self._cache = model.empty_cache(batch_size, slots)
 
@@ -269,8 +269,27 @@ def _row_keys(key: jax.Array, batch_size: int) -> jax.Array:
     return jax.vmap(lambda row: jax.random.fold_in(key, row))(jnp.arange(batch_size))
 
 
-def _model(structure, weights):
-    graphdef, treedef = structure
+class _Structure:
+    """A model's (graphdef, treedef), a static argument of the compiled steps, with its hash
+    taken once: jit hashes its static arguments at every call, and a 28-layer model's graphdef
+    took about 27 ms to hash, as long as a decoding step's work at one row."""
+
+    def __init__(self, value: tuple):
+        self.value, self._hash = value, hash(value)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (
+            isinstance(other, _Structure)
+            and self._hash == other._hash
+            and self.value == other.value
+        )
+
+
+def _model(structure: _Structure, weights):
+    graphdef, treedef = structure.value
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, weights))
     model.eval()
     return model
