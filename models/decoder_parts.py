@@ -163,11 +163,16 @@ class Attention(nnx.Module):
         if self.query_norm is not None:
             q, k = self.query_norm(q), self.key_norm(k)
         q, k = rotate(q, angles), rotate(k, angles)
-        visible = None
-        if cache is not None:
+        if cache is None:
+            mixed = self._attend(q, k, v, window, None, segments)
+        else:
             k, v, visible, cache = kv_cache.update(cache, k, v, slots, window)
             visible = visible[:, None]  # the same for every head
-        mixed = self._attend(q, k, v, window, visible, segments)
+
+            def attend(k, v, visible):
+                return self._attend(q, k, v, window, visible, segments)
+
+            mixed = kv_cache.over_written_slots(attend, k, v, visible, slots, window)
         return self.out(mixed, out_sharding=tokens_spec()), cache
 
     def _attend(self, q, k, v, window: int, visible: jax.Array | None, segments) -> jax.Array:

@@ -13,12 +13,16 @@ text grows. A full-attention layer's cache is as long as the text, so it never w
 
 A prefill (`Slots.prefill`) runs a whole left-padded prompt from slot 0: the tokens attend
 among themselves, and the cache keeps their keys and values (a ring its last `S`). A decode
-step runs one token per row at `Slots.index`, attending to the cache.
+step runs one token per row at `Slots.index`, attending to the cache: a layer whose cache never
+wraps attends to its slots up to the shortest of `written_lengths` that holds the step's tokens,
+not to all of them (`over_written_slots`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -87,3 +91,47 @@ def _fill(cache: jax.Array, x: jax.Array) -> jax.Array:
     if length <= size:
         return jax.lax.dynamic_update_slice_in_dim(cache, x, 0, 1)
     return jnp.roll(x[:, length - size :], (length - size) % size, axis=1)
+
+
+SHORTEST_READ = 64
+"""The fewest slots a decode step attends to: shorter reads save less than a branch costs."""
+
+
+def written_lengths(size: int) -> list[int]:
+    """The lengths of the cache's first slots a decode step may attend to: powers of two from
+    `SHORTEST_READ`, and the whole cache."""
+    lengths = [SHORTEST_READ]
+    while lengths[-1] < size:
+        lengths.append(lengths[-1] * 2)
+    return [length for length in lengths if length < size] + [size]
+
+
+Attend = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+"""(keys, values, visible) -> the attention of the step's queries to them."""
+
+
+def over_written_slots(
+    attend: Attend,
+    keys: jax.Array,
+    values: jax.Array,
+    visible: jax.Array,
+    slots: Slots,
+    window: int,
+) -> jax.Array:
+    """`attend(keys, values, visible)` (`update`'s, `visible` with a heads axis) over the slots
+    that hold tokens so far. A decode step of a layer whose cache never wraps (no window) reads
+    only the first of `written_lengths` slots that holds its last new token: each length is a
+    branch of the one compiled step, chosen as it runs (`lax.switch`), so a session still
+    compiles one decode step, and a step early in a long cache reads a fraction of it. The
+    slots left out are ones no token sees (their softmax weight exactly zero)."""
+    lengths = written_lengths(keys.shape[1])
+    if slots.prefill or window or len(lengths) == 1:
+        return attend(keys, values, visible)
+    last = slots.index + visible.shape[-2] - 1
+    which = jnp.searchsorted(jnp.asarray(lengths, jnp.int32), last, side="right")
+    branches = [functools.partial(_first_slots, attend, length) for length in lengths]
+    return jax.lax.switch(which, branches, keys, values, visible)
+
+
+def _first_slots(attend: Attend, length: int, keys, values, visible) -> jax.Array:
+    return attend(keys[:, :length], values[:, :length], visible[..., :length])

@@ -102,36 +102,43 @@ class Attention(nnx.Module):
         q, k, v = (proj(x, out_sharding=heads) for proj in (self.query, self.key, self.value))
         if query_scale is not None:
             q = q * jnp.asarray(query_scale, q.dtype)
-        visible = None
-        if cache is not None:
+        if cache is None:
+            mixed = self._attend(q, k, v, None, key, cached=False)
+        else:
             k, v, visible, cache = kv_cache.update(cache, k, v, slots, 0)
             visible = visible[:, None]  # the same for every head
+
+            def attend(k, v, visible):
+                return self._attend(q, k, v, visible, key, cached=True)
+
+            mixed = kv_cache.over_written_slots(attend, k, v, visible, slots, 0)
+        return self.out(mixed, out_sharding=tokens_spec()), cache
+
+    def _attend(self, q, k, v, visible, key, cached: bool) -> jax.Array:
         dropout = bool(self.dropout.rate) and not self.dropout.deterministic
         path = route(
             current_platform(),
             q.dtype,
             q.shape[-1],
             causal=self.causal,
-            cached=cache is not None,
+            cached=cached,
             dropout=dropout,
         )
         if path.mask == "positions" and visible is None:
             visible = jnp.tril(jnp.ones((1, 1, q.shape[1], k.shape[1]), bool))
         if path.kernel == "einsum":
-            mixed = self._with_dropout(q, k, v, visible, key)
-        elif path.kernel == "xla" and visible is None and current_platform().backend == "cpu":
-            mixed = attention_cpu.attend(q, k, v, scale=self.scale, causal=path.mask == "causal")
-        else:
-            mixed = jax.nn.dot_product_attention(
-                q,
-                k,
-                v,
-                mask=visible,
-                scale=self.scale,
-                is_causal=path.mask == "causal",
-                implementation=path.kernel,
-            )
-        return self.out(mixed, out_sharding=tokens_spec()), cache
+            return self._with_dropout(q, k, v, visible, key)
+        if path.kernel == "xla" and visible is None and current_platform().backend == "cpu":
+            return attention_cpu.attend(q, k, v, scale=self.scale, causal=path.mask == "causal")
+        return jax.nn.dot_product_attention(
+            q,
+            k,
+            v,
+            mask=visible,
+            scale=self.scale,
+            is_causal=path.mask == "causal",
+            implementation=path.kernel,
+        )
 
     def _with_dropout(self, q, k, v, visible, key) -> jax.Array:
         """Attention written out, for Dropout on its weights (which the fused call lacks)."""
