@@ -1,15 +1,16 @@
-// y = x . w^T in float32 for a few rows of bfloat16 x (rows, k) and a bfloat16 kernel w (n, k)
+// y = x . w^T in bfloat16 for a few rows of bfloat16 x (rows, k) and a bfloat16 kernel w (n, k)
 // held outputs first: a decoding step's products, on the CPU's AVX-512 BF16 dot products
 // (vdpbf16ps), each weight read once. An XLA FFI handler (`zoo.engine.bf16_rows` compiles,
-// loads and registers it). Sums are float32, as XLA's bfloat16 dot takes them; each (row,
-// output) sum runs in one order that depends on k alone, so a row's result is the same bits
-// whatever other rows are in the batch.
+// loads and registers it). Sums are float32, rounded once to bfloat16 (to nearest, ties to
+// even), as XLA's bfloat16 dot computes; each (row, output) sum runs in one order that depends
+// on k alone, so a row's result is the same bits whatever other rows are in the batch.
 #include <immintrin.h>
 
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <mutex>
 
@@ -25,10 +26,19 @@ __m512bh Load(const uint16_t* p, int64_t left) {
   return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
 }
 
+// `f` rounded to the nearest bfloat16, ties to even (a NaN stays a NaN), as XLA converts.
+uint16_t ToBf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
 // Outputs [n0, n1) of rows [r, r + M): each (row, output) sum is taken in the same order
 // whatever M and NB are, so a row's result does not depend on the other rows.
 template <int M, int NB>
-void Tile(const uint16_t* x, const uint16_t* w, float* y, int64_t r, int64_t n_total, int64_t k,
+void Tile(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t r, int64_t n_total, int64_t k,
           int64_t n0, int64_t n1) {
   int64_t n = n0;
   for (; n + NB <= n1; n += NB) {
@@ -44,12 +54,12 @@ void Tile(const uint16_t* x, const uint16_t* w, float* y, int64_t r, int64_t n_t
       }
     }
     for (int m = 0; m < M; ++m)
-      for (int b = 0; b < NB; ++b) y[(r + m) * n_total + n + b] = _mm512_reduce_add_ps(acc[m][b]);
+      for (int b = 0; b < NB; ++b) y[(r + m) * n_total + n + b] = ToBf16(_mm512_reduce_add_ps(acc[m][b]));
   }
   for (; n < n1; ++n) Tile<M, 1>(x, w, y, r, n_total, k, n, n + 1);
 }
 
-void Outputs(const uint16_t* x, const uint16_t* w, float* y, int64_t rows, int64_t n_total,
+void Outputs(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t rows, int64_t n_total,
              int64_t k, int64_t n0, int64_t n1) {
   int64_t r = 0;
   for (; r + 8 <= rows; r += 8) Tile<8, 2>(x, w, y, r, n_total, k, n0, n1);
@@ -65,7 +75,7 @@ constexpr int64_t kBlock = 256;
 struct Job {
   const uint16_t* x;
   const uint16_t* w;
-  float* y;
+  uint16_t* y;
   int64_t rows, k, n, blocks;
   std::atomic<int64_t> next{0}, completed{0};
   std::mutex mu;
@@ -83,14 +93,14 @@ struct Job {
 };
 
 ffi::Error Bf16Rows(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
-                    ffi::ResultBuffer<ffi::F32> y) {
+                    ffi::ResultBuffer<ffi::BF16> y) {
   auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1])
     return ffi::Error::InvalidArgument("zoo_bf16_rows takes x (rows, k) and w (n, k)");
   auto job = std::make_shared<Job>();
   job->x = reinterpret_cast<const uint16_t*>(x.typed_data());
   job->w = reinterpret_cast<const uint16_t*>(w.typed_data());
-  job->y = y->typed_data();
+  job->y = reinterpret_cast<uint16_t*>(y->typed_data());
   job->rows = xd[0], job->k = xd[1], job->n = wd[0];
   job->blocks = (job->n + kBlock - 1) / kBlock;
   // Helpers are asked for, never waited for: one that starts after the blocks are gone does
@@ -111,6 +121,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ZooBf16Rows, Bf16Rows,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::BF16>>());
 
 extern "C" int ZooBf16Supported() { return __builtin_cpu_supports("avx512bf16") ? 1 : 0; }

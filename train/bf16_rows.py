@@ -8,9 +8,10 @@ CPU's bfloat16 dot-product instructions instead, reading each weight once, its w
 XLA's intra-op threads. It is compiled with the machine's C++ compiler (`$CXX`, else `c++`)
 the first time a process needs it, into zoo's kernel cache, and registered with `jax.ffi`.
 
-The arithmetic is XLA's bfloat16 product's (bfloat16 operands, float32 sums, one rounding);
-only the order of the sums differs, so logits agree with XLA's to float32 rounding, not to the
-bit. Each row's sums run in one order whatever the other rows are, so a row decoded in a batch
+The arithmetic is XLA's bfloat16 product's (bfloat16 operands, float32 sums, one rounding to
+nearest, ties to even); only the order of the sums differs, so logits agree with XLA's to
+float32 rounding, not to the bit, and subnormal numbers (below 2^-126) count as zero, as the
+CPU's instruction takes them. Each row's sums run in one order whatever the other rows are, so a row decoded in a batch
 has the bits it has decoded alone. Where the kernel cannot run (a CPU without AVX-512 BF16, no
 compiler, a multi-device mesh, `ZOO_NATIVE_KERNELS=0`), the product is XLA's, as before."""
 
@@ -82,21 +83,23 @@ def product(
     batch, outputs = x.shape[: x.ndim - inputs], kernel.shape[: kernel.ndim - inputs]
     x, kernel = _whole(x), _whole(kernel)
     flat = _product(x.reshape(math.prod(batch), -1), kernel.reshape(math.prod(outputs), -1))
-    y = flat.astype(x.dtype).reshape(*batch, *outputs)
+    y = flat.reshape(*batch, *outputs)
     # On a mesh of one device, the output's spec (its axes named, each of size 1) as asked.
     return y if out_sharding is None else jax.sharding.reshard(y, out_sharding)
 
 
 @jax.custom_vjp
 def _product(x: jax.Array, kernel: jax.Array) -> jax.Array:
-    out = jax.ShapeDtypeStruct((x.shape[0], kernel.shape[0]), jnp.float32)
+    out = jax.ShapeDtypeStruct((x.shape[0], kernel.shape[0]), jnp.bfloat16)
     return jax.ffi.ffi_call(TARGET, out)(x, kernel)
 
 
 def _reference(x: jax.Array, kernel: jax.Array) -> jax.Array:
-    return jax.lax.dot_general(
+    """The same product as XLA computes it (operands widened to float32)."""
+    product = jax.lax.dot_general(
         x, kernel, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
     )
+    return product.astype(jnp.bfloat16)
 
 
 def _forward(x, kernel):

@@ -1,7 +1,7 @@
 """zoo.engine.bf16_rows: the bfloat16 product of a few rows by a kernel held outputs first, on the
 CPU's bfloat16 dot products (this machine's CPU has them: the kernel is compiled and taken here).
 It is the float32 sum of the exact products of the bfloat16 operands to within float32 rounding,
-for every row count and remainder of the kernel's tiles and a contraction that is not a multiple
+rounded to bfloat16 as XLA rounds, for every row count and remainder of the kernel's tiles and a contraction that is not a multiple
 of its 32-wide vectors; a row has the same bits in any batch; its gradient is XLA's product's;
 a bfloat16 decoder's decoding step takes it, and a ragged batch decoded greedily writes what each
 prompt writes alone; on a mesh of several devices, or switched off, XLA's product is taken."""
@@ -21,6 +21,11 @@ from zoo.engine.dense import outputs_first_product
 from zoo.models.generation import Sampling, Session
 
 BF16 = jnp.bfloat16
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered():
+    assert bf16_rows.available()
 
 
 def operands(rows: int, outputs: tuple[int, ...], inputs: tuple[int, ...], seed: int = 0):
@@ -63,10 +68,29 @@ def test_the_product_is_the_float32_sum_of_the_exact_products(rows, outputs, inp
     terms = np.prod(inputs)
     bound = 2.0**-8 * np.abs(want) + terms * 2.0**-24 * scale
     assert (np.abs(got - want) <= bound).all()
-    # Float32 out, before the rounding to bfloat16: far closer than bfloat16.
-    flat = jax.jit(bf16_rows._product)(x.reshape(rows, -1), w.reshape(-1, np.prod(inputs)))
-    wide = np.asarray(flat, np.float64).reshape(want.shape)
-    assert (np.abs(wide - want) <= terms * 2.0**-24 * scale).all()
+
+
+@pytest.mark.parametrize(
+    "exact", [1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 1.5 * 2**127 + 2**119, 1 + 2**-7 + 2**-12]
+)
+def test_the_float32_sum_is_rounded_to_bfloat16_as_xla_rounds_it(exact):
+    """Sums exact in float32: halfway between two bfloat16 numbers (to even: down, then up),
+    negative, halfway near the largest, above halfway."""
+    a = np.float32(exact)
+    high = jnp.asarray(a, BF16)
+    low = jnp.asarray(np.float32(a - np.float32(high)), BF16)  # a = high + low, exactly
+    assert np.float32(high) + np.float32(low) == a
+    x = jnp.ones((1, 2), BF16)
+    w = jnp.stack([high, low])[None]
+    got = bf16_rows.product(x, w)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.asarray([[a]]).astype(BF16)))
+
+
+def test_subnormal_numbers_count_as_zero():
+    """As the CPU's bfloat16 dot product takes them (below 2^-126, about 1.2e-38): XLA's
+    product keeps them."""
+    tiny = jnp.asarray([[2.0**-130, 2.0**-127]], BF16)
+    assert np.asarray(bf16_rows.product(jnp.ones((1, 2), BF16), tiny)).tolist() == [[0.0]]
 
 
 def test_a_row_has_the_same_bits_in_any_batch():
