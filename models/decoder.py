@@ -267,12 +267,15 @@ class Decoder(nnx.Module):
         lengths = (cache_slots(slots, self._window(kind)) for kind in self.layer_types)
         return tuple((zeros(length), zeros(length)) for length in lengths)
 
-    def decode(self, tokens: jax.Array, cache: Cache, slots: Slots) -> tuple[jax.Array, Cache]:
-        """Logits for `tokens` placed at `slots`, attending to the cache's earlier slots; the
-        cache comes back with these tokens' keys and values in it (`zoo.models.kv_cache`)."""
-        return self._forward(tokens, jax.random.key(0), cache, slots)
+    def decode(
+        self, tokens: jax.Array, cache: Cache, slots: Slots, last_only: bool = False
+    ) -> tuple[jax.Array, Cache]:
+        """Logits for `tokens` placed at `slots` (`last_only`: for the last of each row only,
+        all a prefill needs), attending to the cache's earlier slots; the cache comes back with
+        these tokens' keys and values in it (`zoo.models.kv_cache`)."""
+        return self._forward(tokens, jax.random.key(0), cache, slots, last_only=last_only)
 
-    def _forward(self, tokens, key, cache, slots, segments=None, positions=None):
+    def _forward(self, tokens, key, cache, slots, segments=None, positions=None, last_only=False):
         length = tokens.shape[1]
         if length > self.context_length:
             raise ZooError(
@@ -294,6 +297,8 @@ class Decoder(nnx.Module):
         )
         keys = jax.random.split(key, self.depth)
         x, cache = self._run_layers(x, keys, angles, cache, slots, segments)
+        if last_only:  # the output layer for one position, not the whole prompt
+            x = x[:, -1:]
         x = self.norm(x)
         if self.unembed is None:
             logits = tied_logits(x, table)

@@ -301,8 +301,8 @@ def _prefill(structure, weights, cache, tokens, first, keys, controls, filters):
     log.debug("compiling the prefill of %d x %d tokens (%s)", *tokens.shape, ",".join(filters))
     tokens, first = jax.sharding.reshard(tokens, P()), jax.sharding.reshard(first, P())
     slots = Slots(jnp.int32(0), first, prefill=True)
-    logits, cache = _model(structure, weights).decode(tokens, cache, slots)
     # Left-padded: the last column is every row's last prompt token.
+    logits, cache = _model(structure, weights).decode(tokens, cache, slots, last_only=True)
     return (*choose(logits[:, -1], _step_keys(keys, 0), controls, filters), cache)
 
 

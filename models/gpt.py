@@ -281,12 +281,15 @@ class GPT(nnx.Module):
             for _ in range(self.depth)
         )
 
-    def decode(self, tokens: jax.Array, cache: Cache, slots: Slots) -> tuple[jax.Array, Cache]:
-        """Logits for `tokens` placed at `slots`, attending to the cache's earlier slots; the
-        cache comes back with these tokens' keys and values in it (`zoo.models.kv_cache`)."""
-        return self._forward(tokens, jax.random.key(0), cache, slots)
+    def decode(
+        self, tokens: jax.Array, cache: Cache, slots: Slots, last_only: bool = False
+    ) -> tuple[jax.Array, Cache]:
+        """Logits for `tokens` placed at `slots` (`last_only`: for the last of each row only,
+        all a prefill needs), attending to the cache's earlier slots; the cache comes back with
+        these tokens' keys and values in it (`zoo.models.kv_cache`)."""
+        return self._forward(tokens, jax.random.key(0), cache, slots, last_only=last_only)
 
-    def _forward(self, tokens, key, cache, slots):
+    def _forward(self, tokens, key, cache, slots, last_only=False):
         length = tokens.shape[1]
         if length > self.context_length:
             raise ZooError(
@@ -303,6 +306,8 @@ class GPT(nnx.Module):
         else:  # each row's own positions
             x = x + held.at[slots.positions(length)].get(out_sharding=tokens_spec())
         x, cache = self._run_blocks(x, jax.random.split(key, self.depth), cache, slots)
+        if last_only:  # the output layer for one position, not the whole prompt
+            x = x[:, -1:]
         x = self.norm(x)
         if self.unembed is None:
             logits = tied_logits(x, table)

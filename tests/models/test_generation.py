@@ -24,6 +24,7 @@ from zoo.data.text import load_tokenizer
 from zoo.models import generation
 from zoo.models.generate import Codec, Request, complete, stream
 from zoo.models.generation import COMPILATIONS, Sampling, Session
+from zoo.models.kv_cache import Slots
 
 FAMILIES = ("llama-tiny", "qwen2-tiny", "qwen3-tiny", "mistral-window", "gemma3-tiny", "gpt2-tiny")
 REFERENCE = json.loads((FIXTURES / "generation.json").read_text())
@@ -214,3 +215,19 @@ def test_stop_strings_end_each_row_on_its_own_and_stream_in_pieces():
         assert len(row.tokens) < 12 if stop in text else len(row.tokens) == 12
     assert "".join(pieces) == done[1].text
     assert len(whole) > 1 and "".join(whole) == written[4]
+
+
+@pytest.mark.parametrize("name", ["qwen3-tiny", "gpt2-tiny"])
+def test_a_prefill_computes_the_logits_of_each_row_s_last_token_alone(name):
+    """What the engine's prefill asks for (`last_only`): the output layer for one position of
+    each row, not the whole prompt, with the logits and the cache of the whole."""
+    model = one_device(name)
+    tokens = jnp.asarray(np.arange(24, dtype=np.int32).reshape(2, 12) % 50 + 1)
+    slots = Slots(jnp.int32(0), jnp.asarray([0, 4], jnp.int32), prefill=True)
+    with on_mesh(ONE_DEVICE), jax.default_matmul_precision("highest"):
+        whole, whole_cache = model.decode(tokens, model.empty_cache(2, 16), slots)
+        last, last_cache = model.decode(tokens, model.empty_cache(2, 16), slots, last_only=True)
+    assert last.shape == (2, 1, whole.shape[2])
+    np.testing.assert_allclose(np.asarray(last[:, 0]), np.asarray(whole[:, -1]), atol=1e-5)
+    for a, b in zip(jax.tree.leaves(whole_cache), jax.tree.leaves(last_cache), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
