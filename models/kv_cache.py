@@ -67,10 +67,7 @@ def update(cache: KVCache, k: jax.Array, v: jax.Array, slots: Slots, window: int
         keys, values, held = k, v, jnp.arange(length, dtype=jnp.int32)
     else:
         at = slots.index % size
-        written = tuple(
-            jax.lax.dynamic_update_slice_in_dim(c, x.astype(c.dtype), at, 1)
-            for c, x in ((cache[0], k), (cache[1], v))
-        )
+        written = tuple(_written(c, x, at) for c, x in ((cache[0], k), (cache[1], v)))
         keys, values = written
         # The slot index each cache slot holds: the latest one up to the last new token.
         last = queries[-1]
@@ -87,10 +84,21 @@ def _fill(cache: jax.Array, x: jax.Array) -> jax.Array:
     """The cache after a prefill of `x` (batch x length x ...) from slot 0: all of it where it
     fits, else its last `slots` in their ring slots."""
     length, size = x.shape[1], cache.shape[1]
-    x = x.astype(cache.dtype)
     if length <= size:
-        return jax.lax.dynamic_update_slice_in_dim(cache, x, 0, 1)
-    return jnp.roll(x[:, length - size :], (length - size) % size, axis=1)
+        return _written(cache, x, 0)
+    return jnp.roll(x[:, length - size :].astype(cache.dtype), (length - size) % size, axis=1)
+
+
+def _written(cache: jax.Array, x: jax.Array, at: jax.Array | int) -> jax.Array:
+    """`cache` with `x` written from slot `at` on, in place. A bfloat16 cache is written through
+    its bits (uint16, the same bits): XLA:CPU widens a bfloat16 `dynamic_update_slice` to
+    float32 over the whole cache, a copy of all of it at every step."""
+    x = x.astype(cache.dtype)
+    if cache.dtype != jnp.bfloat16:
+        return jax.lax.dynamic_update_slice_in_dim(cache, x, at, 1)
+    bits = (jax.lax.bitcast_convert_type(a, jnp.uint16) for a in (cache, x))
+    written = jax.lax.dynamic_update_slice_in_dim(*bits, at, 1)
+    return jax.lax.bitcast_convert_type(written, jnp.bfloat16)
 
 
 SHORTEST_READ = 64

@@ -101,3 +101,24 @@ def test_a_prefill_or_a_sliding_window_layer_attends_to_the_whole_cache(prefill,
     slots = Slots(jnp.int32(70), jnp.zeros(1, jnp.int32), prefill)
     kv_cache.over_written_slots(attend, cache, cache, jnp.ones((1, 1, 1, 256)), slots, window)
     assert lengths == [256]
+
+
+def test_a_bfloat16_cache_is_written_in_place_with_the_same_bits():
+    """Not widened to float32 over the whole cache (which XLA:CPU does to a bfloat16
+    `dynamic_update_slice`): a step writes its slot and copies nothing else."""
+    cache = tuple(
+        jax.random.normal(jax.random.key(i), (2, 64, 2, 8)).astype(jnp.bfloat16) for i in range(2)
+    )
+    new = jax.random.normal(jax.random.key(3), (2, 1, 2, 8))  # float32, written as bfloat16
+    slots = Slots(jnp.int32(9), jnp.zeros(2, jnp.int32), prefill=False)
+
+    def step(cache, new):
+        return kv_cache.update(cache, new, new, slots, 0)[3]
+
+    written = jax.jit(step, donate_argnums=0)
+    text = written.lower(cache, new).compile().as_text()
+    assert "f32[2,64,2,8]" not in text
+    want = [c.at[:, 9:10].set(new.astype(jnp.bfloat16)) for c in cache]
+    got = written(cache, new)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
