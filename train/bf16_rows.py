@@ -11,8 +11,9 @@ the first time a process needs it, into zoo's kernel cache, and registered with 
 The arithmetic is XLA's bfloat16 product's (bfloat16 operands, float32 sums, one rounding to
 nearest, ties to even); only the order of the sums differs, so logits agree with XLA's to
 float32 rounding, not to the bit, and subnormal numbers (below 2^-126) count as zero, as the
-CPU's instruction takes them. Each row's sums run in one order whatever the other rows are, so a row decoded in a batch
-has the bits it has decoded alone. Where the kernel cannot run (a CPU without AVX-512 BF16, no
+CPU's instruction takes them. Each row's sums run in one order whatever the other rows are, so
+a row decoded in a batch has the bits it has decoded alone. `zoo.engine.dense` takes it for
+products of at most `FEW_ROWS` rows; where it cannot run (a CPU without AVX-512 BF16, no
 compiler, a multi-device mesh, `ZOO_NATIVE_KERNELS=0`), the product is XLA's, as before."""
 
 from __future__ import annotations
@@ -44,17 +45,14 @@ SWITCH_ENV = "ZOO_NATIVE_KERNELS"
 CACHE_ENV = "ZOO_KERNEL_DIR"
 """Where compiled kernels are kept; else `$XDG_CACHE_HOME/zoo/kernels` (`~/.cache/zoo/kernels`)."""
 FLAGS = ("-O3", "-std=c++17", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16")
-MAX_ROWS = 64
-"""The most rows multiplied by the kernel: a decoding step's tokens; more rows are XLA's."""
 
 
-def applies(x: jax.Array, kernel: jax.Array, inputs: int = 1) -> bool:
-    """Whether `product(x, kernel, inputs)` takes the kernel: both bfloat16, a few rows, on a
-    CPU that runs it, outside a multi-device mesh."""
-    rows = math.prod(x.shape[: x.ndim - inputs])
+def applies(x: jax.Array, kernel: jax.Array) -> bool:
+    """Whether `product(x, kernel, ...)` can take the kernel: both bfloat16, on a CPU that runs
+    it, outside a multi-device mesh."""
     return (
         x.dtype == kernel.dtype == jnp.bfloat16
-        and 0 < rows <= MAX_ROWS
+        and x.size > 0
         and jax.default_backend() == "cpu"
         and all(_on_one_device(a) for a in (x, kernel))
         and available()
