@@ -15,6 +15,9 @@ The result is the same attention up to float rounding (the softmax of a block's 
 fewer, exactly zero terms); measured at batch 8, context 256, 4 heads of 64 on a 2-core CPU,
 forward and backward take a third of the time of `jax.nn.dot_product_attention`'s (see
 docs/performance.md).
+
+A decoding step's attention (`attend_one`, one query a row against the key/value cache) is
+written as sums of products instead, reading the cache as it is held.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 MIN_BLOCK = 64
 """The fewest queries in a block: smaller matmuls lose more to overhead than they skip."""
@@ -87,3 +91,44 @@ def _block(q, k, v, start: int, scale: float, causal: bool, segments) -> jax.Arr
         logits = jnp.where(visible, logits, _NO_ATTENTION)
     weights = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
     return jnp.einsum("bhqk,bhkd->bhqd", weights, v)
+
+
+def one_query(q: jax.Array, visible: jax.Array | None) -> bool:
+    """Whether attention is a decoding step's on a CPU, on one device: one query a row,
+    against a cache."""
+    return (
+        visible is not None
+        and q.shape[1] == 1
+        and jax.default_backend() == "cpu"
+        and jax.sharding.get_abstract_mesh().size <= 1
+    )
+
+
+def attend_one(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    visible: jax.Array,
+    *,
+    scale: float,
+    softcap: float = 0.0,
+) -> jax.Array:
+    """A decoding step's attention: one query a row (q: batch, 1, heads, features) to the
+    cache's keys and values (batch, slots, key/value heads, features; grouped-query heads
+    share them), `visible` (batch, 1, 1, slots) the slots each row sees; logits soft-capped by
+    `softcap` (0: none). Written as products summed in one pass over the keys and one over the
+    values, each read as the cache holds it: as batched matmuls, XLA:CPU would first copy both
+    transposed (the heads leading) and, in bfloat16, widened to float32, which for one query
+    costs more than the products. Logits, softmax and sums in float32."""
+    if not jax.sharding.get_abstract_mesh().empty:  # one device: its named axes dropped
+        q, k, v, visible = (jax.sharding.reshard(t, P()) for t in (q, k, v, visible))
+    batch, _, heads, features = q.shape
+    groups = heads // k.shape[2]
+    q = q.reshape(batch, 1, k.shape[2], groups, features).astype(jnp.float32)
+    logits = jnp.sum(q * k[:, :, :, None, :].astype(jnp.float32), axis=-1) * scale
+    if softcap:
+        logits = softcap * jnp.tanh(logits / softcap)
+    seen = visible.reshape(batch, -1)[:, :, None, None]  # batch, slots, 1, 1
+    weights = jax.nn.softmax(jnp.where(seen, logits, _NO_ATTENTION), axis=1)
+    mixed = jnp.sum(weights[..., None] * v[:, :, :, None, :].astype(jnp.float32), axis=1)
+    return mixed.reshape(batch, 1, heads, features).astype(v.dtype)

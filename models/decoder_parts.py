@@ -187,6 +187,10 @@ class Attention(nnx.Module):
             dropout=self.softcap > 0,
             packed=segments is not None,
         )
+        if attention_cpu.one_query(q, visible):
+            return attention_cpu.attend_one(
+                q, k, v, visible, scale=self.scale, softcap=self.softcap
+            )
         cpu_kernel = (
             path.kernel == "xla"
             and visible is None

@@ -1,7 +1,9 @@
 """The CPU's written-out attention (`zoo.models.attention_cpu`) computes what
 `jax.nn.dot_product_attention` does, forward and backward: causal in blocks of queries (lengths
 that the blocks divide and that they do not), bidirectional, another scale, bfloat16, and with
-batch and heads split over a mesh; and the shared block takes it on a CPU."""
+batch and heads split over a mesh; and the shared block takes it on a CPU. A decoding step's
+attention (`attend_one`: one query a row against a cache) is the masked softmax of that query,
+grouped heads and soft-capped logits included."""
 
 from __future__ import annotations
 
@@ -91,3 +93,39 @@ def test_the_shared_block_takes_it_on_a_cpu_without_a_cache(monkeypatch):
         model = GPT(context_length=16, dim=16, depth=2, num_heads=2, rngs=nnx.Rngs(0))
         model(jnp.zeros((1, 16), jnp.int32))
     assert calls == [True, True]
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "softcap", "dtype"),
+    [
+        (4, 4, 0.0, jnp.float32),
+        (4, 2, 0.0, jnp.float32),
+        (4, 1, 5.0, jnp.float32),
+        (4, 2, 0.0, jnp.bfloat16),
+    ],
+    ids=["heads", "grouped", "one-kv-head-softcapped", "bf16"],
+)
+def test_a_decoding_step_s_attention_is_the_masked_softmax_of_its_one_query(
+    heads, kv_heads, softcap, dtype
+):
+    """`attend_one`: one query a row against a cache of 40 slots, rows seeing different slots,
+    key/value heads shared by groups of query heads, logits soft-capped; against the same
+    attention written out in float64."""
+    keys = jax.random.split(jax.random.key(heads + kv_heads), 3)
+    q = jax.random.normal(keys[0], (3, 1, heads, HEAD_DIM)).astype(dtype)
+    k, v = (jax.random.normal(key, (3, 40, kv_heads, HEAD_DIM)).astype(dtype) for key in keys[1:])
+    first = np.array([0, 7, 39])
+    visible = jnp.asarray((np.arange(40)[None] >= first[:, None])[:, None, None])
+    got = attention_cpu.attend_one(q, k, v, visible, scale=0.3, softcap=softcap)
+    assert got.shape == q.shape and got.dtype == dtype
+    q64, k64, v64 = (np.asarray(t, np.float64) for t in (q, k, v))
+    k64, v64 = (np.repeat(t, heads // kv_heads, axis=2) for t in (k64, v64))
+    logits = np.einsum("bqhd,bkhd->bhqk", q64, k64) * 0.3
+    if softcap:
+        logits = softcap * np.tanh(logits / softcap)
+    logits = np.where(np.asarray(visible), logits, -np.inf)
+    weights = np.exp(logits - logits.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    want = np.einsum("bhqk,bkhd->bqhd", weights, v64)
+    tolerance = 1e-5 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=tolerance)
