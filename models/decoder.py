@@ -56,7 +56,7 @@ from zoo.models.gpt import (
     padded_vocab,
     tied_logits,
 )
-from zoo.models.kv_cache import Slots, cache_slots
+from zoo.models.kv_cache import DecodesWithCache, cache_slots
 from zoo.models.rope import ROPE_TYPES, Rope, Rotation, rotation
 from zoo.models.transformer import dropout_key
 
@@ -94,7 +94,7 @@ PARAM_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
         "data.eval_bytes=4096",
     ),
 )
-class Decoder(nnx.Module):
+class Decoder(nnx.Module, DecodesWithCache):
     PACKED_ROWS = True
     """It takes packed rows (`segment_ids`, `positions`: see `__call__`)."""
 
@@ -266,14 +266,6 @@ class Decoder(nnx.Module):
             return zeros(slots, self.depth), zeros(slots, self.depth)
         lengths = (cache_slots(slots, self._window(kind)) for kind in self.layer_types)
         return tuple((zeros(length), zeros(length)) for length in lengths)
-
-    def decode(
-        self, tokens: jax.Array, cache: Cache, slots: Slots, last_only: bool = False
-    ) -> tuple[jax.Array, Cache]:
-        """Logits for `tokens` placed at `slots` (`last_only`: for the last of each row only,
-        all a prefill needs), attending to the cache's earlier slots; the cache comes back with
-        these tokens' keys and values in it (`zoo.models.kv_cache`)."""
-        return self._forward(tokens, jax.random.key(0), cache, slots, last_only=last_only)
 
     def _forward(self, tokens, key, cache, slots, segments=None, positions=None, last_only=False):
         length = tokens.shape[1]

@@ -35,7 +35,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 from zoo.models import hparams
 from zoo.models.generate import sample_on_eval
-from zoo.models.kv_cache import KVCache, Slots
+from zoo.models.kv_cache import DecodesWithCache, KVCache
 from zoo.models.layers import dense, layer_norm
 from zoo.models.transformer import Block, BlockOptions, dropout_key, tokens_spec
 
@@ -169,7 +169,7 @@ def language_model_loss(model: GPT, batch: Mapping[str, jax.Array], rngs: nnx.Rn
         "data.eval_bytes=4096",
     ),
 )
-class GPT(nnx.Module):
+class GPT(nnx.Module, DecodesWithCache):
     def __init__(
         self,
         context_length: int = 128,  # positions the model has: sequences may not be longer
@@ -280,14 +280,6 @@ class GPT(nnx.Module):
             tuple(jnp.zeros(shape, dtype, out_sharding=spec) for _ in range(2))
             for _ in range(self.depth)
         )
-
-    def decode(
-        self, tokens: jax.Array, cache: Cache, slots: Slots, last_only: bool = False
-    ) -> tuple[jax.Array, Cache]:
-        """Logits for `tokens` placed at `slots` (`last_only`: for the last of each row only,
-        all a prefill needs), attending to the cache's earlier slots; the cache comes back with
-        these tokens' keys and values in it (`zoo.models.kv_cache`)."""
-        return self._forward(tokens, jax.random.key(0), cache, slots, last_only=last_only)
 
     def _forward(self, tokens, key, cache, slots, last_only=False):
         length = tokens.shape[1]

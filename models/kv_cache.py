@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +49,19 @@ class Slots:
         distance from the row's first real slot (0 for padding)."""
         slots = self.index + jnp.arange(length, dtype=jnp.int32)
         return jnp.maximum(slots[None, :] - self.first[:, None], 0)
+
+
+class DecodesWithCache:
+    """A language model's `decode`, for a model whose `_forward(tokens, key, cache, slots,
+    last_only=...)` runs its layers against the cache (gpt's, the decoder's)."""
+
+    def decode(
+        self, tokens: jax.Array, cache: Any, slots: Slots, last_only: bool = False
+    ) -> tuple[jax.Array, Any]:
+        """Logits for `tokens` placed at `slots` (`last_only`: for the last of each row only,
+        all a prefill needs), attending to the cache's earlier slots; the cache comes back with
+        these tokens' keys and values in it."""
+        return self._forward(tokens, jax.random.key(0), cache, slots, last_only=last_only)
 
 
 def cache_slots(total: int, window: int) -> int:
