@@ -187,7 +187,7 @@ class Attention(nnx.Module):
             dropout=self.softcap > 0,
             packed=segments is not None,
         )
-        if attention_cpu.one_query(q, visible):
+        if attention_cpu.one_query(q, k, visible):
             return attention_cpu.attend_one(
                 q, k, v, visible, scale=self.scale, softcap=self.softcap
             )

@@ -128,7 +128,7 @@ class Attention(nnx.Module):
             visible = jnp.tril(jnp.ones((1, 1, q.shape[1], k.shape[1]), bool))
         if path.kernel == "einsum":
             return self._with_dropout(q, k, v, visible, key)
-        if attention_cpu.one_query(q, visible):
+        if attention_cpu.one_query(q, k, visible):
             scale = 1 / math.sqrt(q.shape[-1]) if self.scale is None else self.scale
             return attention_cpu.attend_one(q, k, v, visible, scale=scale)
         if path.kernel == "xla" and visible is None and current_platform().backend == "cpu":

@@ -129,3 +129,17 @@ def test_a_decoding_step_s_attention_is_the_masked_softmax_of_its_one_query(
     want = np.einsum("bhqk,bkhd->bqhd", weights, v64)
     tolerance = 1e-5 if dtype == jnp.float32 else 2e-2
     np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=tolerance)
+
+
+def test_a_decoding_step_takes_attend_one_where_its_heads_are_grouped_or_half_precision():
+    visible = jnp.ones((1, 1, 1, 8), bool)
+
+    def taken(heads, kv_heads, dtype=jnp.float32, queries=1, mask=visible):
+        q = jnp.zeros((1, queries, heads, HEAD_DIM), dtype)
+        return attention_cpu.one_query(q, jnp.zeros((1, 8, kv_heads, HEAD_DIM), dtype), mask)
+
+    assert taken(4, 2) and taken(4, 4, jnp.bfloat16)
+    assert not taken(4, 4)  # float32, a key/value head each: jax's product is faster there
+    assert not taken(4, 2, queries=2) and not taken(4, 2, mask=None)
+    with on_mesh(MESH):
+        assert not taken(4, 2)
