@@ -176,6 +176,10 @@ class Attention(nnx.Module):
         return self.out(mixed, out_sharding=tokens_spec()), cache
 
     def _attend(self, q, k, v, window: int, visible: jax.Array | None, segments) -> jax.Array:
+        if attention_cpu.one_query(q, k, visible):
+            return attention_cpu.attend_one(
+                q, k, v, visible, scale=self.scale, softcap=self.softcap
+            )
         # Soft-capping has no fused kernel: it takes the written-out path, as Dropout on the
         # attention weights does in the shared block.
         path = route(
@@ -187,10 +191,6 @@ class Attention(nnx.Module):
             dropout=self.softcap > 0,
             packed=segments is not None,
         )
-        if attention_cpu.one_query(q, k, visible):
-            return attention_cpu.attend_one(
-                q, k, v, visible, scale=self.scale, softcap=self.softcap
-            )
         cpu_kernel = (
             path.kernel == "xla"
             and visible is None
