@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import jaxlib
 from jax.sharding import PartitionSpec as P
+from zoo.engine.errors import ZooError
 
 log = logging.getLogger("zoo")
 
@@ -114,7 +115,13 @@ _product.defvjp(_forward, _backward)
 @functools.cache
 def available() -> bool:
     """Whether this process can run the kernel: compiled (or found compiled) and registered."""
-    if os.environ.get(SWITCH_ENV, "1") == "0":
+    switch = os.environ.get(SWITCH_ENV, "1")
+    if switch not in ("0", "1"):
+        raise ZooError(
+            f"{SWITCH_ENV}={switch!r} is not a setting zoo knows: 0 turns its bfloat16 CPU "
+            "kernel off (XLA's product everywhere), 1 (or leaving it unset) lets it run."
+        )
+    if switch == "0":
         return False
     if not _cpu_has_bf16_dot():
         return False

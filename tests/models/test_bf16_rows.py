@@ -18,6 +18,7 @@ from conformance.checks import MESH, ONE_DEVICE, on_mesh
 from pretrained_checks import FIXTURES, loaded
 from zoo.engine import bf16_rows
 from zoo.engine.dense import FEW_ROWS, outputs_first_product
+from zoo.engine.errors import ZooError
 from zoo.models.generation import Sampling, Session
 
 BF16 = jnp.bfloat16
@@ -171,3 +172,10 @@ def test_a_machine_without_a_compiler_decodes_at_xla_s_speed_and_is_told(
     monkeypatch.setenv(bf16_rows.SWITCH_ENV, "0")
     caplog.clear()
     assert not bf16_rows.available() and not caplog.records
+
+
+def test_a_switch_value_other_than_0_or_1_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv(bf16_rows.SWITCH_ENV, "off")
+    monkeypatch.setattr(bf16_rows, "available", bf16_rows.available.__wrapped__)
+    with pytest.raises(ZooError, match="ZOO_NATIVE_KERNELS='off'"):
+        bf16_rows.available()
