@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow.parquet as pq
 from zoo.data.files import cache_root, write_atomically
 
 from zoo.plugin import ZooError
@@ -116,6 +115,8 @@ def _lines(file: Path) -> Iterator[tuple[str, Any]]:
 
 
 def _parquet_records(file: Path, columns: Columns) -> Iterator[tuple[str, Any]]:
+    import pyarrow.parquet as pq
+
     try:
         names = pq.read_schema(file).names
         wanted = [c for c in (columns.messages, columns.prompt, columns.completion) if c in names]

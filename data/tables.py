@@ -24,14 +24,10 @@ import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import grain
 import msgpack
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
-import pyarrow.parquet as pq
 from zoo.data.examples import (
     ImageExamples,
     NormalizeBy,
@@ -45,6 +41,9 @@ from zoo.data.images import fingerprint, image_splits
 from zoo.data.imaging import Augment
 
 from zoo.plugin import Splits, ZooError, register_data
+
+if TYPE_CHECKING:  # pyarrow and Grain are imported where Parquet and ArrayRecord files are read
+    import pyarrow as pa
 
 ARRAY_RECORD, PARQUET = ".array_record", ".parquet"
 
@@ -112,6 +111,8 @@ class Records:
     """The image column of ArrayRecord shards, read record by record."""
 
     def __init__(self, files: list[str], image_column: str):
+        import grain
+
         self.files, self.image_column = files, image_column
         self.source = grain.sources.ArrayRecordDataSource(files)
 
@@ -178,6 +179,9 @@ def read_parquet(
 ) -> tuple[Rows, list[Any], list[str] | None]:
     """(the image column, the label values, the label column's class names or None) of the
     Parquet files, in order."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     image_column, label_column = columns
     cells, paths, values, names = [], {}, [], None
     for i, file in enumerate(files):
@@ -218,6 +222,8 @@ def _image_structs(
     """A Hugging Face `Image()` column: its `bytes`, and the image files of the rows whose
     bytes are null and whose `path` is set (absolute, or relative to the Parquet file's
     folder)."""
+    import pyarrow.compute as pc
+
     fields = [column.type.field(i).name for i in range(column.type.num_fields)]
     if "bytes" not in fields:
         raise ZooError(

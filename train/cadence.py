@@ -16,9 +16,8 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import grain
 import jax
 from zoo.engine.callbacks import Callbacks
 from zoo.engine.checkpoints.manager import Checkpointer
@@ -29,6 +28,9 @@ from zoo.engine.observe import Instruments, WindowClock
 from zoo.engine.report import Reporter
 from zoo.engine.signals import Interrupted, StopRequests
 from zoo.engine.steps import Metrics, health, means
+
+if TYPE_CHECKING:
+    import grain
 
 log = logging.getLogger("zoo")
 _timing_log = logging.getLogger("train.timing")  # train.log only, not the console

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import grain
 import jax
 from zoo.engine import sharding
 from zoo.engine.errors import ZooError
+
+if TYPE_CHECKING:
+    import grain
 
 CADENCES = ("steps", "log_every", "eval_every", "checkpoint_every")
 """Trainer settings the loop acts on at step boundaries: each a multiple of K (0: off)."""
@@ -76,6 +78,8 @@ class Dispatcher:
         )
         placed = dataset.map(place)
         if self.prefetch:
+            import grain
+
             placed = grain.experimental.ThreadPrefetchIterDataset(
                 placed, prefetch_buffer_size=self.prefetch
             )

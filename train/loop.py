@@ -32,9 +32,8 @@ import dataclasses
 import logging
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import grain
 import jax
 from flax import nnx
 from omegaconf import DictConfig, OmegaConf
@@ -59,6 +58,9 @@ from zoo.engine.report import EvalReport, Reporter, format_metrics
 from zoo.engine.signals import StopRequests
 from zoo.engine.steps import COUNT, Metrics, Trainable, make_steps, means, zero_metrics
 from zoo.engine.validate import check_data, check_packing
+
+if TYPE_CHECKING:
+    import grain
 
 log = logging.getLogger("zoo")
 

@@ -16,18 +16,17 @@ so a checkpoint resumes with any number of workers, and the batches do not depen
 from __future__ import annotations
 
 import abc
-import ctypes
 import math
-import os
-import signal
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
-import grain
 import jax
 import numpy as np
 from zoo.engine.errors import ZooError
 from zoo.engine.registry import Batch, Splits
+
+if TYPE_CHECKING:  # Grain (and Orbax, which it imports) only once batches are made
+    import grain
 
 MASK = "mask"
 """Eval batches carry this column: 1.0 for a real example, 0.0 for padding."""
@@ -190,6 +189,8 @@ def train_batches(
 
     `augment(batch, rng)` gets a generator that Grain derives from (seed, shard, batch index):
     the same augmentations on every rerun and after a resume, and different ones per process."""
+    import grain
+
     _check_batch(batch_size, shard_count)
     gather = _TrainBatch(data, batch_size, seed, shard_index, shard_count)
     dataset = grain.MapDataset.range(_ENDLESS).map(gather)
@@ -201,97 +202,24 @@ def train_batches(
     if workers < 0:
         raise ZooError(f"data.workers={workers} must be 0 (no worker processes) or more.")
     if workers:
-        return InWorkers(dataset, workers)
-    return dataset.to_iter_dataset(_INLINE)
+        from zoo.engine.workers import InWorkers
+
+        return InWorkers(dataset, workers, _inline_reads())
+    return dataset.to_iter_dataset(_inline_reads())
 
 
-_INLINE = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
+def _inline_reads() -> grain.ReadOptions:
+    """Grain's options for reading batches in this process (in it or in a worker): no
+    threads, no prefetch."""
+    import grain
 
-
-class InWorkers(grain.IterDataset):
-    """The batches of an endless `MapDataset`, made in `workers` Grain processes. Its
-    iterator's state is `{"next_index": b}`, as the inline pipeline's is: restoring a state
-    restarts the workers at batch b, whatever their number was when it was saved."""
-
-    def __init__(self, batches: grain.MapDataset, workers: int):
-        super().__init__()
-        self.batches, self.workers = batches, workers
-
-    def __iter__(self) -> grain.DatasetIterator:
-        return _InWorkersIterator(self.batches, self.workers)
-
-
-class _InWorkersIterator(grain.DatasetIterator):
-    def __init__(self, batches: grain.MapDataset, workers: int):
-        super().__init__()
-        self._batches, self._workers = batches, workers
-        self._next = 0
-        self._inner: grain.DatasetIterator | None = None  # started on the first batch
-
-    def __next__(self) -> Batch:
-        if self._inner is None:
-            _flags_parsed()
-            options = grain.MultiprocessingOptions(num_workers=self._workers)
-            rest = self._batches[self._next :].to_iter_dataset(_INLINE)
-            init = _WorkerInit(os.getpid())
-            self._inner = iter(rest.mp_prefetch(options, worker_init_fn=init))
-        batch = next(self._inner)
-        self._next += 1
-        # Out of the worker's shared memory at once: the block is freed here, not whenever the
-        # last view of it (a device buffer on CPU, say) goes.
-        return {name: np.array(column) for name, column in batch.items()}
-
-    def get_state(self) -> dict[str, Any]:
-        return {"next_index": self._next}
-
-    def set_state(self, state: dict[str, Any]) -> None:
-        self.close()
-        self._next = int(state["next_index"])
-
-    def close(self) -> None:
-        if self._inner is not None:
-            self._inner.close()
-            self._inner = None
-
-
-def _flags_parsed() -> None:
-    """Grain reads absl flags; in a process that never parsed them (any but an absl app) that
-    fails, unless they count as parsed."""
-    from absl import flags
-
-    if not flags.FLAGS.is_parsed():
-        flags.FLAGS.mark_as_parsed()
-
-
-class _WorkerInit:
-    """Runs first in each worker process: it dies with the training process (killed or not,
-    a worker never outlives it), and absl's flags count as parsed (Grain reads them, and a
-    process that imported JAX otherwise fails to).
-
-    Linux signals a child when the *thread* that started it ends (`PR_SET_PDEATHSIG`), and
-    Grain starts workers from threads of its own that end when the pipeline is closed; a
-    worker killed then would leave its last batches' shared memory behind. So the signal only
-    makes the worker look: it exits when its parent process is gone, and otherwise carries on
-    and stops as Grain asks it to, freeing what it holds."""
-
-    def __init__(self, parent: int):
-        self.parent = parent
-
-    def __call__(self, index: int, count: int) -> None:
-        _flags_parsed()
-        if hasattr(signal, "SIGUSR1") and os.path.exists("/proc/self"):  # Linux
-            signal.signal(signal.SIGUSR1, self._on_parent_change)
-            pr_set_pdeathsig = 1
-            ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGUSR1)
-        self._on_parent_change()  # the parent may have died before the lines above
-
-    def _on_parent_change(self, *signal_args: Any) -> None:
-        if os.getppid() != self.parent:
-            os._exit(1)
+    return grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
 
 
 def peek(train: grain.IterDataset) -> Batch:
     """The first training batch, made in this process (no worker is started for it)."""
+    from zoo.engine.workers import InWorkers
+
     if isinstance(train, InWorkers):
         return train.batches[0]
     iterator = iter(train)
@@ -309,6 +237,8 @@ def eval_batches(
     transform: Callable[[Batch], Batch] | None = None,
 ) -> grain.MapDataset:
     """One ordered pass over every example exactly once, in fixed-shape batches with a `mask`."""
+    import grain
+
     _check_batch(batch_size, shard_count)
     gather = _EvalBatch(data, batch_size, shard_index, shard_count)
     dataset = grain.MapDataset.range(math.ceil(len(gather._table) / batch_size)).map(gather)

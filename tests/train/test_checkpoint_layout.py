@@ -19,7 +19,9 @@ SPECS = {"replicated": P(), "fsdp": P("fsdp"), "fsdp_tensor": P("fsdp", "tensor"
 def test_each_array_is_written_as_whole_shards_and_read_back(tmp_path):
     mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"))
     values = np.arange(16 * 24, dtype=np.float32).reshape(16, 24) * 0.37
-    state = {name: jax.device_put(values, NamedSharding(mesh, spec)) for name, spec in SPECS.items()}
+    state = {
+        name: jax.device_put(values, NamedSharding(mesh, spec)) for name, spec in SPECS.items()
+    }
     data = iter(grain.MapDataset.range(4).to_iter_dataset())
     checkpointer = Checkpointer(tmp_path)
     try:

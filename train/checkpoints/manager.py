@@ -30,17 +30,15 @@ import os
 import tempfile
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import grain
-import jax
-import numpy as np
-import orbax.checkpoint as ocp
-from orbax.checkpoint import checkpoint_managers as policies
 from zoo.engine.checkpoints import checksums
 from zoo.engine.checkpoints.failures import cause, quiet_storage_noise
 from zoo.engine.checkpoints.reader import saved_steps, verify
 from zoo.engine.errors import SaveFailed
+
+if TYPE_CHECKING:  # Orbax and Grain only once a checkpoint is opened
+    import grain
 
 FORMAT = 2
 """Version of the checkpoint layout above; 1 is the same without checksums. A checkpoint with
@@ -57,34 +55,6 @@ UNREADABLE_SUFFIX = ".unreadable"
 run that falls back to an earlier step can write that step again."""
 
 
-def _copies_whole_shards() -> ocp.type_handlers.TypeHandlerRegistry:
-    """Orbax's default type handlers, but for jax.Array one that copies each replicated array to
-    the host whole, from one device, instead of a slice from each (`use_replica_parallel`).
-
-    The slices spread a save's writing over the hosts of a multi-host run; on a CPU every device
-    is the host's own memory, so they cost a sliced copy per device and array (672 eager slices,
-    of 64 shapes each compiled once, for a tiny gpt replicated on 8 CPU devices) and gain nothing.
-    The saved arrays are the same; their chunks on disk are whole shards."""
-    kept = [int, float, bytes, np.number, np.ndarray, str, type(...)]
-    arrays = ocp.type_handlers.get_type_handler(jax.Array)
-    whole = ocp.type_handlers.ArrayHandler(
-        use_replica_parallel=False,
-        array_metadata_store=arrays._array_metadata_store,  # noqa: SLF001  (the default's)
-    )
-    handlers = [(t, ocp.type_handlers.get_type_handler(t)) for t in kept]
-    return ocp.type_handlers.create_type_handler_registry((jax.Array, whole), *handlers)
-
-
-class _StateHandler(ocp.StandardCheckpointHandler):
-    """Orbax's handler of `StandardSave` and `StandardRestore`, on CPU devices with the type
-    handlers of `_copies_whole_shards` (the handler has no option for them)."""
-
-    def __init__(self):
-        super().__init__()
-        if jax.devices()[0].platform == "cpu":
-            self._impl = ocp.PyTreeCheckpointHandler(type_handler_registry=_copies_whole_shards())
-
-
 class Checkpointer:
     def __init__(
         self,
@@ -94,6 +64,10 @@ class Checkpointer:
         best_metric: str | None = None,
         best_mode: str = "min",
     ):
+        import orbax.checkpoint as ocp
+        from orbax.checkpoint import checkpoint_managers as policies
+        from zoo.engine.checkpoints.handlers import StateHandler
+
         self.directory = os.path.abspath(directory)
         preserve: list[Any] = [policies.LatestN(n=keep)]  # None: keep all
         if best_metric:
@@ -115,7 +89,7 @@ class Checkpointer:
         _check_writable(self.directory)
         handlers = ocp.handlers.DefaultCheckpointHandlerRegistry()
         for item in ("state", "window"):
-            handler = _StateHandler()
+            handler = StateHandler()
             handlers.add(item, ocp.args.StandardSave, handler)
             handlers.add(item, ocp.args.StandardRestore, handler)
         self._manager = ocp.CheckpointManager(
@@ -150,6 +124,9 @@ class Checkpointer:
 
         `metrics` (an eval's) rank the checkpoint for `best_metric`; without them it is kept
         only while it is among the latest `keep`."""
+        import grain
+        import orbax.checkpoint as ocp
+
         arrays = {**checksums.flat(state, "state"), **checksums.flat(window or {}, "window")}
         meta = {"format": FORMAT, "step": step, **dict(meta or {})}
         meta["checksums"] = checksums.checksums(arrays)
@@ -222,6 +199,9 @@ class Checkpointer:
     ) -> dict[str, Any]:
         """Everything saved at `step`: `state` (and `window`) placed with the shardings their
         abstract targets carry, `meta`, `config`, and the iterator set to the saved position."""
+        import grain
+        import orbax.checkpoint as ocp
+
         items: dict[str, Any] = {
             "state": ocp.args.StandardRestore(abstract_state),
             "meta": ocp.args.JsonRestore(),
@@ -243,6 +223,8 @@ class Checkpointer:
         return self.restore(step, abstract_state)["state"]
 
     def restore_config(self, step: int) -> dict[str, Any]:
+        import orbax.checkpoint as ocp
+
         restored = self._manager.restore(
             step, args=ocp.args.Composite(config=ocp.args.JsonRestore())
         )

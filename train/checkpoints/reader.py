@@ -14,8 +14,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import orbax.checkpoint as ocp
-from etils import epath
 from zoo.engine.checkpoints import checksums
 from zoo.engine.errors import CorruptCheckpoint
 
@@ -45,6 +43,9 @@ def saved_shapes(step_path: str | os.PathLike) -> dict[SavedPath, tuple[int, ...
 
 def _saved_leaves(step_path: str | os.PathLike) -> dict[SavedPath, Any]:
     """The metadata (shape, dtype) of every array in the checkpoint's `state`."""
+    import orbax.checkpoint as ocp
+    from etils import epath
+
     handler = ocp.PyTreeCheckpointHandler()
     try:
         metadata = handler.metadata(epath.Path(step_path) / "state")
@@ -96,6 +97,9 @@ def _restored(
         for part in path:
             node = node.setdefault(part, {})
         node["value"] = target
+    import orbax.checkpoint as ocp
+    from etils import epath
+
     handler = ocp.PyTreeCheckpointHandler()
     try:
         restored = handler.restore(

@@ -21,9 +21,8 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import grain
 import jax
 from flax import nnx
 from omegaconf import DictConfig
@@ -36,6 +35,9 @@ from zoo.engine.checkpoints.warm_start import read_first, warm_start
 from zoo.engine.config import resume_step
 from zoo.engine.errors import ZooError
 from zoo.engine.steps import Metrics
+
+if TYPE_CHECKING:
+    import grain
 
 log = logging.getLogger("zoo")
 _timing_log = logging.getLogger("train.timing")  # train.log only, not the console
