@@ -17,10 +17,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import qwix
 from flax import nnx
 from jax.sharding import PartitionSpec as P
-from qwix._src.core import numerics
 
 QTYPES = ("int8", "int4", "nf4")
 """The base-weight formats of a QLoRA fine-tune (`finetune.quantize`)."""
@@ -55,10 +53,11 @@ class Layout:
 
 
 @functools.partial(jax.jit, static_argnums=1)
-@functools.partial(jax.jit, static_argnums=1)
 def quantize(kernel: jax.Array, layout: Layout) -> tuple[jax.Array, jax.Array]:
     """(codes, scales) of `kernel`, gathered whole first (qwix flattens it); the same bits
     every time."""
+    import qwix  # here: only a quantized fine-tune needs it
+
     kernel = _whole(kernel)
     channels = tuple(axis for axis in range(kernel.ndim) if axis != layout.axis)
     tiles = {layout.axis: TILE} if layout.tiled else {}
@@ -81,6 +80,8 @@ def dequantize(codes: jax.Array, scale: jax.Array, layout: Layout) -> jax.Array:
     else:
         nibbles = _unpack(codes, layout.axis) if layout.packed else codes
         if layout.qtype == "nf4":
+            from qwix._src.core import numerics
+
             values = _lookup(numerics.get_nf4_buckets().astype(layout.dtype), nibbles)
         else:
             values = nibbles.astype(layout.dtype) - _OFFSET[layout.qtype]
