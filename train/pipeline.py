@@ -7,10 +7,11 @@ dataset whose iterator state checkpoints and restores exactly. A random-access s
 Grain `MapDataset`, say) is batched the same way, its records gathered and stacked per batch,
 and so is an `ExampleSource`, which makes each example itself (decodes a file, augments it).
 
-With `workers` > 0 the training batches are made in that many Grain worker processes, each
-making whole batches (batch b in worker b mod N), handed to the loop through shared memory. The
-iterator's state is then still the index of the next batch, the same form as without workers,
-so a checkpoint resumes with any number of workers, and the batches do not depend on it.
+With `workers` > 0 the training batches are made in that many Grain worker processes
+(`zoo.engine.workers`), each making whole batches (batch b in worker b mod N), handed to the
+loop through shared memory. The iterator's state is then still the index of the next batch,
+the same form as without workers, so a checkpoint resumes with any number of workers, and the
+batches do not depend on it.
 """
 
 from __future__ import annotations

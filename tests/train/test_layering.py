@@ -207,3 +207,23 @@ def test_import_contracts_hold(installed):
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Contracts: 3 kept, 0 broken." in result.stdout
+
+
+REFUSED_COMMAND = """
+import runpy, sys
+sys.argv = ["zoo.train", "model=no_such_model"]
+try:
+    runpy.run_module("zoo.train", run_name="__main__")
+except SystemExit as e:
+    print("exit", e.code)
+print(sorted({"grain", "orbax.checkpoint", "pyarrow"} & set(sys.modules)))
+"""
+
+
+def test_a_refused_command_line_imports_neither_grain_orbax_nor_pyarrow(installed):
+    """They load where a run makes batches, opens checkpoints or reads Parquet: `import zoo`
+    and a command line refused by name do without them (about 0.2 CPU-seconds less)."""
+    result = run([sys.executable, "-c", REFUSED_COMMAND], cwd=installed, PYTHONPATH=str(installed))
+    assert result.returncode == 0, result.stderr
+    assert "no_such_model" in result.stdout + result.stderr
+    assert result.stdout.strip().splitlines()[-2:] == ["exit 2", "[]"], result.stdout

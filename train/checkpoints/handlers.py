@@ -29,7 +29,9 @@ def _copies_whole_shards() -> ocp.type_handlers.TypeHandlerRegistry:
 
 class StateHandler(ocp.StandardCheckpointHandler):
     """Orbax's handler of `StandardSave` and `StandardRestore`, on CPU devices with the type
-    handlers of `_copies_whole_shards` (the handler has no option for them)."""
+    handlers of `_copies_whole_shards`. It has no option for them, so the PyTree handler it
+    delegates to (`_impl`) is replaced by one built with them: an Orbax that renames it fails
+    tests/train/test_checkpoint_layout.py."""
 
     def __init__(self):
         super().__init__()

@@ -91,15 +91,15 @@ def _saved_float(leaf: Any, dtype: Any) -> Any:
 def _restored(
     step_path: str | os.PathLike, targets: Mapping[SavedPath, jax.ShapeDtypeStruct]
 ) -> dict[SavedPath, jax.Array]:
+    import orbax.checkpoint as ocp
+    from etils import epath
+
     tree: dict[str, Any] = {}
     for path, target in targets.items():
         node = tree
         for part in path:
             node = node.setdefault(part, {})
         node["value"] = target
-    import orbax.checkpoint as ocp
-    from etils import epath
-
     handler = ocp.PyTreeCheckpointHandler()
     try:
         restored = handler.restore(
