@@ -15,9 +15,9 @@ from zoo.engine.registry import Batch
 
 class InWorkers(grain.IterDataset):
     """The batches of an endless `MapDataset`, made in `workers` Grain processes (each reading
-    them with `reads`). Its
-    iterator's state is `{"next_index": b}`, as the inline pipeline's is: restoring a state
-    restarts the workers at batch b, whatever their number was when it was saved."""
+    them with `reads`). Its iterator's state is `{"next_index": b}`, as the inline pipeline's
+    is: restoring a state restarts the workers at batch b, whatever their number was when it
+    was saved."""
 
     def __init__(self, batches: grain.MapDataset, workers: int, reads: grain.ReadOptions):
         super().__init__()

@@ -30,7 +30,8 @@ def _copies_whole_shards() -> ocp.type_handlers.TypeHandlerRegistry:
 class StateHandler(ocp.StandardCheckpointHandler):
     """Orbax's handler of `StandardSave` and `StandardRestore`, on CPU devices with the type
     handlers of `_copies_whole_shards`. It has no option for them, so the PyTree handler it
-    delegates to (`_impl`) is replaced by one built with them: an Orbax that renames it fails
+    delegates to (`_impl`) is replaced by one built with them, whose array handler shares the
+    default's metadata store (`_array_metadata_store`): an Orbax that renames either fails
     tests/train/test_checkpoint_layout.py."""
 
     def __init__(self):
