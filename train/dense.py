@@ -94,7 +94,8 @@ def outputs_first_product(
 
 FEW_ROWS = 64
 """Inputs of at most this many rows (a decoding step's tokens) are multiplied by zoo's bfloat16
-kernel where it runs (`zoo.engine.bf16_rows`), else kernel first: with the input first, XLA:CPU copies a kernel of several output axes (heads x head size) transposed
-before every product, which for one token costs more than the product (a (16, 128, 1024)
-kernel: 1.9 ms against 0.35 ms). For more rows the copy is small beside the product, and the
-input-first order needs no transpose of the output."""
+kernel where it runs (`zoo.engine.bf16_rows`), else kernel first: with the input first, XLA:CPU
+copies a kernel of several output axes (heads x head size) transposed before every product,
+which for one token costs more than the product (a (16, 128, 1024) kernel: 1.9 ms against
+0.35 ms). For more rows the copy is small beside the product, and the input-first order needs
+no transpose of the output."""
