@@ -18,14 +18,16 @@ product with `outputs_first`: its forward product reads the kernel copied transp
 gradient reads it as held, and the kernel's gradient reads the output's gradient copied
 transposed.
 
-In float32 on a CPU, a kernel held outputs first that has no more inputs than outputs (a
-decoder's query, key, value and gate/up projections) takes `wide_outputs_first`: the same
-forward product and input gradient as `jax.lax.dot_general`'s, and a kernel gradient made from
-the input copied transposed, (x.T @ dy).T, rather than from the output's gradient transposed,
-dy.T @ x. XLA:CPU otherwise writes dy.T with the ops that make dy (a SwiGLU's derivative, the
-rotary positions' inverse) fused into the transposing copy, several times slower than a plain
-copy; the input is the same for all the projections that read it (one copy for query, key and
-value) and has the fewer features. Only the order of the sums of the kernel gradient changes."""
+In float32 on a CPU, a kernel with no more inputs than outputs, held either way (a decoder's
+query, key, value and gate/up projections; gpt's and vit's query, key, value, attention output
+and first MLP layer) takes `wide_outputs`: the same forward product and input gradient as
+`jax.lax.dot_general`'s, and a kernel gradient made from the input copied transposed, x.T @ dy
+(transposed after for a kernel held outputs first), rather than from the output's gradient
+transposed. XLA:CPU otherwise writes dy.T with the ops that make dy (a SwiGLU's derivative, the
+rotary positions' inverse, the residual stream's additions) fused into the transposing copy,
+several times slower than a plain copy; the input is the same for all the projections that read
+it (one copy for query, key and value) and has the fewer features. Only the order of the sums of
+the kernel gradient changes."""
 
 from __future__ import annotations
 
@@ -51,13 +53,15 @@ def dot_general(
     """`jax.lax.dot_general`, for `nnx.Linear(dot_general=...)`: on a CPU, a product of two
     bfloat16 arrays contracting the first's trailing axes with the second's leading ones (a
     dense layer's) or trailing ones (a kernel held outputs first) takes `product`, a float32
-    one with a kernel held outputs first and no more inputs than outputs `wide_outputs_first`;
-    every other product is `jax.lax.dot_general`'s."""
+    one with no more inputs than outputs `wide_outputs`; every other product is
+    `jax.lax.dot_general`'s."""
     contracted, outputs_first = _dense_contraction(lhs, rhs, dimension_numbers)
     if contracted and _on_bf16_path(lhs, rhs, precision, preferred_element_type):
         return product(lhs, rhs, contracted, out_sharding, outputs_first)
-    if outputs_first and _wide_outputs(lhs, rhs, contracted, precision, preferred_element_type):
-        return wide_outputs_first(lhs, rhs, contracted, out_sharding)
+    if contracted and _wide_outputs(
+        lhs, rhs, contracted, outputs_first, precision, preferred_element_type
+    ):
+        return wide_outputs(lhs, rhs, contracted, out_sharding, outputs_first)
     return jax.lax.dot_general(
         lhs,
         rhs,
@@ -141,42 +145,54 @@ def _rolled(a: jax.Array, leading: int) -> jax.Array:
 product.defvjp(_forward, _backward)
 
 
-def _wide_outputs(lhs, rhs, contracted: int, precision: Any, preferred: Any) -> bool:
-    """Whether a float32 product with a kernel held outputs first goes to `wide_outputs_first`
-    (on a CPU, no more inputs than outputs)."""
-    outputs, inputs = rhs.shape[: rhs.ndim - contracted], rhs.shape[rhs.ndim - contracted :]
+def _wide_outputs(
+    lhs, rhs, contracted: int, outputs_first: bool, precision: Any, preferred: Any
+) -> bool:
+    """Whether a float32 dense product goes to `wide_outputs` (on a CPU, a kernel with no more
+    inputs than outputs)."""
+    outputs = rhs.ndim - contracted
+    inputs_at = slice(outputs, None) if outputs_first else slice(None, contracted)
+    outputs_at = slice(None, outputs) if outputs_first else slice(contracted, None)
     on_cpu = _on_cpu_in(WIDE, lhs, rhs, precision, preferred)
-    return on_cpu and math.prod(inputs) <= math.prod(outputs)
+    return on_cpu and math.prod(rhs.shape[inputs_at]) <= math.prod(rhs.shape[outputs_at])
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def wide_outputs_first(
-    x: jax.Array, w: jax.Array, contracted: int, out_sharding: Any = None
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def wide_outputs(
+    x: jax.Array,
+    w: jax.Array,
+    contracted: int,
+    out_sharding: Any = None,
+    outputs_first: bool = False,
 ) -> jax.Array:
-    """x's trailing `contracted` axes against the trailing ones of w (outputs..., inputs...),
-    as `jax.lax.dot_general`, its kernel gradient from x copied transposed (see the module's
-    doc)."""
-    return _outputs_first_forward(x, w, contracted, out_sharding)[0]
+    """x's trailing `contracted` axes against w's leading ones (its trailing ones with
+    `outputs_first`), as `jax.lax.dot_general`, its kernel gradient from x copied transposed
+    (see the module's doc)."""
+    return _wide_forward(x, w, contracted, out_sharding, outputs_first)[0]
 
 
-def _outputs_first_forward(x, w, contracted, out_sharding):
-    axes = (tuple(range(x.ndim - contracted, x.ndim)), tuple(range(w.ndim - contracted, w.ndim)))
+def _wide_forward(x, w, contracted, out_sharding, outputs_first):
+    w_inputs = range(w.ndim - contracted, w.ndim) if outputs_first else range(contracted)
+    axes = (tuple(range(x.ndim - contracted, x.ndim)), tuple(w_inputs))
     return jax.lax.dot_general(x, w, (axes, ((), ())), out_sharding=out_sharding), (x, w)
 
 
-def _outputs_first_backward(contracted, out_sharding, residuals, dy):
+def _wide_backward(contracted, out_sharding, outputs_first, residuals, dy):
     x, w = residuals
     batch, outputs = x.ndim - contracted, w.ndim - contracted
-    dx = _plain(dy, w, outputs, _sharding(x))
+    # The input's gradient as jax's transpose of the forward product writes it.
+    w_outputs = range(outputs) if outputs_first else range(contracted, w.ndim)
+    axes = (tuple(range(batch, dy.ndim)), tuple(w_outputs))
+    dx = jax.lax.dot_general(dy, w, (axes, ((), ())), out_sharding=_sharding(x))
     inputs_first = _sharding(w)
-    if inputs_first is not None:
+    if outputs_first and inputs_first is not None:
         spec = (*inputs_first.spec, *(None,) * (w.ndim - len(inputs_first.spec)))
         inputs_first = inputs_first.update(spec=P(*spec[outputs:], *spec[:outputs]))
     dw = _plain(_materialised(_rolled(x, batch)), dy, batch, inputs_first)
-    return dx, _rolled(dw, contracted)
+    return dx, _rolled(dw, contracted) if outputs_first else dw
 
 
-wide_outputs_first.defvjp(_outputs_first_forward, _outputs_first_backward)
+wide_outputs.defvjp(_wide_forward, _wide_backward)
 
 
 def _plain(a: jax.Array, b: jax.Array, contracted: int, out_sharding: Any) -> jax.Array:

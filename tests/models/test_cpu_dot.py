@@ -3,7 +3,7 @@ float32 product of the same bfloat16 operands to within one bfloat16 rounding, o
 and split over a mesh, with the kernel held inputs first (`nnx.Linear`'s) or outputs first
 (`TransposedLinear`'s), gives the same bits when rerun, and reaches XLA:CPU's products with
 bfloat16 operands (where `jax.lax.dot_general`'s are widened to float32), in the shared
-transformer block and in the decoder's. A float32 kernel held outputs first gives float32's
+transformer block and in the decoder's. A float32 kernel, held either way, gives float32's
 product and gradients, whichever way its kernel gradient is taken."""
 
 from __future__ import annotations
@@ -60,10 +60,16 @@ def transposed_linear(x, held, k):
     return TransposedLinear.__call__(layer, x)
 
 
+def linear(x, w, k):
+    """`nnx.Linear`'s call with the kernel w (inputs..., outputs...) and no bias, on x."""
+    numbers = ((tuple(range(x.ndim - k, x.ndim)), tuple(range(k))), ((), ()))
+    return cpu_dot.dot_general(x, w, numbers)
+
+
 def products(x, w, k, dy, held="inputs first"):
     """y, dx, dw of the layer for the cotangent dy, dw laid out as w (inputs..., outputs...)."""
     if held == "inputs first":
-        y, pullback = jax.vjp(lambda x, w: cpu_dot.product(x, w, k), x, w)
+        y, pullback = jax.vjp(lambda x, w: linear(x, w, k), x, w)
         return (y, *pullback(dy))
     held_w = held_outputs_first(w, k)
     y, pullback = jax.vjp(lambda x, held_w: transposed_linear(x, held_w, k), x, held_w)
@@ -156,36 +162,41 @@ def test_split_over_a_mesh_it_gives_the_bf16_product_with_the_operands_shardings
 
 
 @pytest.mark.parametrize("mesh", [None, MESH], ids=["one device", "mesh"])
+@pytest.mark.parametrize("held", HELD)
 @pytest.mark.parametrize("case", CASES)
-def test_float32_kernels_held_outputs_first_are_the_product_and_its_gradients(case, mesh):
-    """A float32 kernel held outputs first with no more inputs than outputs takes its gradient
-    from the input copied transposed (`wide_outputs_first`), others stay jax's; either way the
+def test_float32_kernels_are_the_product_and_its_gradients(case, held, mesh):
+    """A float32 kernel with no more inputs than outputs, held either way, takes its gradient
+    from the input copied transposed (`wide_outputs`), others stay jax's; either way the
     product and both gradients are float32's, with the operands' shardings on a mesh."""
     x_shape, w_shape, k = CASES[case]
     x, w = (a.astype(jnp.float32) for a in operands(x_shape, w_shape)[:2])
     dy = shaped_cotangent(x, w, k, jax.random.key(1)).astype(jnp.float32)
-    held = held_outputs_first(w, k)
     wide = np.prod(w_shape[:k]) <= np.prod(w_shape[k:])
-    jaxpr = str(jax.make_jaxpr(lambda x, h: transposed_linear(x, h, k))(x, held))
-    assert ("custom_vjp" in jaxpr) == wide
+    if held == "inputs first":
+        jaxpr = jax.make_jaxpr(lambda x, w: linear(x, w, k))(x, w)
+    else:
+        jaxpr = jax.make_jaxpr(lambda x, h: transposed_linear(x, h, k))(x, held_outputs_first(w, k))
+    assert ("custom_vjp" in str(jaxpr)) == wide
     with on_mesh(mesh or {"data": 1, "fsdp": 1, "tensor": 1}):
         w_spec = logical_spec("embed" if k == 1 else "heads", *(None,) * (w.ndim - 1))
         x_spec = logical_spec("batch", *(None,) * (x.ndim - 1))
         dy_spec = logical_spec("batch", *(None,) * (dy.ndim - 1))
         split = [jax.sharding.reshard(a, s) for a, s in ((x, x_spec), (w, w_spec), (dy, dy_spec))]
-        got = jax.jit(products, static_argnums=(2, 4))(split[0], split[1], k, split[2], HELD[1])
+        got = jax.jit(products, static_argnums=(2, 4))(split[0], split[1], k, split[2], held)
         assert jax.typeof(got[1]).sharding.spec == x_spec
+        if held == "inputs first":
+            assert jax.typeof(got[2]).sharding.spec == w_spec
     for value, (want, scale) in zip(got, reference(x, w, k, dy), strict=True):
         assert value.dtype == jnp.float32 and value.shape == want.shape
         np.testing.assert_array_less(np.abs(np.asarray(value, np.float64) - want), 2.0**-18 * scale)
 
 
 def test_float32_and_other_products_are_jaxs_own():
-    x, w, _ = operands((4, 24, 48), (48, 80))
-    wide = [a.astype(jnp.float32) for a in (x, w)]
+    x = operands((4, 24, 48), (48, 80))[0]
+    narrow = [a.astype(jnp.float32) for a in operands((4, 24, 80), (80, 48))[:2]]
     batched = x[:, :8].transpose(0, 2, 1)
     for operands_, numbers in (
-        (wide, (((2,), (0,)), ((), ()))),  # float32
+        (narrow, (((2,), (0,)), ((), ()))),  # float32, more inputs than outputs
         ((x, batched), (((2,), (1,)), ((0,), (0,)))),  # a batched product: not a dense layer's
     ):
         ours = jax.make_jaxpr(cpu_dot.dot_general, static_argnums=2)(*operands_, numbers)
