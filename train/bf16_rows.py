@@ -143,6 +143,8 @@ def available() -> bool:
 
 
 def _cpu_has_bf16_dot() -> bool:
+    """Whether the CPU has AVX-512 BF16 (x86-64 Linux, `avx512_bf16` in /proc/cpuinfo): on any
+    other CPU the kernel is neither compiled nor taken, silently."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return False
     try:
@@ -155,7 +157,7 @@ def _cpu_has_bf16_dot() -> bool:
 def _compiled() -> Path:
     """The kernel's shared library, compiled into the cache unless it is there: named by the
     source, the flags, the compiler and jaxlib's version, written whole or not at all."""
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    compiler = _compiler()
     if compiler is None:
         raise OSError("no C++ compiler found (c++, g++, $CXX)")
     key = hashlib.sha256(SOURCE.read_bytes())
@@ -173,6 +175,11 @@ def _compiled() -> Path:
             raise OSError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
         os.replace(built, target)
     return target
+
+
+def _compiler() -> str | None:
+    """The C++ compiler the kernel is compiled with: `$CXX`, else `c++`, else `g++`."""
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
 
 
 def _cache_dir() -> Path:
