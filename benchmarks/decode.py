@@ -30,6 +30,7 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -66,7 +67,6 @@ Timed = Callable[[np.ndarray, int], tuple[float, float]]
 
 def zoo_side(directory: Path, dtype: str, batch: int) -> Timed:
     import jax
-    from zoo.models.generation import Sampling, Session
 
     import zoo
 
@@ -74,11 +74,19 @@ def zoo_side(directory: Path, dtype: str, batch: int) -> Timed:
     if dtype == "bf16":
         model["param_dtype"] = "bf16"
     loaded = zoo.load(directory, model=model or None, devices=jax.devices()[:1])
-    with loaded.activate():
-        session = Session(loaded.model, batch, CONTEXT)
+    return session_timer(loaded.model, loaded.activate, batch)
+
+
+def session_timer(model: Any, activate: Callable[[], Any], batch: int) -> Timed:
+    """zoo's side on `model`: a `Session` of `batch` rows and `CONTEXT` slots, made and run
+    inside `activate()` (the model's mesh), greedy."""
+    from zoo.models.generation import Sampling, Session
+
+    with activate():
+        session = Session(model, batch, CONTEXT)
 
     def run(prompts: np.ndarray, new: int) -> tuple[float, float]:
-        with loaded.activate():
+        with activate():
             start = time.perf_counter()
             steps = session.stream(list(prompts), new, Sampling(temperature=0))
             next(steps)
@@ -136,17 +144,21 @@ def measure(directory: Path, dtype: str, batch: int, prompt: int, new: int, repe
     for _ in range(repeats):
         for name, run in sides.items():
             times[name].append(run(prompts, new))
-    result = {}
-    for name, pairs in times.items():
-        first = statistics.median(p[0] for p in pairs)
-        rest = statistics.median(p[1] for p in pairs)
-        result[name] = {
-            "prefill_tokens_per_s": batch * prompt / first,
-            "decode_tokens_per_s": batch * (new - 1) / rest,
-        }
+    result = {name: rates(pairs, batch, prompt, new) for name, pairs in times.items()}
     zoo_rate, torch_rate = (result[n]["decode_tokens_per_s"] for n in ("zoo", "transformers"))
     result["decode_x_transformers"] = zoo_rate / torch_rate
     return result
+
+
+def rates(pairs: list[tuple[float, float]], batch: int, prompt: int, new: int) -> dict:
+    """Prefill and decode tokens/s from the medians of rounds' (seconds to the first new token,
+    seconds of the rest) for `batch` prompts of `prompt` tokens and `new` new tokens each."""
+    first = statistics.median(p[0] for p in pairs)
+    rest = statistics.median(p[1] for p in pairs)
+    return {
+        "prefill_tokens_per_s": batch * prompt / first,
+        "decode_tokens_per_s": batch * (new - 1) / rest,
+    }
 
 
 def table(results: dict) -> str:

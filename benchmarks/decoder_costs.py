@@ -97,6 +97,16 @@ def qwen3_shapes():
     yield "model.norm.weight", (width,)
 
 
+def qwen3_model(config: dict = CONFIG) -> list[str]:
+    """The config keys of the decoder that a Qwen 3 `config.json` makes, as
+    `finetune.init_from` sets them: the architecture, with no checkpoint read."""
+    from zoo.engine import registry
+
+    (qwen3,) = [family for family in registry.families("decoder") if family.name == "qwen3"]
+    hparams = qwen3.hparams(config)
+    return ["model=decoder", *(f"model.{key}={json.dumps(v)}" for key, v in hparams.items())]
+
+
 def make_checkpoint(directory: Path) -> Path:
     """The random checkpoint in `directory` (with a byte-level tokenizer of the vocabulary's
     size, for the fine-tuning data), written once and reused."""

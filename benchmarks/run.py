@@ -47,11 +47,16 @@ def spread(values: Sequence[float]) -> dict[str, float]:
 
 
 def benchmark_trainer(
-    model: str, workdir: str, overrides: Sequence[str] = (), devices: Sequence[Any] | None = None
+    model: str,
+    workdir: str,
+    overrides: Sequence[str] = (),
+    devices: Sequence[Any] | None = None,
+    data: registry.Splits | None = None,
 ) -> Trainer:
     """The zoo trainer at the model's defaults, but with no periodic eval or checkpoint (they
     are not training steps), a step budget no window reaches, so nothing ends the run, and one
-    step per dispatch unless `overrides` say otherwise; on `devices` (default: all)."""
+    step per dispatch unless `overrides` say otherwise; on `devices` (default: all), on `data`
+    in place of the registered data set (default: the config's)."""
     cfg = zoo.compose(
         [
             f"model={model}",
@@ -63,7 +68,7 @@ def benchmark_trainer(
             *overrides,
         ]
     )
-    return Trainer(cfg, devices)
+    return Trainer(cfg, devices, data)
 
 
 def _timed(advance: Callable[[int], None], steps: int) -> float:

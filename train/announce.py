@@ -1,5 +1,6 @@
 """What a run says about itself as it opens: to TensorBoard its config, sharding plan, model
-summary and HParams; to the console what it trains, where it starts, and its sharding plan."""
+summary and HParams; to the console what it trains, where it starts, on which devices (and
+whether an NVIDIA GPU is left unused), and its sharding plan."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 import jax
 from flax import nnx
 from omegaconf import DictConfig, OmegaConf
+from zoo.engine.devices import cpu_build_warning, describe, nvidia_gpu_sign
 from zoo.engine.plan import ShardingPlan
 from zoo.engine.report import TRAIN, Reporter, val_tag
 from zoo.engine.summaries import hparams_summaries, model_summary
@@ -50,7 +52,16 @@ def announce_run(
         f"{param_count:,}",
         workdir,
     )
+    _announce_devices(mesh)
     log.info("%s", plan.table())
+
+
+def _announce_devices(mesh: jax.sharding.Mesh) -> None:
+    """The devices line, and the warning of an NVIDIA GPU left unused."""
+    log.info("%s", describe(mesh.devices.flat))
+    warning = cpu_build_warning(mesh.devices.flat[0].platform, nvidia_gpu_sign())
+    if warning:
+        log.warning("%s", warning)
 
 
 def _how(step: int, total: int, stopped_early: bool) -> str:

@@ -17,10 +17,10 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
-import jax
 from zoo.engine import sharding
 from zoo.engine.plan import readable_size
 from zoo.engine.report import Reporter
+from zoo.engine.steps import zero_metrics
 
 log = logging.getLogger("zoo")
 
@@ -33,10 +33,16 @@ FIELDS = {
 
 
 def compiled_memory(jitted: Any, *args: Any) -> dict[str, int] | None:
-    """Bytes per device of `jitted` compiled for `args` (None where the backend does not say).
-    `peak` counts arguments, outputs and temporaries, less the outputs written in place of
-    donated arguments."""
-    analysis = jitted.lower(*args).compile().memory_analysis()
+    """Bytes per device of `jitted` compiled for `args` (None where the backend does not say);
+    see `memory_of`."""
+    return memory_of(jitted.lower(*args).compile())
+
+
+def memory_of(compiled: Any) -> dict[str, int] | None:
+    """Bytes per device of a compiled program (`jax.stages.Compiled`; None where the backend
+    does not say). `peak` counts arguments, outputs and temporaries, less the outputs written
+    in place of donated arguments."""
+    analysis = compiled.memory_analysis()
     if analysis is None:
         return None
     sizes = {name: int(getattr(analysis, field, 0) or 0) for name, field in FIELDS.items()}
@@ -47,10 +53,18 @@ def compiled_memory(jitted: Any, *args: Any) -> dict[str, int] | None:
 def step_memory(trainer: Any) -> dict[str, int]:
     """Bytes per device of `trainer`'s train step on its first batch (a compilation of its
     own: call it where that time is affordable, e.g. a benchmark)."""
+    return memory_of(compiled_train_step(trainer)[0])
+
+
+def compiled_train_step(trainer: Any) -> tuple[Any, tuple]:
+    """`trainer`'s train step compiled for its first batch, and the arguments it takes
+    (state, zero metric sums, the batch on the devices, the step key): a benchmark can run the
+    step, read its memory and its program from this one compilation."""
     with sharding.activate(trainer.mesh, trainer.rules):
         batch = trainer.shard(next(iter(trainer.train_data)))
-        zeros = jax.eval_shape(trainer.train_step, trainer.state, {}, batch, trainer.step_key)[1]
-        return compiled_memory(trainer.train_step, trainer.state, zeros, batch, trainer.step_key)
+        sums = zero_metrics(trainer.train_step, trainer.state, {}, batch, trainer.step_key)
+        args = (trainer.state, sums, batch, trainer.step_key)
+        return trainer.train_step.lower(*args).compile(), args
 
 
 def announce(jitted: Any, args: tuple, steps: int, reporter: Reporter, step: int) -> None:

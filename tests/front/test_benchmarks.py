@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
+import jax
+import pytest
 from helpers import NO_COMPILE_CACHE, ROOT
+from zoo.engine import registry
 
-from benchmarks import throughput
+from benchmarks import device_check, throughput
 
 
 def test_benchmark_runs_and_writes_every_figure(tmp_path):
@@ -55,3 +61,55 @@ def test_throughput_measures_zoo_alone_without_torch(tmp_path, monkeypatch):
     block = 2 * 2 * 32 + 4 * 32 * 32 + (32 * 128 + 128) + (128 * 32 + 32)
     params = 256 * 32 + block + 2 * 32
     assert report["flops_per_token"] == 6 * params + 12 * 1 * 16 * 32
+
+
+def test_device_check_runs_every_section_on_small_shapes(tmp_path, monkeypatch):
+    """`--small` on a CPU: one model's run, GPT-2's bf16 training, the Qwen3 LoRA and QLoRA
+    steps (each in a process of its own), decoding at batch 1 and 8, and the cuDNN rows, which
+    on a CPU ask for XLA's attention and find no cuDNN call."""
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # it sets both: restored after
+    monkeypatch.setenv("XLA_FLAGS", os.environ["XLA_FLAGS"])  # (tests/conftest.py sets it)
+    out = tmp_path / "device_check.json"
+    report = device_check.main(["--small", "--models", "xor", "--json", str(out)])
+    assert json.loads(out.read_text()) == report
+    assert report["ok"] and report["device"] == "cpu" and report["jax"] == jax.__version__
+    assert set(report["section_seconds"]) == set(device_check.SECTIONS)
+    (xor,) = report["models"]
+    assert xor["model"] == "xor" and xor["steps_per_sec"] > 0 and math.isfinite(xor["loss"])
+    gpt2 = report["gpt2"]
+    assert 0 < gpt2["tokens_per_sec"]["min"] and 0 < gpt2["mfu"]["median"]
+    assert gpt2["peak_source"] == "measured float32 matmul"
+    lora, qlora = report["qwen3"]["lora"], report["qwen3"]["qlora"]
+    for case in (lora, qlora):
+        assert case["step_seconds"] > 0 and math.isfinite(case["loss"])
+        assert case["device_memory"] == {}  # XLA:CPU keeps no allocator statistics
+    # nf4 codes hold the base kernels in a quarter of bfloat16's bytes.
+    assert qlora["compiled_memory"]["arguments"] < lora["compiled_memory"]["arguments"]
+    assert [row["batch"] for row in report["decode"]] == [1, 8]
+    assert all(row["decode_tokens_per_s"] > 0 for row in report["decode"])
+    steps = ["gpt2 bf16 train", "qwen3 lora train", "qwen3 qlora train", "qwen3 bf16 decode"]
+    assert [row["step"] for row in report["cudnn"]] == steps
+    assert all(row["route"] == "xla" and not row["cudnn"] for row in report["cudnn"])
+
+
+def test_device_check_trains_a_model_on_noise_where_its_data_set_is_missing(tmp_path):
+    """As on a machine without the model's default data set: random examples of its shape."""
+    facts = registry.get_data("digits").info
+    data = device_check.stand_in("mlp", "digits", facts)
+    assert data.name == "random 8x8x1 (no digits)"
+    assert data.splits.train["image"].shape == (1024, 8, 8, 1)
+    tiny = dataclasses.replace(data, keys=[*data.keys, *registry.get_model("mlp").tiny])
+    row = device_check.model_run("mlp", tiny, 2, str(tmp_path))
+    assert row["ok"] and row["data"] == data.name and row["steps_per_sec"] > 0
+
+
+def test_device_check_peaks_and_refusals(capsys):
+    h200 = SimpleNamespace(platform="gpu", device_kind="NVIDIA H200")
+    assert device_check.peak_flops(h200, None) == (989e12, "H200 datasheet, dense bf16")
+    assert device_check.peak_flops(h200, 500.0) == (500e12, "--peak-tflops")
+    unknown = SimpleNamespace(platform="gpu", device_kind="Some GPU")
+    assert device_check.peak_flops(unknown, None)[0] is None
+    for option, bad in (("--only", "models,speed"), ("--models", "xor,nosuch")):
+        with pytest.raises(SystemExit):
+            device_check.parse([option, bad])
+        assert f"{option} {bad.split(',')[1]}: choose from" in capsys.readouterr().err

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -174,6 +175,7 @@ def test_a_python_run_prints_and_writes_what_the_cli_does(tmp_path):
     assert result.returncode == 0, result.stderr
     lines = result.stderr.splitlines()
     assert lines[0].startswith("Training xor on xor for 100 steps (batch 128)")
+    assert lines[1] == f"devices: 1 x cpu (jax {jax.__version__})"
     for expected in ("step 50/100 accuracy", "step 100/100 accuracy", "eval @ step 100:"):
         assert any(line.startswith(expected) for line in lines), expected
     assert lines[-1].startswith("Final eval @ step 100: accuracy")
