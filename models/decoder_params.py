@@ -17,7 +17,8 @@ naming the key, its value and what `decoder` implements: RoPE scalings other tha
 linear and llama3, a partial rotary factor, an activation other than SiLU and tanh GELU,
 interleaved RoPE, bidirectional attention, Gemma 3's attention soft-capping (which transformers
 does not apply), quantized weights. Export writes the family's config in transformers 5's
-layout, and refuses a model that the layout cannot hold (it would read back as another).
+layout with transformers 4's keys beside it (the same RoPE and layers, which both versions
+read), and refuses a model that the layout cannot hold (it would read back as another).
 
 Projections are stored (out, in) by torch's `nn.Linear`; `decoder` holds them (in, out) with
 the heads split out: q/k/v (dim, heads, head_dim), o (heads, head_dim, dim). Embedding rows and
@@ -496,10 +497,42 @@ def _export_config(kind: _Kind) -> Callable[[Mapping[str, Any]], dict[str, Any]]
             "use_cache": True,
             **kind.export(hparams),
         }
+        config.update(_transformers_4_keys(config))
         _check_expressed(kind, hparams, config)
         return config
 
     return export_config
+
+
+def _transformers_4_keys(config: Mapping[str, Any]) -> dict[str, Any]:
+    """What transformers 4 reads in place of `rope_parameters`, from it: RoPE's base and
+    scaling at the top level (`rope_theta`; `rope_scaling`, null for the default rotation);
+    for Gemma 3 the global layers' there, the local layers' base as `rope_local_base_freq`,
+    and `sliding_window_pattern` where the layers follow one (transformers before 4.53 derives
+    the layers from it). Written beside transformers 5's keys, which read the same model, so
+    that transformers 4, and the tools that read a config as it wrote them (vLLM among them),
+    do not fall back to their defaults."""
+    rope, keys = config["rope_parameters"], {}
+    if FULL in rope:  # Gemma 3: one per layer type
+        keys["rope_local_base_freq"] = rope[SLIDING]["rope_theta"]
+        pattern = _sliding_window_pattern(config["layer_types"])
+        if pattern:
+            keys["sliding_window_pattern"] = pattern
+        rope = rope[FULL]
+    scaling = {key: value for key, value in rope.items() if key != "rope_theta"}
+    keys["rope_theta"] = rope["rope_theta"]
+    keys["rope_scaling"] = None if scaling == {"rope_type": "default"} else scaling
+    return keys
+
+
+def _sliding_window_pattern(kinds: list[str]) -> int | None:
+    """Gemma 3's `sliding_window_pattern` for `kinds`: every pattern-th layer global, the
+    others sliding (as `_gemma3_layer_types` reads it); None where they follow none."""
+    if FULL not in kinds:
+        return None
+    pattern = kinds.index(FULL) + 1
+    derived = [SLIDING if (i + 1) % pattern else FULL for i in range(len(kinds))]
+    return pattern if derived == kinds else None
 
 
 def _effective(hparams: Mapping[str, Any]) -> dict[str, Any]:

@@ -646,12 +646,12 @@ def write_pretrained(
     """Write `config.json` and the weights into `out_dir`; returns its path.
 
     Floating-point tensors are written in `dtype` (`float32` or `bfloat16`, rounded to nearest;
-    the config's `dtype` names it where the config is transformers'). Above `max_shard_size`
-    (bytes, or transformers' strings: `"5GB"`, `"200MiB"`), the tensors are split, in order,
-    into shards `model-0000i-of-0000n.safetensors` that `model.safetensors.index.json` lists,
-    as transformers' `save_pretrained(max_shard_size=...)` writes them. `sidecars`: file names
-    (`preprocessor_config.json`) whose content the config holds under the file's stem, written
-    as files of their own."""
+    the config's `dtype` and `torch_dtype` name it where the config is transformers'). Above
+    `max_shard_size` (bytes, or transformers' strings: `"5GB"`, `"200MiB"`), the tensors are
+    split, in order, into shards `model-0000i-of-0000n.safetensors` that
+    `model.safetensors.index.json` lists, as transformers' `save_pretrained(max_shard_size=...)`
+    writes them. `sidecars`: file names (`preprocessor_config.json`) whose content the config
+    holds under the file's stem, written as files of their own."""
     if dtype not in DTYPES:
         raise ZooError(f"dtype={dtype!r}: checkpoints are written in {' or '.join(DTYPES)}.")
     limit = None if max_shard_size is None else _bytes(max_shard_size)
@@ -662,8 +662,8 @@ def write_pretrained(
         stem = os.path.splitext(name)[0]
         if stem in config:
             _write_json(os.path.join(root, name), config.pop(stem))
-    if "model_type" in config:
-        config["dtype"] = dtype
+    if "model_type" in config:  # transformers 5 reads `dtype`; before 4.56, `torch_dtype`
+        config["dtype"] = config["torch_dtype"] = dtype
     cast = {key: _cast(array, DTYPES[dtype]) for key, array in tensors.items()}
     for stale in os.listdir(root):  # the weights of an earlier export into the same directory
         if stale in (WEIGHTS, INDEX) or _SHARD.fullmatch(stale):

@@ -3,9 +3,9 @@
 and on the 2x2x2 mesh, and their export back bit for bit, are checked with every family's in
 tests/conformance/; here: transformers' greedy continuations, scanned layers on the mesh (both
 layer types in one scan) loading and exporting per layer, the export's config (transformers 5's
-layout) reading back to the same model, both config.json layouts giving the same model, every key
-of the fixtures' and of published checkpoints' configs accounted for, and each setting decoder
-does not implement refused by name."""
+layout, with transformers 4's keys beside it) reading back to the same model, both config.json
+layouts giving the same model, every key of the fixtures' and of published checkpoints' configs
+accounted for, and each setting decoder does not implement refused by name."""
 
 from __future__ import annotations
 
@@ -112,14 +112,30 @@ def test_scanned_layers_on_the_mesh_load_and_export_per_layer(name):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_the_exported_config_is_transformers_5s_and_reads_back_the_same(name):
+def test_the_exported_config_reads_back_the_same(name):
     config = config_of(name)
     family = family_of(config)
     hparams = family.hparams(config)
     exported = family.export_config(hparams)
-    assert "rope_parameters" in exported and "rope_theta" not in exported
+    assert "rope_parameters" in exported
     assert family.hparams(exported) == hparams
     assert family.unaccounted(exported) == {}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_exported_config_carries_the_keys_transformers_4_reads(name):
+    """Beside transformers 5's `rope_parameters` (and `layer_types`), each key that
+    transformers 4 read in their place (`rope_theta`, `rope_scaling`; Gemma 3's
+    `rope_local_base_freq`, `sliding_window_pattern`), with the value it wrote there for the
+    same model: transformers 4 and vLLM read an export as the model it is, not with their
+    default RoPE (checked against transformers 4.57 itself: the fixtures' README)."""
+    config = config_of(name)
+    family = family_of(config)
+    exported = family.export_config(family.hparams(config))
+    as_written_by_4 = as_transformers_4(exported)
+    del as_written_by_4["transformers_version"]
+    assert {key: exported.get(key, "absent") for key in as_written_by_4} == as_written_by_4
+    assert family.hparams(as_written_by_4) == family.hparams(exported)
 
 
 @pytest.mark.parametrize("name", NAMES)
