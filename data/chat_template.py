@@ -161,6 +161,15 @@ def render_chat_with_spans(
     return _render(template, messages, add_generation_prompt, extra, spans=True)
 
 
+def template_variables(template: str) -> frozenset[str]:
+    """The names `template` reads from outside, besides the environment's functions: `messages`,
+    `add_generation_prompt`, the special tokens and its further variables (`enable_thinking`,
+    `tools`, ...), so that a variable it never reads can be refused by name rather than ignored.
+    Jinja cannot tell a name set in one branch and read in another from an outside one: such
+    names are among them."""
+    return _compiled(template).variables
+
+
 def has_generation_markers(template: str) -> bool:
     """Whether `template` marks the assistant's parts with `{% generation %}` blocks."""
     return _compiled(template).has_markers
@@ -321,8 +330,13 @@ def _plain(value: Any, where: str) -> Any:
 class _Compiled:
     template: jinja2.Template
     has_markers: bool
-    tokens: frozenset[str]
-    """The special tokens (`*_token` variables) the template reads."""
+    variables: frozenset[str]
+    """The names the template reads from outside (`template_variables`)."""
+
+    @property
+    def tokens(self) -> frozenset[str]:
+        """The special tokens (`*_token` variables) the template reads."""
+        return frozenset(n for n in self.variables if n.endswith("_token"))
 
 
 def _compiled(template: str) -> _Compiled:
@@ -350,8 +364,8 @@ def _compile(template: str) -> _Compiled:
         isinstance(getattr(n.call, "node", None), nodes.ExtensionAttribute)
         for n in tree.find_all(nodes.CallBlock)
     )
-    tokens = frozenset(n for n in meta.find_undeclared_variables(tree) if n.endswith("_token"))
-    return _Compiled(environment.from_string(tree), markers, tokens)
+    variables = frozenset(meta.find_undeclared_variables(tree) - environment.globals.keys())
+    return _Compiled(environment.from_string(tree), markers, variables)
 
 
 def _escapes(tree: nodes.Template) -> str | None:

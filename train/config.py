@@ -61,6 +61,10 @@ class TrainerConfig:
     # Optimizer updates to train in all, counted across resumes: a resumed run continues to this
     # step (raise it to train longer); the learning-rate schedule spans it.
     steps: int = 1000
+    # Train this many passes over the training split in place of setting trainer.steps, which
+    # becomes ceil(epochs x training rows / batch_size) at composition, said in one line: a last
+    # partial batch is a whole step; with data.packing the rows are the packed rows. null: none.
+    epochs: int | None = None
     # Examples per step in all devices and processes together, split over the mesh axes of the
     # `batch` rule (`data` and `fsdp`): a multiple of their product.
     batch_size: int = 128

@@ -114,6 +114,11 @@ def _table(data: Mapping[str, np.ndarray] | RandomAccess, what: str) -> _Columns
     )
 
 
+def training_rows(data: Mapping[str, np.ndarray] | RandomAccess) -> int:
+    """The rows one epoch of the training split `data` visits (a packed row counts once)."""
+    return len(_table(data, "train"))
+
+
 class _TrainBatch:
     """Batch b of an endless stream that visits every example once per epoch, in a fresh order
     each epoch. Batches run across epoch boundaries, so no example is ever dropped and every

@@ -519,7 +519,11 @@ def list_datasets() -> list[str]:
 
 def get_model(name: str) -> ModelEntry:
     if name not in _MODELS:
-        raise ZooError(f"Unknown model '{name}'. Registered models: {', '.join(list_models())}.")
+        raise ZooError(
+            f"Unknown model '{name}'. Registered models: {', '.join(list_models())}. A model that "
+            "a plugin module registers exists once the module is imported (on a command line: "
+            "ZOO_PLUGINS=MODULE)."
+        )
     return _MODELS[name]
 
 

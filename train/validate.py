@@ -82,6 +82,10 @@ def check_trainer(trainer: Any) -> None:
     for key in ("steps", "batch_size", "log_every"):
         if trainer[key] < 1:
             raise ZooError(f"trainer.{key}={trainer[key]} must be at least 1.")
+    if trainer.epochs is not None and trainer.epochs < 1:
+        raise ZooError(
+            f"trainer.epochs={trainer.epochs} must be at least 1, or null (train trainer.steps)."
+        )
     if trainer.grad_accum_steps < 1:
         raise ZooError(
             f"trainer.grad_accum_steps={trainer.grad_accum_steps} must be at least 1 (1: the "

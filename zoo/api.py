@@ -37,6 +37,7 @@ from zoo.engine.steps import make_eval_step
 from zoo.engine.validate import check_split
 from zoo.hub import local
 from zoo.overrides import compose
+from zoo.pretrained import is_pretrained_dir
 
 
 def fit(model: str, *overrides: str, callbacks: Sequence[Any] = ()) -> RunResult:
@@ -162,12 +163,6 @@ def load(
     return TrainedModel(
         model, config, step_number, os.path.abspath(workdir), device_mesh, rules, metrics
     )
-
-
-def is_pretrained_dir(path: str | os.PathLike) -> bool:
-    """Whether `path` is a pretrained checkpoint directory rather than a run's workdir (an
-    exported run may hold both: its checkpoints win)."""
-    return weights.is_pretrained(path) and not os.path.isdir(os.path.join(path, "checkpoints"))
 
 
 @dataclasses.dataclass

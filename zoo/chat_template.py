@@ -23,6 +23,7 @@ from zoo.data.chat_template import (
     render_chat,
     render_chat_with_spans,
     special_tokens,
+    template_variables,
 )
 
 __all__ = [
@@ -41,4 +42,5 @@ __all__ = [
     "render_chat",
     "render_chat_with_spans",
     "special_tokens",
+    "template_variables",
 ]

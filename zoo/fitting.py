@@ -8,17 +8,27 @@ set stays as it is, and one that cannot work is a `ZooError` before anything is 
   a model with fewer positions (a GPT-2 checkpoint's `n_positions`).
 - `fit_tokenizer`: `data.tokenizer=bpe:N` becomes the tokenizer trained on the training text,
   and a model's default vocabulary becomes the tokenizer's.
+- `fit_epochs`: `trainer.epochs=N` becomes `trainer.steps`, from the training split's size.
+- `fit_finetune_defaults`: a fine-tune of a pretrained checkpoint takes the optimizer settings
+  of its kind (LoRA, full) in place of the model's, which are for training from scratch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Sequence
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from zoo.data.text import bpe_size, load_tokenizer, trained_tokenizer
+from zoo.engine import registry
 from zoo.engine.errors import ZooError
+from zoo.engine.pipeline import training_rows
+from zoo.engine.validate import check_keys
+from zoo.pretrained import is_pretrained_dir
 
 log = logging.getLogger("zoo")
 
@@ -151,3 +161,117 @@ def fit_tokenizer(cfg: DictConfig, overrides: Sequence[str]) -> None:
             f"vocabulary of model.vocab_size={vocab}: use the tokenizer that came with the "
             f"checkpoint, or a model with model.vocab_size={size}."
         )
+
+
+def fit_epochs(cfg: DictConfig, overrides: Sequence[str], train: Any = None) -> None:
+    """`trainer.epochs=N`: `trainer.steps` becomes ceil(N x rows / trainer.batch_size), the
+    rows being those of the training split (`train`, the caller's own data, else the data
+    set's, read for it), said in one line. The pipeline runs its batches across epoch
+    boundaries, so a partial last batch is a whole step, filled from the next epoch's order. A
+    `trainer.steps_per_dispatch` the overrides set rounds the steps up to a multiple of it (a
+    model's default one is fitted to the steps instead, by `zoo.overrides`). `trainer.steps`
+    set beside it is a `ZooError`. The same data gives the same steps: a resume is exact."""
+    trainer = cfg.trainer
+    epochs, given = trainer.epochs, _keys(overrides)
+    if epochs is None:
+        return
+    if "trainer.steps" in given:
+        raise ZooError(
+            f"trainer.epochs={epochs} and trainer.steps={trainer.steps} are both set, and "
+            "trainer.epochs computes the steps from the training split's size: set one of them "
+            "(trainer.epochs=null trains trainer.steps)."
+        )
+    if epochs < 1 or trainer.batch_size < 1:
+        return  # `validate` names the bad value
+    rows = training_rows(_training_split(cfg) if train is None else train)
+    steps = math.ceil(epochs * rows / trainer.batch_size)
+    dispatch = int(trainer.steps_per_dispatch)
+    rounded = "trainer.steps_per_dispatch" in given and dispatch > 1 and steps % dispatch != 0
+    if rounded:
+        steps += dispatch - steps % dispatch
+    trainer.steps = steps
+    packed = "packed training rows" if cfg.data.get("packing") else "training examples"
+    log.info(
+        "trainer.epochs=%d: %d steps of %d rows over the %s %s of data set '%s'%s.",
+        epochs,
+        steps,
+        trainer.batch_size,
+        f"{rows:,}",
+        packed,
+        cfg.data.name,
+        f" (rounded up to a multiple of trainer.steps_per_dispatch={dispatch})" if rounded else "",
+    )
+
+
+def _training_split(cfg: DictConfig) -> Any:
+    """The run's training split, read from its data set (the trainer reads it again: its
+    warnings, a skipped row's, are said then, once)."""
+    check_keys(cfg)  # a key the data set's loader does not take is named, not passed to it
+    params = OmegaConf.to_container(cfg.data, resolve=True)
+    with _quiet():
+        return registry.get_data(cfg.data.name).splits(params).train
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """zoo's log lines below errors held back for a while."""
+    zoo_log = logging.getLogger("zoo")
+    level = zoo_log.level
+    zoo_log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        zoo_log.setLevel(level)
+
+
+FINETUNE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "LoRA": {"name": "adamw", "learning_rate": 2e-4, "schedule": "cosine", "weight_decay": 0.0},
+    "full": {"name": "adamw", "learning_rate": 2e-5, "schedule": "cosine", "weight_decay": 0.0},
+}
+"""The optimizer settings of a fine-tune of a pretrained checkpoint, by kind (QLoRA: LoRA's),
+beside a warm-up of `WARMUP_SHARE` of the steps; see docs/fine-tuning.md for why."""
+WARMUP_SHARE = 0.03
+
+
+def finetune_kind(finetune: Any) -> str | None:
+    """`LoRA`, `QLoRA` or `full` for a fine-tune of a pretrained checkpoint directory; None for
+    a run from fresh weights or a zoo workdir, and for a head trained alone on a checkpoint's
+    frozen backbone (`finetune.freeze=backbone`: a fresh layer, trained from scratch)."""
+    start = finetune.init_from
+    if not start or not is_pretrained_dir(start):
+        return None
+    if finetune.lora_rank > 0:
+        return "QLoRA" if finetune.quantize else "LoRA"
+    return None if finetune.freeze == "backbone" else "full"
+
+
+def fit_finetune_defaults(cfg: DictConfig, overrides: Sequence[str]) -> None:
+    """A fine-tune of a pretrained checkpoint (`finetune_kind`) takes `FINETUNE_DEFAULTS` of
+    its kind and a warm-up of `WARMUP_SHARE` of `trainer.steps`, in place of the model's own
+    `optimizer.*` defaults (for training from scratch: a `decoder`'s 3e-3 is fifteen times
+    LoRA's rate), said in one line; each key the overrides set keeps their value."""
+    kind = finetune_kind(cfg.finetune)
+    if kind is None:
+        return
+    given = _keys(overrides)
+    values = {
+        **FINETUNE_DEFAULTS["full" if kind == "full" else "LoRA"],
+        "warmup_steps": round(WARMUP_SHARE * cfg.trainer.steps),
+    }
+    applied = {k: v for k, v in values.items() if f"optimizer.{k}" not in given}
+    if not applied:
+        return
+    for key, value in applied.items():
+        cfg.optimizer[key] = value
+    share = f" ({WARMUP_SHARE:.0%} of trainer.steps={cfg.trainer.steps})"
+    said = [
+        f"optimizer.{key}={value}{share if key == 'warmup_steps' else ''}"
+        for key, value in applied.items()
+    ]
+    log.info(
+        "fine-tuning defaults (%s): %s, in place of model '%s''s, which are for training from "
+        "scratch (set optimizer.* to choose).",
+        kind,
+        " ".join(said),
+        cfg.model.name,
+    )

@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
@@ -22,7 +23,13 @@ from zoo.engine.config import reason as config_reason
 from zoo.engine.dispatch import CADENCES
 from zoo.engine.errors import ZooError
 from zoo.engine.validate import validate
-from zoo.fitting import fit_context, fit_normalisation, fit_tokenizer
+from zoo.fitting import (
+    fit_context,
+    fit_epochs,
+    fit_finetune_defaults,
+    fit_normalisation,
+    fit_tokenizer,
+)
 from zoo.hydra_store import store_registry
 from zoo.pretrained import pretrained_args
 
@@ -37,18 +44,34 @@ def compose(overrides: Sequence[str] = ()) -> DictConfig:
 
     `finetune.init_from=DIR` on a pretrained checkpoint directory sets the model's sizes and
     the tokenizer from it (see `zoo.pretrained`); zoo's own defaults are fitted to the model
-    (see `zoo.fitting`). Raises `ZooError` with a one-paragraph
-    message for an unknown model, data set or key, or a value of the wrong type.
+    (see `zoo.fitting`), and `trainer.epochs` becomes `trainer.steps`. Raises `ZooError` with a
+    one-paragraph message for an unknown model, data set or key, or a value of the wrong type.
     """
+    return composed(overrides)
+
+
+def composed(
+    overrides: Sequence[str],
+    finetune: Mapping[str, Any] | None = None,
+    train: Any = None,
+) -> DictConfig:
+    """`compose`, with `finetune.*` values set on the config before it is fitted and checked
+    (`zoo.finetune`'s arguments: path patterns and lists, which overrides would have to
+    quote), and the training split where the caller holds the data (`trainer.epochs` counts
+    its rows; the registered data set's otherwise)."""
     overrides = list(overrides)
     overrides += pretrained_args(overrides)
     check_choices(overrides)
     try:
         cfg = _compose(overrides)
-        _fit_default_warmup(cfg, overrides)
-        _fit_default_dispatch(cfg, overrides)
+        for key, value in (finetune or {}).items():
+            cfg.finetune[key] = value
         fit_normalisation(cfg, overrides)
         fit_context(cfg, overrides)
+        fit_epochs(cfg, overrides, train)  # the steps, before all that depends on them
+        fit_finetune_defaults(cfg, overrides)
+        _fit_default_warmup(cfg, overrides)
+        _fit_default_dispatch(cfg, overrides)
         validate(cfg)
         fit_tokenizer(cfg, overrides)
     except ZooError:
@@ -145,6 +168,30 @@ def _parsed(overrides: Sequence[str]) -> list:
         return OverridesParser.create().parse_overrides(list(overrides))
     except HydraException as e:
         raise ZooError(f"Cannot parse the overrides {list(overrides)}: {e}") from None
+
+
+def typed_argument(argument: str) -> tuple[str, Any]:
+    """The key and value of one `key=value` command-line argument, the value typed as a run's
+    overrides type theirs: `true`/`false`, numbers, `null`, `[lists]`, `{maps}`, else text
+    (quoted to hold a comma); a `ZooError` naming an argument that does not parse or that
+    gives several values."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        override = OverridesParser.create().parse_override(argument)
+    except HydraException as e:
+        lines = str(e).splitlines()  # "Error parsing override ...", the reason, "See <url>"
+        reason = lines[1] if len(lines) == 3 else " ".join(lines)
+        raise ZooError(
+            f"Cannot read '{argument}' as KEY=VALUE ({reason.strip()}): a key of words joined "
+            "by dots, and a value such as true, 3, 0.5, null, [a, b] or text."
+        ) from None
+    if override.is_sweep_override():
+        raise ZooError(
+            f"'{argument}' gives several values: give one (quote text that holds a comma, "
+            f"{override.key_or_group}='a,b')."
+        )
+    return override.key_or_group, override.value()
 
 
 def check_once(overrides: Sequence[str]) -> None:

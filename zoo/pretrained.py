@@ -56,6 +56,12 @@ def pretrained_args(overrides: Sequence[str]) -> list[str]:
     return args
 
 
+def is_pretrained_dir(path: str | os.PathLike) -> bool:
+    """Whether `path` is a pretrained checkpoint directory rather than a run's workdir (an
+    exported run may hold both: its checkpoints win)."""
+    return weights.is_pretrained(path) and not os.path.isdir(os.path.join(path, "checkpoints"))
+
+
 def run_tokenizer(config: DictConfig, workdir: str | os.PathLike | None) -> str | None:
     """The `tokenizer.json` a run's model speaks: the file its `data.tokenizer` names (the one
     in a directory), or, where that is gone (a data cache cleared, a run copied to another

@@ -16,7 +16,6 @@ registered by user code are accepted too: name the modules that register them in
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import logging
 import logging.config
 import os
@@ -26,6 +25,7 @@ from collections.abc import Sequence
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from zoo.cli import load_plugins
 from zoo.engine import registry, rundir
 from zoo.engine.build import check_buildable
 from zoo.engine.checkpoints import resume
@@ -98,22 +98,16 @@ def run(job: Job) -> int:
     return 0
 
 
-def load_plugins(env: str = "ZOO_PLUGINS") -> None:
-    """Import the modules named in `$ZOO_PLUGINS` so the models they register exist."""
-    for module in filter(None, (m.strip() for m in os.environ.get(env, "").split(","))):
-        try:
-            importlib.import_module(module)
-        except ImportError as e:
-            CONSOLE.print(f"error: Cannot import plugin module '{module}' named in ${env}: {e}.")
-            sys.exit(EXIT_BAD_INPUT)
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     """Run the CLI on `argv` (default: `sys.argv[1:]`)."""
     from hydra._internal.utils import get_args_parser
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    load_plugins()
+    try:
+        load_plugins()
+    except ZooError as e:
+        CONSOLE.print(f"error: {e}", markup=False)
+        sys.exit(EXIT_BAD_INPUT)
     args, _ = get_args_parser().parse_known_args(argv)
     if args.help or args.hydra_help or args.info or args.cfg:  # Hydra prints; nothing runs
         sys.argv = [sys.argv[0], *argv]

@@ -22,7 +22,6 @@ from zoo.api import (
     TrainedModel,
     check_data,
     console_logging,
-    is_pretrained_dir,
     resolved_hparams,
     saved_config,
 )
@@ -32,11 +31,9 @@ from zoo.engine.checkpoints.warm_start import locate
 from zoo.engine.errors import ZooError
 from zoo.engine.freeze import Filter
 from zoo.engine.loop import RunResult, Trainer
-from zoo.engine.lora import check_unstacked
-from zoo.engine.validate import check_finetune
 from zoo.hub import local
-from zoo.overrides import compose
-from zoo.pretrained import run_tokenizer
+from zoo.overrides import composed
+from zoo.pretrained import is_pretrained_dir, run_tokenizer
 
 CHAT = "chat"
 """The data set that reads conversations given to `finetune` (files or a list)."""
@@ -101,8 +98,10 @@ def finetune(
       `zoo.list_models(families=True)`) or a Hugging Face Hub name (`hf://ORG/NAME`, see
       `zoo.hub`), or a registered model's name (fresh weights; its
       `model.*` keys from `overrides`).
-    - `overrides`: the CLI's keys, e.g. `"trainer.steps=200"`, `"optimizer.learning_rate=1e-3"`,
-      `"workdir=runs/ft"`, `"mesh.fsdp=2"`; the model's own defaults fill the rest.
+    - `overrides`: the CLI's keys, e.g. `"trainer.steps=200"` (or `"trainer.epochs=3"`),
+      `"optimizer.learning_rate=1e-3"`, `"workdir=runs/ft"`, `"mesh.fsdp=2"`; the model's own
+      defaults fill the rest, but for the optimizer of a pretrained checkpoint's fine-tune
+      (the defaults of its kind, LoRA or full: `zoo.fitting.fit_finetune_defaults`).
     - `data`: a registered data set's name (its `input_shape` and `num_classes` then decide the
       model's; `"data=NAME"` among the overrides says the same), or `zoo.Splits` of your own: columns of arrays or random-access sources (a Grain
       `MapDataset`, ...), batched, sharded and shuffled as the zoo's own data are; an `image`
@@ -149,20 +148,26 @@ def finetune(
             )
         if isinstance(data, registry.Splits):
             _check_image_axes(data, name, base)
-        cfg = compose([*_model_args(name, base, data, num_classes, overrides), *overrides])
-        settings = cfg.finetune
+        settings = {
+            "reinit": list(reinit),
+            "freeze": freeze if isinstance(freeze, str) else None,
+            "lora_rank": lora_rank,
+            "lora_layers": lora_layers,
+        }
         if workdir is not None:
-            settings.init_from, settings.init_step = workdir, str(step_number)
-        settings.reinit = [*reinit, *([settings.head] if replace_head else [])]
-        settings.freeze = freeze if isinstance(freeze, str) else None
-        settings.lora_rank, settings.lora_layers = lora_rank, lora_layers
+            settings.update(init_from=workdir, init_step=str(step_number))
         if quantize is not None:
-            settings.quantize = quantize
-        check_finetune(settings)
-        check_unstacked(settings, cfg.model)
-        if freeze is not None and not isinstance(freeze, str):
-            settings.freeze = repr(freeze)  # a filter is code: the config records what it is
+            settings["quantize"] = quantize
         user_data = isinstance(data, registry.Splits)
+        cfg = composed(
+            [*_model_args(name, base, data, num_classes, overrides), *overrides],
+            finetune=settings,
+            train=data.train if user_data else None,
+        )
+        if replace_head:
+            cfg.finetune.reinit.append(cfg.finetune.head)
+        if freeze is not None and not isinstance(freeze, str):
+            cfg.finetune.freeze = repr(freeze)  # a filter is code: the config records what it is
         if user_data:
             check_data(cfg, data)
             cfg = _on_user_data(cfg, data)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -23,15 +22,14 @@ from zoo.engine.sharding import DEFAULT_RULES
 
 import zoo
 from zoo.api import resolved_hparams
+from zoo.cli import plugin_modules
 
 MESH = {"data": 2, "fsdp": 2, "tensor": 2}
 ONE_DEVICE = {"data": 1, "fsdp": 1, "tensor": 1}
 RULES = sharding.AxisRules.from_mapping(DEFAULT_RULES)
-PLUGINS = ["conformance.plugin_model"] + [
-    name.strip() for name in os.environ.get("ZOO_PLUGINS", "").split(",") if name.strip()
-]
+PLUGINS = ["conformance.plugin_model", *plugin_modules()]
 """The modules whose models the suite runs besides zoo's own: the test plugin, and those
-`$ZOO_PLUGINS` names (comma-separated, as the command line reads it)."""
+`$ZOO_PLUGINS` names (comma-separated, as the command lines read it)."""
 
 
 def load_plugins() -> None:

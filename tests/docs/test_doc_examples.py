@@ -6,6 +6,10 @@ that directory in a comment that the rendered page does not show:
 
     <!-- examples: copy tests/fixtures/pretrained/resnet18-timm to resnet18 -->
 
+A Python block titled with a file name (```python title="my_models.py"```) is that file, which
+the page's script imports: it is written into the directory before the script runs, and is not
+part of it.
+
 An example checks what it shows itself, with `assert`: what it prints is for the reader.
 """
 
@@ -31,7 +35,8 @@ def read(page: str) -> str:
 
 
 PYTHON = re.compile(r"(?:python|py)3?\b.*")
-"""The info string of a Python block, attributes included (```python title="train.py")."""
+"""The info string of a Python block, attributes included (```python title="my_models.py")."""
+TITLE = re.compile(r'\btitle="([^"]+)"')
 
 
 def code_blocks(text: str) -> list[tuple[str, str]]:
@@ -51,7 +56,21 @@ def code_blocks(text: str) -> list[tuple[str, str]]:
 
 
 def python_blocks(text: str) -> list[str]:
-    return [body for info, body in code_blocks(text) if PYTHON.fullmatch(info)]
+    """The page's script: its Python blocks but those that are files."""
+    return [
+        body
+        for info, body in code_blocks(text)
+        if PYTHON.fullmatch(info) and not TITLE.search(info)
+    ]
+
+
+def python_files(text: str) -> list[tuple[str, str]]:
+    """(file name, body) of each Python block titled with a file name."""
+    return [
+        (title.group(1), body)
+        for info, body in code_blocks(text)
+        if PYTHON.fullmatch(info) and (title := TITLE.search(info))
+    ]
 
 
 def copies(page: str) -> list[tuple[str, str]]:
@@ -69,6 +88,8 @@ def copies(page: str) -> list[tuple[str, str]]:
 def test_python_examples_run(page, tmp_path):
     for source, destination in copies(page):
         shutil.copytree(ROOT / source, tmp_path / destination)
+    for name, body in python_files(read(page)):
+        (tmp_path / name).write_text(body)
     script = tmp_path / "examples.py"
     script.write_text("\n\n".join(python_blocks(read(page))))
     # The examples run as on a user's CPU machine, on one device: meshes have their own tests,

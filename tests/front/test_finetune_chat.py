@@ -6,7 +6,10 @@ to held-out prompts in TensorBoard's text tab."""
 
 from __future__ import annotations
 
+import importlib
+import io
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +21,8 @@ from zoo.data.chat import chat
 import zoo
 from zoo.generate import chat_prompt
 from zoo.plugin import LOSS_MASK
+
+zoo_chat = importlib.import_module("zoo.chat")
 
 CONVERSATIONS = [
     [
@@ -131,3 +136,107 @@ def test_each_eval_writes_the_replies_that_generation_gives(checkpoint, finetune
 def test_a_list_that_is_not_conversations_is_refused(checkpoint):
     with pytest.raises(zoo.ZooError, match="Conversation 0 holds something that is not JSON"):
         zoo.finetune(checkpoint, data=[[{"role": "user", "content": object()}]])
+
+
+# Qwen 3's thinking switch, from training to chatting: a run fine-tuned with
+# data.template_kwargs={enable_thinking:false} is asked with it by default.
+QWEN3 = FIXTURES / "pretrained" / "qwen3-chat"
+THINKING_OFF = {"enable_thinking": False}
+EMPTY_THINKING = "<think>\n\n</think>\n\n"
+ASKED = [{"role": "user", "content": "Name a prime above 20."}]
+GREEDY = {"temperature": 0, "max_new_tokens": 6}
+SAMPLED = {"temperature": 1.0, "max_new_tokens": 8, "seed": 0}
+"""Sampled, the replies of the tiny model tell its prompts apart (its greedy ones do not)."""
+
+
+@pytest.fixture(scope="module")
+def thinking_off(tmp_path_factory):
+    """One step of Qwen 3's chat checkpoint on the conversations, thinking off."""
+    workdir = tmp_path_factory.mktemp("thinking-off") / "run"
+    return zoo.finetune(
+        QWEN3,
+        "trainer.steps=1",
+        "trainer.batch_size=8",
+        "data.eval_replies=0",
+        "data.template_kwargs={enable_thinking:false}",
+        f"workdir={workdir}",
+        data=CONVERSATIONS,
+    )
+
+
+def test_a_run_trained_without_thinking_is_asked_without_it(thinking_off, caplog):
+    loaded = zoo.load(thinking_off.workdir)
+    for run in (thinking_off, loaded):
+        assert chat_prompt(run, ASKED)[0].endswith("assistant\n" + EMPTY_THINKING)
+    checkpoint = zoo.load(QWEN3)  # trained with no template variables: thinking on
+    assert chat_prompt(checkpoint, ASKED)[0].endswith("assistant\n")
+
+    def first_logprob(**given):
+        reply = zoo.generate(loaded, messages=ASKED, logprobs=True, **GREEDY, **given)
+        return reply.logprobs[0]
+
+    with caplog.at_level(logging.WARNING, logger="zoo"):
+        by_default = first_logprob()
+        assert not caplog.records
+        assert by_default == first_logprob(chat_template_kwargs=THINKING_OFF)
+        assert by_default != first_logprob(chat_template_kwargs={"enable_thinking": True})
+    # Switching thinking back on is the caller's to do, and said, naming both values.
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert "enable_thinking=True differs from the enable_thinking=False" in warning
+    assert thinking_off.workdir in warning
+
+
+def chat_in_process(*arguments: str, turns: str = "Name a prime above 20.\n") -> str:
+    """`python -m zoo.chat ARGUMENTS` run by its `main` on `turns`: what it printed."""
+    out = io.StringIO()
+    assert zoo_chat.main(list(arguments), io.StringIO(turns), out) == 0
+    return out.getvalue()
+
+
+def test_the_terminal_chat_asks_the_run_as_it_trained(thinking_off, caplog):
+    loaded = zoo.load(thinking_off.workdir)
+    off, on = (
+        zoo.generate(loaded, messages=ASKED, **SAMPLED, chat_template_kwargs={"enable_thinking": v})
+        for v in (False, True)
+    )
+    assert off != on  # the two prompts lead this model to different replies
+    options = [f"{key}={value}" for key, value in SAMPLED.items()]
+    assert chat_in_process(thinking_off.workdir, *options) == off + "\n"
+    # Typed as overrides are: `false` is False (the text 'false' would turn thinking on).
+    assert chat_in_process(str(QWEN3), *options, "template.enable_thinking=false") == (
+        zoo.generate(QWEN3, messages=ASKED, **SAMPLED, chat_template_kwargs=THINKING_OFF) + "\n"
+    )
+    # Thinking back on, for two turns: said once, before the first.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="zoo"):
+        two_turns = "Name a prime above 20.\nAnother?\n"
+        printed = chat_in_process(
+            thinking_off.workdir, *options, "template.enable_thinking=true", turns=two_turns
+        )
+    assert printed.startswith(on + "\n") and printed.count("\n") == 2
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert "enable_thinking=True differs from the enable_thinking=False" in warning
+
+
+@pytest.mark.parametrize(
+    "argument, said",
+    [
+        ("template.enable_thinkng=false", "reads no variable named 'enable_thinkng'"),
+        ("template.a.b=1", "'template.a.b=1' names no chat template variable"),
+        ("template.enable_thinking=true,false", "gives several values"),
+        ("template.enable_thinking", "Cannot read 'template.enable_thinking' as KEY=VALUE"),
+    ],
+)
+def test_a_bad_template_argument_is_refused_by_name(argument, said, capsys):
+    out = io.StringIO()
+    assert zoo_chat.main([str(QWEN3), argument], io.StringIO("hello\n"), out) == 2
+    assert said in capsys.readouterr().err and out.getvalue() == ""
+
+
+def test_template_arguments_are_typed_as_overrides_are():
+    arguments = ["template.enable_thinking=false", "template.n=3", "template.day=26 Jul 2024"]
+    assert zoo_chat.template_arguments(arguments) == {
+        "enable_thinking": False,
+        "n": 3,
+        "day": "26 Jul 2024",
+    }

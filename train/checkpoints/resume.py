@@ -19,6 +19,7 @@ from zoo.engine.errors import ZooError
 
 RESUMABLE = (
     "trainer.steps",
+    "trainer.epochs",  # it decides trainer.steps, no more
     "trainer.log_every",
     "trainer.eval_every",
     "trainer.checkpoint_every",

@@ -40,6 +40,7 @@ import numpy as np
 from flax import nnx
 
 from zoo.api import TrainedModel, load, resolved_hparams, within_vocabulary
+from zoo.cli import load_plugins
 from zoo.engine import registry
 from zoo.engine import weights as pretrained
 from zoo.engine.errors import ZooError
@@ -210,6 +211,7 @@ def main(argv: list[str]) -> int:
         )
         return 2
     try:
+        load_plugins()
         out = export(*positional, **options)
     except ZooError as e:
         print(f"error: {e}", file=sys.stderr)

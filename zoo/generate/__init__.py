@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import sys
 from collections.abc import Iterator, Mapping, Sequence
@@ -27,9 +28,17 @@ from typing import Any
 
 import jax
 import numpy as np
+from omegaconf import DictConfig, OmegaConf
 
 from zoo.api import TrainedModel, load
-from zoo.chat_template import end_of_turn_ids, read_chat_template, render_chat, special_tokens
+from zoo.chat_template import (
+    end_of_turn_ids,
+    read_chat_template,
+    render_chat,
+    special_tokens,
+    template_variables,
+)
+from zoo.cli import load_plugins
 from zoo.data.text import load_tokenizer
 from zoo.engine import precision
 from zoo.engine.errors import ZooError
@@ -39,6 +48,7 @@ from zoo.models.generate import stream as _stream
 from zoo.models.generation import Completion, Sampling
 from zoo.pretrained import run_tokenizer
 
+log = logging.getLogger("zoo")
 OPTIONS = {
     "prompt": str,
     "max_new_tokens": int,
@@ -92,7 +102,9 @@ def generate(
     `messages` instead of a prompt (`[{"role": "user", "content": ...}, ...]`): the reply of a
     chat checkpoint, its chat template rendered (`zoo.chat_template`, with the opening of the
     assistant's turn and the `chat_template_kwargs`, e.g. `{"enable_thinking": False}`) and the
-    reply ending at its end-of-turn token (`eos`, by default `end_of_turn_ids`)."""
+    reply ending at its end-of-turn token (`eos`, by default `end_of_turn_ids`). A run's
+    `data.template_kwargs` are the default `chat_template_kwargs`: a value given here that
+    differs from the run's wins, with a warning naming both (`chat_variables`)."""
     stops = (stop,) if isinstance(stop, str) else tuple(stop)
     sampling = Sampling(temperature, top_k, top_p, min_p)
     if (messages is None) == (prompt is None):
@@ -149,8 +161,58 @@ def chat_prompt(
     kwargs: Mapping[str, Any] | None = None,
 ) -> tuple[str, tuple[int, ...]]:
     """The text a chat checkpoint's model reads for `messages` before its reply (its template
-    rendered with the generation prompt and its special tokens), and the ids that end the
-    reply."""
+    rendered with the generation prompt, its special tokens and `chat_variables`), and the ids
+    that end the reply."""
+    directory, template = _chat_template(model)
+    variables = {**special_tokens(directory), **_variables(model, directory, template, kwargs)}
+    return render_chat(template, messages, True, **variables), end_of_turn_ids(directory)
+
+
+def chat_variables(
+    model: RunResult | TrainedModel | None, given: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """The chat template's variables besides the messages for a reply of `model`: those its run
+    trained with (`data.template_kwargs`), so that it is asked in the format it learnt, and over
+    them the caller's `given` (`chat_template_kwargs`, the chat's `template.NAME=VALUE`), each a
+    variable the template reads (a misspelt one is refused by name, not ignored). A given value
+    unlike the trained one wins, since switching (Qwen 3's thinking back on) may be meant, and
+    is said in a warning naming both."""
+    return _variables(model, *_chat_template(model), given)
+
+
+def _variables(
+    model: RunResult | TrainedModel,
+    directory: str,
+    template: str,
+    given: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    given = dict(given or {})
+    readable = template_variables(template) - {"messages", "add_generation_prompt"}
+    unknown = sorted(map(str, set(given) - readable))
+    if unknown:
+        raise ZooError(
+            f"The chat template of {directory} reads no variable named "
+            f"{', '.join(map(repr, unknown))}: it reads {', '.join(sorted(readable))} "
+            "(messages and add_generation_prompt are zoo's to set)."
+        )
+    trained = _trained_variables(model)
+    for name in sorted(given.keys() & trained.keys()):
+        if given[name] != trained[name]:
+            said, learnt = f"{name}={given[name]!r}", f"{name}={trained[name]!r}"
+            log.warning(
+                "Chat template variable %s differs from the %s that the run in %s trained with "
+                "(data.template_kwargs): the model is asked in a format it was not trained on. "
+                "Rendering with %s.",
+                said,
+                learnt,
+                model.workdir,
+                said,
+            )
+    return {**trained, **given}
+
+
+def _chat_template(model: RunResult | TrainedModel | None) -> tuple[str, str]:
+    """The directory of the chat checkpoint `model` is or started from, and its template."""
     directory = None if model is None else checkpoint_dir(model)
     if directory is None:
         raise ZooError(
@@ -164,8 +226,14 @@ def chat_prompt(
             f"{directory} has no chat template (chat_template.jinja, or tokenizer_config.json's "
             "chat_template): give a prompt instead of messages."
         )
-    variables = {**special_tokens(directory), **(kwargs or {})}
-    return render_chat(template, messages, True, **variables), end_of_turn_ids(directory)
+    return directory, template
+
+
+def _trained_variables(model: RunResult | TrainedModel) -> dict[str, Any]:
+    """The template variables the run trained with: its `data.template_kwargs` (none for a
+    checkpoint directory or a run on other data)."""
+    recorded = model.config.data.get("template_kwargs")
+    return dict(OmegaConf.to_container(recorded) if isinstance(recorded, DictConfig) else {})
 
 
 def checkpoint_dir(trained: RunResult | TrainedModel) -> str | None:
@@ -199,6 +267,7 @@ def main(argv: list[str]) -> int:
         print(USAGE, file=sys.stderr)
         return 2
     try:
+        load_plugins()
         step = options.pop("step", "latest")
         trained = load(positional[0], step, devices=jax.devices()[:1])
         typed = typed_options(options)
