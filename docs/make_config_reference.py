@@ -47,7 +47,9 @@ Every key of a run's config, with its type and default. Set any of them on the c
 (`python -m zoo.train model=cnn trainer.steps=500`) or from Python (`zoo.fit("cnn",
 "trainer.steps=500")`, `zoo.compose([...])`); `python -m zoo.train model=NAME --cfg job` prints
 the whole resolved config of a run. A model may set defaults of its own for the `trainer`,
-`optimizer` and `data` keys: they are listed with the model.
+`optimizer` and `data` keys: they are listed with the model. A fine-tune of a pretrained
+checkpoint takes `optimizer` defaults of its kind (LoRA, full) in place of the model's:
+[Fine-tuning defaults](../fine-tuning.md#fine-tuning-defaults).
 """
 
 
