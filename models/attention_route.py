@@ -4,7 +4,8 @@
 takes XLA's path. cuDNN's flash attention, which skips the masked half of a causal product
 and never writes the logits to memory, has to be asked for, and only where jax's cuDNN path
 accepts the call: an unsupported configuration raises instead of falling back. So the block
-asks `route` first, a pure function of the platform and the call.
+asks `route` first, a pure function of the platform and the call, then makes the call through
+`dot_product_attention`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 Kernel = Literal["cudnn", "xla", "einsum"]
 """`cudnn`, `xla`: `jax.nn.dot_product_attention(implementation=...)`; `einsum`: attention
@@ -114,3 +116,25 @@ def _flash_attention_runs(platform: Platform, dtype: jnp.dtype, head_dim: int) -
     if capability < (8, 0) or capability == (10, 3) or dtype not in FLASH_DTYPES:
         return False
     return head_dim % 8 == 0 and head_dim <= (256 if capability >= (9, 0) else 128)
+
+
+def dot_product_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, *, mask: jax.Array | None, **options
+) -> jax.Array:
+    """`jax.nn.dot_product_attention(q, k, v, mask=mask, **options)`, a batch of one unsharded
+    first. XLA's kernel reshapes the query to (batch, length, key/value heads, group, features),
+    and jax drops the sharding of a dimension of size 1 in such a reshape (a batch of one can be
+    sharded only over mesh axes of size 1); jax 0.12 then refuses its product of that query with
+    the key, whose batch is still sharded (jax 0.10 takes it). Over axes of size 1 nothing
+    moves."""
+    if q.shape[0] == 1:
+        q, k, v = (_batch_unsharded(t) for t in (q, k, v))
+        mask = None if mask is None else _batch_unsharded(mask)
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, **options)
+
+
+def _batch_unsharded(t: jax.Array) -> jax.Array:
+    spec = jax.typeof(t).sharding.spec
+    if not spec or spec[0] is None:
+        return t
+    return jax.sharding.reshard(t, P(None, *spec[1:]))

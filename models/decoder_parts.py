@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 from zoo.models import attention_cpu, kv_cache
-from zoo.models.attention_route import current_platform, route
+from zoo.models.attention_route import current_platform, dot_product_attention, route
 from zoo.models.kv_cache import KVCache, Slots
 from zoo.models.rope import Rotation, rotate
 from zoo.models.transformer import tokens_spec
@@ -212,7 +212,7 @@ class Attention(nnx.Module):
             visible = same if visible is None else visible & same
         if path.kernel == "einsum":
             return self._written_out(q, k, v, visible)
-        return jax.nn.dot_product_attention(
+        return dot_product_attention(
             q,
             k,
             v,
@@ -237,11 +237,15 @@ def _grouped_fails(q: jax.Array, k: jax.Array) -> bool:
     splits the query heads into (key/value heads, group) and maps over the group, which fails
     under explicit sharding for a single key/value head (with a mask, or where the mesh axis of
     the heads has size 1) and where the query heads' split does not divide the key/value heads
-    (measured, jax 0.10.2)."""
+    (measured, jax 0.10.2); and, in jax 0.12, where the key/value heads are not split as the
+    query heads are (whole beside split ones): its product of the two then pairs heads sharded
+    differently, which explicit sharding refuses there."""
     groups = k.shape[2]
     if groups == 1:
         return True
     axes = jax.typeof(q).sharding.spec[2]
+    if _as_tuple(axes or ()) != _as_tuple(jax.typeof(k).sharding.spec[2] or ()):
+        return True
     if axes is None:
         return False
     mesh = jax.sharding.get_abstract_mesh()

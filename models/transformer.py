@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from zoo.models import attention_cpu, kv_cache
-from zoo.models.attention_route import current_platform, route
+from zoo.models.attention_route import current_platform, dot_product_attention, route
 from zoo.models.kv_cache import KVCache, Slots
 from zoo.models.layers import dense, head_projections, layer_norm
 
@@ -133,7 +133,7 @@ class Attention(nnx.Module):
             return attention_cpu.attend_one(q, k, v, visible, scale=scale)
         if path.kernel == "xla" and visible is None and current_platform().backend == "cpu":
             return attention_cpu.attend(q, k, v, scale=self.scale, causal=path.mask == "causal")
-        return jax.nn.dot_product_attention(
+        return dot_product_attention(
             q,
             k,
             v,

@@ -4,6 +4,7 @@ import atexit
 import os
 import shutil
 import tempfile
+from importlib.metadata import version
 
 
 def _temporary_dir(prefix: str) -> str:
@@ -42,19 +43,22 @@ os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 # takes about 30% off the CPU time of tests that train (tests/conformance/test_conformance_runs.py
 # -k "mlp or cnn", imports included: 29 CPU seconds with them on, 21 off). Every comparison in the
 # suite is between programs compiled alike or against references at a tolerance, so it holds
-# either way; flags already in XLA_FLAGS come last and win. XLA:CPU's MLIR fusion emitters are
-# off as well (it emits fusions the older way), which takes about a third off the compilations
-# again. Off, a layer initialised under `vmap` (scan_layers) rounds 1 ulp away from the same
-# layer initialised alone, where the emitters users run with give the same bits: the checks of
-# those bits run in a process of their own with the emitters on (`compiled_as_users`).
+# either way; flags already in XLA_FLAGS come last and win. Where XLA:CPU can still emit fusions
+# the older way (jaxlib 0.10; from 0.11 its MLIR fusion emitters are the only ones, and XLA
+# aborts on a flag it does not know), the MLIR emitters are off as well, which takes about a
+# third off the compilations again. Off, a layer initialised under `vmap` (scan_layers) rounds
+# 1 ulp away from the same layer initialised alone, where the emitters users run with give the
+# same bits: the checks of those bits run in a process of their own with the emitters on
+# (`compiled_as_users`).
 # XLA:CPU splits a program's generated code into 32 modules compiled side by side, each a clone
 # of the program; on 2 cores one module takes about 12% off a compilation's CPU time (the
 # decoder's tiny train step on 8 devices: 0.76 against 0.86 CPU seconds), the same code.
+OLDER_EMITTERS = tuple(map(int, version("jaxlib").split(".")[:2])) < (0, 11)
 os.environ["XLA_FLAGS"] = " ".join(
     [
         "--xla_backend_optimization_level=0",
         "--xla_llvm_disable_expensive_passes=true",
-        "--xla_cpu_use_fusion_emitters=false",
+        *(["--xla_cpu_use_fusion_emitters=false"] if OLDER_EMITTERS else []),
         "--xla_cpu_parallel_codegen_split_count=1",
         "--xla_cpu_multi_thread_eigen=false",
         "--xla_cpu_collective_call_terminate_timeout_seconds=120",
@@ -119,6 +123,8 @@ LONGEST_FIRST = (
     "tests/faults/test_bit_rot.py",
     "tests/models/test_vae.py",
     "tests/models/test_packed_attention.py",
+    "tests/models/test_bf16_rows.py",
+    "tests/front/test_benchmarks.py",
 )
 """The files that take longest (2-core CI, 25 s and more), in that order. pytest-xdist hands each
 worker whole files in collection order (`--dist loadfile --no-loadscope-reorder`: without the

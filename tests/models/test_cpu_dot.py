@@ -2,8 +2,10 @@
 float32 product of the same bfloat16 operands to within one bfloat16 rounding, on one device
 and split over a mesh, with the kernel held inputs first (`nnx.Linear`'s) or outputs first
 (`TransposedLinear`'s), gives the same bits when rerun, and reaches XLA:CPU's products with
-bfloat16 operands (where `jax.lax.dot_general`'s are widened to float32), in the shared
-transformer block and in the decoder's. A float32 kernel, held either way, gives float32's
+bfloat16 operands and a float32 result, which it runs on the CPU's bfloat16 instructions (where
+`jax.lax.dot_general`'s are widened to float32 by jaxlib 0.10's XLA, and kept in bfloat16 with a
+bfloat16 result, a slower product still, by jaxlib 0.12's), in the shared transformer block and
+in the decoder's. A float32 kernel, held either way, gives float32's
 product and gradients, whichever way its kernel gradient is taken."""
 
 from __future__ import annotations
@@ -216,8 +218,14 @@ class Block(nnx.Module):
         return self.out(self.query(x)) + self.mlp(x)[..., :32]
 
 
-def dot_operand_dtypes(model, x):
-    """The operand dtypes of every product in the compiled gradient of the sum of `model(x)`."""
+BF16_PRODUCT = (["bf16", "bf16"], "f32")
+"""The product that XLA:CPU runs on the CPU's bfloat16 instructions: bfloat16 operands, a
+float32 result."""
+
+
+def compiled_products(model, x):
+    """(operand dtypes, result dtype) of every product in the compiled gradient of the sum of
+    `model(x)`."""
     graph, params, rest = nnx.split(model, nnx.Param, ...)
 
     def loss(params, x):
@@ -226,9 +234,9 @@ def dot_operand_dtypes(model, x):
     text = jax.jit(jax.grad(loss)).lower(params, x).compile().as_text()
     computations = re.findall(r"\n%\S+ \(([^)]*)\) -> \S+ \{\n((?:.+\n)*?)\}", text)
     return [
-        re.findall(r": (\w+)\[", signature)
+        (re.findall(r": (\w+)\[", signature), dot.group(1))
         for signature, body in computations
-        if re.search(r"= \S+ dot\(", body)
+        if (dot := re.search(r"= (\w+)\[\S* dot\(", body))
     ]
 
 
@@ -240,17 +248,17 @@ def test_the_dense_layers_products_and_their_gradients_reach_xla_in_bf16(monkeyp
         # 2,048 rows: XLA:CPU leaves products of a few rows to Eigen, in float32, when its Eigen
         # runs single-threaded (as the suite's conftest sets it).
         x = jnp.ones((8, 256, 32), BF16)
-        ours = dot_operand_dtypes(low, x)
-        assert len(ours) >= 5 and all(dtypes == ["bf16", "bf16"] for dtypes in ours), ours
+        ours = compiled_products(low, x)
+        assert len(ours) >= 5 and all(product == BF16_PRODUCT for product in ours), ours
         monkeypatch.setattr(cpu_dot, "_on_bf16_path", lambda *_: False)
-        widened = dot_operand_dtypes(low, x)
-        assert widened and all("bf16" not in dtypes for dtypes in widened), widened
+        widened = compiled_products(low, x)
+        assert widened and BF16_PRODUCT not in widened, widened
 
 
 def test_the_decoders_projections_and_their_gradients_reach_xla_in_bf16(monkeypatch):
     """A decoder layer's seven projections (query, key, value, output; gate, up, down), each
-    with its two backward products: 21 products more take bfloat16 operands than with
-    `jax.lax.dot_general` alone, all of them its widened ones. A decoding step of a few rows
+    with its two backward products: 21 products more are XLA:CPU's bfloat16 product
+    (`BF16_PRODUCT`) than with `jax.lax.dot_general` alone. A decoding step of a few rows
     (`FEW_ROWS`) keeps the kernel-first product and still runs."""
     with on_mesh({"data": 1, "fsdp": 1, "tensor": 1}):
         model = Decoder(vocab_size=256, context_length=256, dim=32, depth=1, rngs=nnx.Rngs(0))
@@ -258,12 +266,9 @@ def test_the_decoders_projections_and_their_gradients_reach_xla_in_bf16(monkeypa
         low = nnx.merge(graph, lowered(params), rest)
         tokens = jnp.ones((8, 256), jnp.int32)
 
-        def count(dtypes):
-            return sum(d == ["bf16", "bf16"] for d in dtypes)
-
-        ours = count(dot_operand_dtypes(low, tokens))
+        ours = compiled_products(low, tokens).count(BF16_PRODUCT)
         monkeypatch.setattr(cpu_dot, "_on_bf16_path", lambda *_: False)
-        widened = count(dot_operand_dtypes(low, tokens))
+        widened = compiled_products(low, tokens).count(BF16_PRODUCT)
         monkeypatch.undo()
         assert ours - widened == 21, (ours, widened)
         new = generate_tokens(low, np.arange(8), max_new_tokens=4, temperature=0.0)
