@@ -22,11 +22,11 @@ import time
 from pathlib import Path
 
 import jax
-from zoo.engine import sharding
 from zoo.engine.checkpoints import checksums
 from zoo.engine.checkpoints.manager import Checkpointer
 from zoo.engine.checkpoints.reader import abstract_like
-from zoo.engine.loop import Trainer
+from zoo.engine.loop.trainer import Trainer
+from zoo.engine.sharding import mesh as sharding
 
 import zoo
 

@@ -1,5 +1,5 @@
 """A bfloat16 MLP's forward and backward on a CPU: XLA's bfloat16 product (widened to float32
-by XLA:CPU) against `zoo.engine.cpu_dot` (its bfloat16 path, backward included), and float32.
+by XLA:CPU) against `zoo.engine.kernels.cpu_dot` (its bfloat16 path, backward included), and float32.
 
     python -m benchmarks.cpu_bf16_dense
 
@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from zoo.engine import cpu_dot
+from zoo.engine.kernels import cpu_dot
 
 from benchmarks import machine
 

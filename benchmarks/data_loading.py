@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 from zoo.data.files import cache_root
-from zoo.engine import pipeline
+from zoo.engine.pipeline import batches as pipeline
 
 WORKERS = (0, 1, 2)
 

@@ -173,8 +173,8 @@ def measure(what: str, directory: str) -> dict[str, float]:
 
 def _lora_step(directory: str) -> dict[str, float]:
     import jax
-    from zoo.engine.loop import Trainer
-    from zoo.engine.memory import step_memory
+    from zoo.engine.loop.trainer import Trainer
+    from zoo.engine.report.memory import step_memory
 
     import zoo
     from benchmarks import loops

@@ -59,11 +59,13 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 from flax import nnx
-from zoo.engine import memory, registry, sharding
-from zoo.engine.build import build_on_mesh
+from zoo.engine import registry
 from zoo.engine.errors import ZooError
-from zoo.engine.loop import evaluate_batches
-from zoo.engine.steps import means
+from zoo.engine.loop.build import build_on_mesh
+from zoo.engine.loop.trainer import evaluate_batches
+from zoo.engine.report import memory
+from zoo.engine.sharding import mesh as sharding
+from zoo.engine.steps.functions import means
 from zoo.models.attention_route import current_platform, route
 from zoo.models.kv_cache import Slots
 

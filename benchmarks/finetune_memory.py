@@ -11,7 +11,7 @@ does: params in bfloat16 (`model.param_dtype=bf16`), LoRA of rank 16 on every at
 MLP projection (`finetune.lora_layers=layers`) over nf4 codes (`finetune.quantize=nf4`), adamw;
 a batch of `--batch` conversations padded to each of `--lengths` tokens (`data=chat`'s `tokens`,
 `length` and `loss_mask`); `--remat` adds the same with `model.remat=true`. The step is the
-trainer's own (`zoo.engine.steps.make_steps` with its loss, trainable filter and optimizer),
+trainer's own (`zoo.engine.steps.functions.make_steps` with its loss, trainable filter and optimizer),
 made from the same config keys, and compiled for the backend this process runs on: XLA:CPU on a
 machine without an accelerator, the GPU on a GPU machine (`JAX_PLATFORMS=cuda`).
 
@@ -42,14 +42,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from omegaconf import OmegaConf
-from zoo.engine import master, registry, rngs, sharding
-from zoo.engine.abstract import eval_shape
-from zoo.engine.build import build_model
-from zoo.engine.freeze import frozen_filter, frozen_norms, trainable_filter
-from zoo.engine.memory import compiled_memory
-from zoo.engine.optim import make_optimizer
-from zoo.engine.precision import compute_loss
-from zoo.engine.steps import Trainable, make_steps
+from zoo.engine import registry
+from zoo.engine.loop.build import build_model
+from zoo.engine.report.memory import compiled_memory
+from zoo.engine.sharding import mesh as sharding
+from zoo.engine.sharding.abstract import eval_shape
+from zoo.engine.steps import rngs
+from zoo.engine.steps.functions import Trainable, make_steps
+from zoo.engine.steps.optim import make_optimizer
+from zoo.engine.steps.precision import compute_loss
+from zoo.engine.weights import master
+from zoo.engine.weights.freeze import frozen_filter, frozen_norms, trainable_filter
 
 import zoo
 
@@ -136,8 +139,8 @@ def abstract_batch(batch: int, length: int) -> dict[str, jax.ShapeDtypeStruct]:
 
 def step_memory(cfg: Any, batch: Mapping[str, jax.ShapeDtypeStruct]) -> dict[str, int]:
     """Bytes per device of the trainer's train step for `cfg` on `batch`, compiled on the
-    abstract state: the model and its optimizer built by `zoo.engine.build` under
-    `eval_shape`, the step made as `zoo.engine.loop.Trainer` makes it."""
+    abstract state: the model and its optimizer built by `zoo.engine.loop.build` under
+    `eval_shape`, the step made as `zoo.engine.loop.trainer.Trainer` makes it."""
     entry = registry.get_model(cfg.model.name)
     hparams = OmegaConf.to_container(cfg.model)
     mesh, rules = sharding.mesh_and_rules(cfg.mesh, jax.devices()[:1])

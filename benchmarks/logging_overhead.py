@@ -6,7 +6,7 @@ Three loops over the same model, config and data, one step per dispatch, window 
 turn (so that load on the machine hits them alike):
 
 - `bare`: the run's own jitted train step over its own pipeline (batches placed on the devices
-  step by step, the host at most `zoo.engine.observe.MAX_IN_FLIGHT` dispatches ahead); no clocks, no
+  step by step, the host at most `zoo.engine.report.observe.MAX_IN_FLIGHT` dispatches ahead); no clocks, no
   log windows, no events.
 - `default`: the trainer's real loop (`Trainer.steps()`) at default settings: the data-wait
   clock around every batch, compile counting, every `trainer.log_every` steps a log window,
@@ -31,9 +31,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import jax
-from zoo.engine import sharding, steps
-from zoo.engine.loop import Trainer
-from zoo.engine.observe import InFlight
+from zoo.engine.loop.trainer import Trainer
+from zoo.engine.report.observe import InFlight
+from zoo.engine.sharding import mesh as sharding
+from zoo.engine.steps import functions as steps
 
 import zoo
 from benchmarks.loops import zoo_loop

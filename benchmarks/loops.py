@@ -17,9 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from zoo.engine import registry, sharding
-from zoo.engine import rngs as zoo_rngs
-from zoo.engine.loop import Trainer
+from zoo.engine import registry
+from zoo.engine.loop.trainer import Trainer
+from zoo.engine.sharding import mesh as sharding
+from zoo.engine.steps import rngs as zoo_rngs
 
 Advance = Callable[[int], None]
 

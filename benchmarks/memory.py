@@ -16,8 +16,8 @@ import tempfile
 from collections.abc import Sequence
 
 import jax
-from zoo.engine.loop import Trainer
-from zoo.engine.memory import step_memory
+from zoo.engine.loop.trainer import Trainer
+from zoo.engine.report.memory import step_memory
 
 import zoo
 

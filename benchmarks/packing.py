@@ -82,7 +82,7 @@ def real_tokens(args: list[str], first: int, last: int) -> tuple[float, float]:
     """(real targets per step, non-pad share) of training batches first .. last - 1."""
     from omegaconf import OmegaConf
     from zoo.engine import registry
-    from zoo.engine.pipeline import train_batches
+    from zoo.engine.pipeline.batches import train_batches
 
     import zoo
 

@@ -22,7 +22,7 @@ os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 import jax
 import numpy as np
 from flax import nnx
-from zoo.engine import weights
+from zoo.engine.weights import pretrained as weights
 
 import zoo
 

@@ -106,7 +106,7 @@ def measure(what: str, directory: str, devices: int) -> dict[str, float]:
     """In this (fresh) interpreter: seconds and peak resident bytes of `what`."""
     import jax
     from safetensors.numpy import load_file
-    from zoo.engine.weights import open_pretrained
+    from zoo.engine.weights.pretrained import open_pretrained
 
     import zoo
     from zoo.api import checkpoint_hparams, plan_pretrained

@@ -58,9 +58,10 @@ def measure(fmt: str, directory: str) -> dict[str, float]:
 
         return {"peak_bytes": peak_resident_bytes()}
     from flax import nnx
-    from zoo.engine import sharding, weights
-    from zoo.engine.loop import Trainer
-    from zoo.engine.quantize import QuantizedKernel
+    from zoo.engine.loop.trainer import Trainer
+    from zoo.engine.sharding import mesh as sharding
+    from zoo.engine.weights import pretrained as weights
+    from zoo.engine.weights.quantize import QuantizedKernel
 
     import zoo
 

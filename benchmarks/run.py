@@ -25,7 +25,7 @@ from typing import Any
 import jax
 from omegaconf import OmegaConf
 from zoo.engine import registry
-from zoo.engine.loop import Trainer
+from zoo.engine.loop.trainer import Trainer
 
 import zoo
 from benchmarks import loops, machine

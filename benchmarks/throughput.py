@@ -46,7 +46,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from omegaconf import OmegaConf
-from zoo.engine.loop import Trainer
+from zoo.engine.loop.trainer import Trainer
 
 from benchmarks import loops, machine
 from benchmarks.run import benchmark_trainer, spread

@@ -237,7 +237,7 @@ def sample_on_eval(model: Any, report) -> None:
 
 
 def reply_on_eval(model: Any, report, prompts: Sequence[Any]) -> None:
-    """The model's reply to each held-out prompt (`zoo.engine.report.ReplyPrompt`), the
+    """The model's reply to each held-out prompt (`zoo.engine.report.reporter.ReplyPrompt`), the
     likeliest token each time (so that the replies of successive evals differ by what the model
     learned alone) up to an end-of-turn id, as `zoo.generate(model, messages=...,
     temperature=0)` writes it: TensorBoard text `replies/I` (the prompt, the reply, the

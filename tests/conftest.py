@@ -19,7 +19,7 @@ os.environ["JAX_NUM_CPU_DEVICES"] = "8"
 # never into the user's ~/.cache; Fashion-MNIST and the like are still found where a system
 # package installs them.
 os.environ["ZOO_DATA_DIR"] = _temporary_dir("zoo-test-data-")
-# zoo's compiled CPU kernels (`zoo.engine.bf16_rows`) too: compiled once in the session.
+# zoo's compiled CPU kernels (`zoo.engine.kernels.bf16_rows`) too: compiled once in the session.
 if "ZOO_KERNEL_DIR" not in os.environ:
     os.environ["ZOO_KERNEL_DIR"] = _temporary_dir("zoo-test-kernels-")
 # One JAX persistent compilation cache for the session's processes (pytest's workers inherit the

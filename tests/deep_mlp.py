@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from zoo.engine.sharding import logical_spec
+from zoo.engine.sharding.mesh import logical_spec
 
 import zoo
 

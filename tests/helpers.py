@@ -112,7 +112,7 @@ def run_and_signal(
 
 def one_step(trainer):
     """Loss and grads of a trainer's first training step (its own grad step), on the host."""
-    from zoo.engine import sharding
+    from zoo.engine.sharding import mesh as sharding
 
     batch = next(iter(trainer.train_data))
     with sharding.activate(trainer.mesh, trainer.rules):

@@ -4,7 +4,7 @@ and a module-bound Dropout stream (RngState)."""
 from __future__ import annotations
 
 from flax import nnx
-from zoo.engine.sharding import logical_spec
+from zoo.engine.sharding.mesh import logical_spec
 from zoo.models.xor import binary_classification_loss
 
 import zoo

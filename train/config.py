@@ -1,7 +1,7 @@
 """The typed config schema of a run: one dataclass per section, checked by OmegaConf.
 
 The command line and the Python API compose configs against this schema (a wrong key or type
-fails there), and `zoo.engine.validate` checks what types cannot say (ranges, cadences, meshes). The
+fails there), and `zoo.engine.loop.config_checks` checks what types cannot say (ranges, cadences, meshes). The
 model's and the data set's sections come from their registered signatures.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from zoo.engine.errors import ZooError
-from zoo.engine.sharding import DEFAULT_RULES
+from zoo.engine.sharding.mesh import DEFAULT_RULES
 
 
 class OptimizerName(str, enum.Enum):

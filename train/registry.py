@@ -15,7 +15,7 @@ A data set also states what models must know about it (`info`, e.g. `input_shape
 
 A model may also load checkpoints of other libraries: it registers each checkpoint family it
 understands (`Family`: which `config.json` is one of them, the model's hyper-parameters it
-implies, and a table of `Rule`s from checkpoint keys to the model's params); `zoo.engine.weights` does
+implies, and a table of `Rule`s from checkpoint keys to the model's params); `zoo.engine.weights.pretrained` does
 the reading, filling and writing back.
 
 Registering has no other effect: the command line builds its Hydra configs from these records
@@ -64,7 +64,7 @@ its own sequence (0 at each sequence's first token)."""
 
 OnEval = Callable[[nnx.Module, Any], None]
 """`on_eval(model, report)`: called after each eval with the model in eval mode and a
-`zoo.engine.report.EvalReport` (the step, a key of its own, the first eval batch, every eval batch
+`zoo.engine.report.reporter.EvalReport` (the step, a key of its own, the first eval batch, every eval batch
 on demand, and ways to write text and images to TensorBoard and a line to the console)."""
 
 DATA_FACTS = ("input_shape", "num_classes")
@@ -90,7 +90,7 @@ def loss_contract(
 @dataclasses.dataclass(frozen=True)
 class Splits:
     """A data set: per split, column name -> array (the same leading length), a random-access
-    source of records, or a `zoo.engine.pipeline.ExampleSource` that makes each example itself.
+    source of records, or a `zoo.engine.pipeline.batches.ExampleSource` that makes each example itself.
 
     `transform` runs on every batch of both splits (e.g. uint8 pixels -> normalised float32);
     `augment` on training batches only, before `transform`, with a generator seeded from the run's
@@ -112,7 +112,7 @@ class Splits:
     """The names of labels 0, 1, ... where the data decides them (a folder's classes, a
     table's); None: the registered data set's `class_names`, or the numbers."""
     prompts: Callable[[], Sequence[Any]] | None = None
-    """Held-out prompts a chat model's eval hook replies to (`zoo.engine.report.ReplyPrompt`s),
+    """Held-out prompts a chat model's eval hook replies to (`zoo.engine.report.reporter.ReplyPrompt`s),
     made when first asked for; None: data with no replies (text, images)."""
 
 

@@ -30,9 +30,8 @@ from zoo.api import (
     predict,
     run,
 )
-from zoo.engine.callbacks import STOP, CallbackFailed, CallbackStop
 from zoo.engine.errors import NonFiniteLoss, ZooError
-from zoo.engine.loop import RunResult
+from zoo.engine.loop import STOP, CallbackFailed, CallbackStop, Interrupted, RunResult
 from zoo.engine.registry import (
     ModelEntry,
     Splits,
@@ -41,7 +40,6 @@ from zoo.engine.registry import (
     register_data,
     register_model,
 )
-from zoo.engine.signals import Interrupted
 from zoo.export import export
 from zoo.generate import generate
 from zoo.overrides import compose

@@ -1,8 +1,8 @@
 """The Python API around the trainer: train as the CLI does, build a fresh model, load a
 trained one, predict and evaluate (fine-tuning is `zoo.tuning`).
 
-Everything goes through the one trainer (`zoo.engine.loop.Trainer`) and the one way to build a model
-on a mesh (`zoo.engine.build`), so a model loaded here is the one its run trained, on any mesh.
+Everything goes through the one trainer (`zoo.engine.loop.trainer.Trainer`) and the one way to build a model
+on a mesh (`zoo.engine.loop.build`), so a model loaded here is the one its run trained, on any mesh.
 """
 
 from __future__ import annotations
@@ -22,19 +22,22 @@ import numpy as np
 from flax import nnx
 from omegaconf import DictConfig, OmegaConf
 
-from zoo.engine import pipeline, registry, rundir, sharding, weights
-from zoo.engine import rngs as zoo_rngs
-from zoo.engine.build import abstract_model, build_on_mesh
-from zoo.engine.checkpoints.reader import read_json
-from zoo.engine.checkpoints.warm_start import read_first, restore_averaged, restore_model
+from zoo.engine import pipeline, registry, sharding, weights
+from zoo.engine.checkpoints import read_first, read_json, restore_averaged, restore_model
 from zoo.engine.config import Config, MeshConfig, checked_dict, checked_params
-from zoo.engine.console import ConsoleHandler
 from zoo.engine.errors import ZooError
-from zoo.engine.host_memory import PAGE, Prefaulted
-from zoo.engine.loop import RunResult, Trainer, evaluate_batches
-from zoo.engine.lora import merge_adapters
-from zoo.engine.steps import make_eval_step
-from zoo.engine.validate import check_split
+from zoo.engine.loop import (
+    RunLog,
+    RunResult,
+    Trainer,
+    abstract_model,
+    build_on_mesh,
+    check_split,
+    evaluate_batches,
+)
+from zoo.engine.report import ConsoleHandler
+from zoo.engine.steps import eval_key, make_eval_step
+from zoo.engine.weights import PAGE, Prefaulted, merge_adapters
 from zoo.hub import local
 from zoo.overrides import compose
 from zoo.pretrained import is_pretrained_dir
@@ -46,14 +49,14 @@ def fit(model: str, *overrides: str, callbacks: Sequence[Any] = ()) -> RunResult
     its final eval metrics and its workdir. It prints what the CLI prints and writes what the
     CLI writes (`train.log`, `.hydra/`). `callbacks`: see "Callbacks" in the README."""
     args = [f"model={model}", *overrides]
-    with console_logging(), rundir.RunLog() as run_log:
+    with console_logging(), RunLog() as run_log:
         trainer = Trainer(compose(args), callbacks=callbacks)
         return trainer.fit(overrides=args, run_log=run_log)
 
 
 def run(cfg: DictConfig) -> RunResult:
     """Train a composed config (`zoo.compose([...])`) as the CLI does, printing its lines."""
-    with console_logging(), rundir.RunLog() as run_log:
+    with console_logging(), RunLog() as run_log:
         return Trainer(cfg).fit(run_log=run_log)
 
 
@@ -597,7 +600,7 @@ def evaluate(
     batches = pipeline.eval_batches(data, size, transform=transform)
     graphdef, state = nnx.split((trained.model, None))
     eval_step = make_eval_step(graphdef, entry.loss)
-    key = zoo_rngs.eval_key(int(config.seed))
+    key = eval_key(int(config.seed))
 
     def step(state: Any, batch: Mapping[str, jax.Array]) -> Any:
         return eval_step(state, {}, batch, key)
@@ -734,7 +737,7 @@ def create_model(
     The params are born sharded on a device mesh, as their logical annotations and the rules
     ask; `mesh` takes the keys of the `mesh` config section (default: data parallel over every
     device), `devices` restricts it to some devices. Call the model under
-    `zoo.engine.sharding.activate(...)` (or use the trainer), since explicit sharding needs a mesh.
+    `zoo.engine.sharding.mesh.activate(...)` (or use the trainer), since explicit sharding needs a mesh.
     """
     entry = registry.get_model(name)
     hparams = checked_params(f"model '{name}'", entry.config, overrides)

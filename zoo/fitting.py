@@ -26,8 +26,8 @@ from omegaconf import DictConfig, OmegaConf
 from zoo.data.text import bpe_size, load_tokenizer, trained_tokenizer
 from zoo.engine import registry
 from zoo.engine.errors import ZooError
+from zoo.engine.loop import check_keys
 from zoo.engine.pipeline import training_rows
-from zoo.engine.validate import check_keys
 from zoo.pretrained import is_pretrained_dir
 
 log = logging.getLogger("zoo")

@@ -55,7 +55,7 @@ JOB_LOGGING = {
         "file": {"format": "[%(asctime)s][%(name)s][%(levelname)s] %(message)s"},
     },
     "handlers": {
-        "console": {"class": "zoo.engine.console.ConsoleHandler", "formatter": "console"},
+        "console": {"class": "zoo.engine.report.ConsoleHandler", "formatter": "console"},
         "file": {
             "class": "logging.FileHandler",
             "formatter": "file",

@@ -2,7 +2,7 @@
 
 `compose(["model=xor", "trainer.steps=500"])` is what `python -m zoo.train model=xor
 trainer.steps=500` trains: Hydra composes the registered model's and data set's configs with the
-overrides against the typed schema, then `zoo.engine.validate` checks the values. Every failure is
+overrides against the typed schema, then `zoo.engine.loop.config_checks` checks the values. Every failure is
 one paragraph naming the bad override and what would be valid.
 """
 
@@ -20,9 +20,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from zoo.engine import registry
 from zoo.engine.config import reason as config_reason
-from zoo.engine.dispatch import CADENCES
 from zoo.engine.errors import ZooError
-from zoo.engine.validate import validate
+from zoo.engine.loop import CADENCES, validate
 from zoo.fitting import (
     fit_context,
     fit_epochs,

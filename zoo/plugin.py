@@ -34,10 +34,9 @@ Everything here is re-exported from the engine (`zoo.engine`), whose other modul
 of the plugin surface.
 """
 
-from zoo.engine.abstract import partitioned, repeated
-from zoo.engine.cpu_dot import dot_general as dense_dot_general
-from zoo.engine.dense import TransposedLinear, outputs_first_product
 from zoo.engine.errors import ZooError
+from zoo.engine.kernels import TransposedLinear, outputs_first_product
+from zoo.engine.kernels import dot_general as dense_dot_general
 from zoo.engine.pipeline import MASK, ExampleSource
 from zoo.engine.registry import (
     COMMON_INERT,
@@ -59,8 +58,8 @@ from zoo.engine.registry import (
     register_model,
 )
 from zoo.engine.report import EvalReport, ReplyPrompt, image_grid
-from zoo.engine.rngs import construction_rngs
-from zoo.engine.sharding import logical_spec, unsplit_batch
+from zoo.engine.sharding import logical_spec, partitioned, repeated, unsplit_batch
+from zoo.engine.steps import construction_rngs
 
 __all__ = [
     "COMMON_INERT",

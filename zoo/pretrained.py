@@ -1,6 +1,6 @@
 """A pretrained checkpoint directory where a zoo workdir goes: what a run starting from one needs.
 
-`finetune.init_from=DIR` on a pretrained directory (see `zoo.engine.weights`) makes the model what
+`finetune.init_from=DIR` on a pretrained directory (see `zoo.engine.weights.pretrained`) makes the model what
 the checkpoint's `config.json` implies (its sizes, vocabulary, options: `model.*` keys the
 command line did not set itself), except what the run's data set decides (an image data set's
 `input_shape` and `num_classes`: the model adapts the checkpoint to them, e.g. ViT positions

@@ -26,13 +26,10 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from zoo.cli import load_plugins
-from zoo.engine import registry, rundir
-from zoo.engine.build import check_buildable
-from zoo.engine.checkpoints import resume
-from zoo.engine.console import CONSOLE
+from zoo.engine import checkpoints, registry
 from zoo.engine.errors import ZooError
-from zoo.engine.loop import Trainer
-from zoo.engine.signals import Interrupted
+from zoo.engine.loop import Interrupted, RunLog, Trainer, check_buildable, check_usable
+from zoo.engine.report import CONSOLE
 from zoo.hydra_store import store_registry
 from zoo.overrides import check_once, compose, sweep_jobs
 
@@ -43,7 +40,7 @@ EXIT_BAD_INPUT = 2
 CONSOLE_LOGGING = {
     "version": 1,
     "formatters": {"console": {"format": "%(message)s"}},
-    "handlers": {"console": {"class": "zoo.engine.console.ConsoleHandler", "formatter": "console"}},
+    "handlers": {"console": {"class": "zoo.engine.report.ConsoleHandler", "formatter": "console"}},
     "root": {"level": "INFO", "handlers": ["console"]},
     "disable_existing_loggers": False,
 }
@@ -79,8 +76,8 @@ def _checked(job: Job) -> Job:
         data_params = OmegaConf.to_container(cfg.data, enum_to_str=True)
         hparams = model.resolve(OmegaConf.to_container(cfg.model), data, data_params)
         check_buildable(model, hparams, cfg.finetune)
-        rundir.check_usable(cfg.workdir, cfg.distributed.process_id or 0)
-        resume.precheck(cfg)
+        check_usable(cfg.workdir, cfg.distributed.process_id or 0)
+        checkpoints.precheck(cfg)
         job.config = cfg
     except ZooError as e:
         job.error = str(e)
@@ -89,7 +86,7 @@ def _checked(job: Job) -> Job:
 
 def run(job: Job) -> int:
     """Train one job; its exit status."""
-    with rundir.RunLog() as run_log:  # from the start: the trainer's set-up logs too
+    with RunLog() as run_log:  # from the start: the trainer's set-up logs too
         try:
             Trainer(job.config).fit(overrides=job.overrides, run_log=run_log)
         except ZooError as e:  # in train.log too if the run had started writing

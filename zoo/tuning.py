@@ -26,11 +26,11 @@ from zoo.api import (
     saved_config,
 )
 from zoo.data.conversations import write_conversations
-from zoo.engine import registry, rundir, weights
-from zoo.engine.checkpoints.warm_start import locate
+from zoo.engine import registry, weights
+from zoo.engine.checkpoints import locate
 from zoo.engine.errors import ZooError
-from zoo.engine.freeze import Filter
-from zoo.engine.loop import RunResult, Trainer
+from zoo.engine.loop import RunLog, RunResult, Trainer
+from zoo.engine.weights import Filter
 from zoo.hub import local
 from zoo.overrides import composed
 from zoo.pretrained import is_pretrained_dir, run_tokenizer
@@ -125,7 +125,7 @@ def finetune(
 
     Running the same call again with the same workdir resumes it (a finished run returns at
     once), as the CLI does. It prints and writes what the CLI does (`train.log`, `.hydra/`)."""
-    with console_logging(), rundir.RunLog() as run_log:
+    with console_logging(), RunLog() as run_log:
         named = [o for o in overrides if o.startswith("data=")]
         if named and data is None:  # `data=NAME` among the overrides, as on the command line
             data, overrides = (

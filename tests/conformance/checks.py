@@ -16,9 +16,11 @@ from helpers import overriding
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from omegaconf import DictConfig, OmegaConf
-from zoo.engine import abstract, registry, sharding
-from zoo.engine.build import abstract_model, build_model
-from zoo.engine.sharding import DEFAULT_RULES
+from zoo.engine import registry
+from zoo.engine.loop.build import abstract_model, build_model
+from zoo.engine.sharding import abstract
+from zoo.engine.sharding import mesh as sharding
+from zoo.engine.sharding.mesh import DEFAULT_RULES
 
 import zoo
 from zoo.api import resolved_hparams

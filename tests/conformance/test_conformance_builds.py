@@ -1,4 +1,4 @@
-"""Every model, as its tiny configuration makes it: an abstract build (`zoo.engine.abstract`:
+"""Every model, as its tiny configuration makes it: an abstract build (`zoo.engine.sharding.abstract`:
 initialisers not run, alike layers cloned) gives exactly the structure, shapes, dtypes and
 sharding annotations that tracing its constructor in full (`nnx.eval_shape`) gives."""
 

@@ -21,7 +21,8 @@ from conformance.checks import MESH, tiny_models, zoo_models
 from flax import nnx
 from helpers import ROOT
 from safetensors.numpy import load_file
-from zoo.engine import registry, weights
+from zoo.engine import registry
+from zoo.engine.weights import pretrained as weights
 
 import zoo
 

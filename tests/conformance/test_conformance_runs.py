@@ -26,8 +26,8 @@ from conformance.checks import (
 )
 from flax import nnx
 from omegaconf import DictConfig
-from zoo.engine import pipeline
-from zoo.engine.loop import Trainer
+from zoo.engine.loop.trainer import Trainer
+from zoo.engine.pipeline import batches as pipeline
 
 import zoo
 from zoo.api import Reads, resolved_hparams

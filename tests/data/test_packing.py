@@ -14,7 +14,7 @@ from helpers import ROOT, overriding
 from zoo.data.chat import chat
 from zoo.data.packing import first_fit, pack
 from zoo.engine.errors import ZooError
-from zoo.engine.loop import Trainer
+from zoo.engine.loop.trainer import Trainer
 
 import zoo
 

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from zoo.data import vision
 from zoo.data.files import CACHE_ENV
-from zoo.engine import pipeline
 from zoo.engine.errors import ZooError
+from zoo.engine.pipeline import batches as pipeline
 from zoo.engine.registry import get_data
 
 DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")

@@ -3,7 +3,7 @@ writer's own timer fires once an hour instead of every few seconds, and its file
 instead of 8 KiB (a full buffer would otherwise write the events before it as a side effect)."""
 
 import tensorboardX.record_writer
-from zoo.engine import report
+from zoo.engine.report import reporter as report
 
 report.FLUSH_SECS = 3600
 

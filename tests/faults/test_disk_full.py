@@ -14,7 +14,7 @@ import subprocess
 import pytest
 from fault_tools import MLP, assert_same_arrays, final_arrays, kept, run
 from helpers import ROOT, overriding
-from zoo.engine import event_files
+from zoo.engine.report import event_files
 
 # Checkpoints of about 1 MB: the room left on the full disk holds the run's log lines, not them.
 ARGS = overriding(

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from helpers import ROOT, export_cli, run_cli
-from zoo.engine import weights
+from zoo.engine.weights import pretrained as weights
 
 import zoo
 from zoo.export.token_ids import special_token_ids

@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 from helpers import ROOT
 from omegaconf import OmegaConf
-from zoo.engine import weights
+from zoo.engine.weights import pretrained as weights
 
 import zoo
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from helpers import assert_same_bits, read_events, run_cli, scalar_steps
-from zoo.engine.lora import ShardedLoRA
+from zoo.engine.weights.lora import ShardedLoRA
 
 import zoo
 

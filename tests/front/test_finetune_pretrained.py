@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from helpers import ROOT, TINY_TEXT_FINETUNE
-from zoo.engine import weights
+from zoo.engine.weights import pretrained as weights
 
 import zoo
 

@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 from helpers import ROOT, run_cli
 from safetensors.numpy import load_file
-from zoo.engine import weights
+from zoo.engine.weights import pretrained as weights
 
 import zoo
 

@@ -15,8 +15,8 @@ import pytest
 from flax import nnx
 from helpers import ROOT, generate_cli, run_cli
 from zoo.data.text import load_tokenizer
-from zoo.engine.precision import computing
-from zoo.engine.rngs import on_eval_key
+from zoo.engine.steps.precision import computing
+from zoo.engine.steps.rngs import on_eval_key
 from zoo.models.generate import generate_tokens
 
 import zoo

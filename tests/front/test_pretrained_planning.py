@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 from flax import nnx
 from safetensors.numpy import save_file
-from zoo.engine import registry, weights
+from zoo.engine import registry
 from zoo.engine.registry import Family, Rule, register_family
+from zoo.engine.weights import pretrained as weights
 from zoo.models.xor import binary_classification_loss
 
 import zoo

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 from conformance.checks import ONE_DEVICE, RULES, make_mesh, on_mesh
 from flax import nnx
-from zoo.engine import registry, weights
+from zoo.engine import registry
+from zoo.engine.weights import pretrained as weights
 
 FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "pretrained"
 HAS_REFERENCE = all(importlib.util.find_spec(m) for m in ("torch", "transformers"))

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from conformance.checks import MESH, ONE_DEVICE
 from model_checks import Models, outputs
-from zoo.engine.sharding import logical_spec
+from zoo.engine.sharding.mesh import logical_spec
 from zoo.models.attention_route import Platform, Route, current_platform, route
 from zoo.models.kv_cache import Slots
 

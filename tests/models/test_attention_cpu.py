@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from conformance.checks import MESH, on_mesh
 from jax.sharding import PartitionSpec as P
-from zoo.engine.sharding import logical_spec
+from zoo.engine.sharding.mesh import logical_spec
 from zoo.models import attention_cpu
 
 BATCH, HEADS, HEAD_DIM = 4, 2, 8  # the batch splits 4 ways, the heads 2

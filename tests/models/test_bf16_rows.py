@@ -1,4 +1,4 @@
-"""zoo.engine.bf16_rows: the bfloat16 product of a few rows by a kernel held outputs first, on the
+"""zoo.engine.kernels.bf16_rows: the bfloat16 product of a few rows by a kernel held outputs first, on the
 CPU's bfloat16 dot products where the CPU has them (AVX-512 BF16), XLA's product elsewhere. On
 either path it is the float32 sum of the exact products of the bfloat16 operands to within
 float32 rounding, rounded to bfloat16 as XLA rounds, for every row count and remainder of the
@@ -23,9 +23,9 @@ import pytest
 from conformance.checks import MESH, ONE_DEVICE, on_mesh
 from flax import nnx
 from pretrained_checks import FIXTURES, loaded
-from zoo.engine import bf16_rows
-from zoo.engine.dense import FEW_ROWS, outputs_first_product
 from zoo.engine.errors import ZooError
+from zoo.engine.kernels import bf16_rows
+from zoo.engine.kernels.dense import FEW_ROWS, outputs_first_product
 from zoo.models.generation import Sampling, Session
 from zoo.models.kv_cache import Slots
 

@@ -18,7 +18,9 @@ import numpy as np
 import pytest
 from conformance.checks import tiny_models
 from helpers import ROOT
-from zoo.engine import registry, sharding, weights
+from zoo.engine import registry
+from zoo.engine.sharding import mesh as sharding
+from zoo.engine.weights import pretrained as weights
 
 import zoo
 from zoo.api import checkpoint_hparams, plan_pretrained

@@ -1,4 +1,4 @@
-"""zoo.engine.cpu_dot: a dense layer's bfloat16 product on a CPU, forward and backward, equals the
+"""zoo.engine.kernels.cpu_dot: a dense layer's bfloat16 product on a CPU, forward and backward, equals the
 float32 product of the same bfloat16 operands to within one bfloat16 rounding, on one device
 and split over a mesh, with the kernel held inputs first (`nnx.Linear`'s) or outputs first
 (`TransposedLinear`'s), gives the same bits when rerun, and reaches XLA:CPU's products with
@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 from conformance.checks import MESH, on_mesh
 from flax import nnx
-from zoo.engine import cpu_dot
-from zoo.engine.precision import lowered
-from zoo.engine.sharding import logical_spec
+from zoo.engine.kernels import cpu_dot
+from zoo.engine.sharding.mesh import logical_spec
+from zoo.engine.steps.precision import lowered
 from zoo.models.decoder import Decoder
 from zoo.models.generate import generate_tokens
 from zoo.models.layers import dense, head_projections
@@ -56,7 +56,7 @@ def held_outputs_first(w, k):
 
 def transposed_linear(x, held, k):
     """`TransposedLinear`'s call with the kernel `held` (outputs..., inputs...) and no bias, on x
-    (as LoRA calls it with a kernel of its own, `zoo.engine.lora`)."""
+    (as LoRA calls it with a kernel of its own, `zoo.engine.weights.lora`)."""
     inputs, outputs = held.shape[held.ndim - k :], held.shape[: held.ndim - k]
     layer = SimpleNamespace(kernel=held, bias=None, in_features=inputs, out_features=outputs)
     return TransposedLinear.__call__(layer, x)

@@ -17,9 +17,9 @@ import pytest
 from conformance.checks import MESH, ONE_DEVICE, make_mesh, on_one_device, tiny_hparams
 from flax import nnx
 from zoo.data.text import TOKENS
-from zoo.engine import sharding
 from zoo.engine.registry import get_data
-from zoo.engine.sharding import DEFAULT_RULES
+from zoo.engine.sharding import mesh as sharding
+from zoo.engine.sharding.mesh import DEFAULT_RULES
 from zoo.models.decoder_parts import Attention, LayerOptions
 from zoo.models.kv_cache import Slots
 from zoo.models.rope import Rope, inverse_frequencies, rotation

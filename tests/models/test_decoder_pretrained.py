@@ -27,7 +27,9 @@ from pretrained_checks import (
     reference,
     script,
 )
-from zoo.engine import registry, sharding, weights
+from zoo.engine import registry
+from zoo.engine.sharding import mesh as sharding
+from zoo.engine.weights import pretrained as weights
 from zoo.models.generate import generate_tokens
 
 import zoo

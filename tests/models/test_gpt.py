@@ -26,11 +26,13 @@ from flax import nnx
 from helpers import one_step, read_events
 from model_checks import Models, outputs
 from zoo.data.text import LENGTH, TOKENS
-from zoo.engine import abstract, registry, sharding
-from zoo.engine.build import build_model
-from zoo.engine.loop import Trainer
+from zoo.engine import registry
+from zoo.engine.loop.build import build_model
+from zoo.engine.loop.trainer import Trainer
 from zoo.engine.registry import get_data
-from zoo.engine.sharding import DEFAULT_RULES
+from zoo.engine.sharding import abstract
+from zoo.engine.sharding import mesh as sharding
+from zoo.engine.sharding.mesh import DEFAULT_RULES
 from zoo.models import generate as sampling
 from zoo.models import generation
 

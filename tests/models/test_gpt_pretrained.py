@@ -17,7 +17,7 @@ from conformance.checks import ONE_DEVICE
 from helpers import ROOT
 from pretrained_checks import loaded
 from pretrained_checks import logits as pretrained_logits
-from zoo.engine import weights
+from zoo.engine.weights import pretrained as weights
 
 import zoo
 from zoo.api import checkpoint_hparams, plan_pretrained

@@ -16,7 +16,7 @@ from helpers import assert_same_bits, read_events, run_and_signal, run_cli, scal
 from PIL import Image
 from zoo.engine.checkpoints.manager import Checkpointer
 from zoo.engine.checkpoints.reader import abstract_like
-from zoo.engine.loop import Trainer
+from zoo.engine.loop.trainer import Trainer
 
 import zoo
 from zoo.overrides import compose

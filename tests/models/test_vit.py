@@ -8,8 +8,8 @@ import pytest
 from conformance.checks import ONE_DEVICE, on_mesh, planned_split, tiny_config
 from flax import nnx
 from model_checks import Models, digits
-from zoo.engine import rngs as zoo_rngs
-from zoo.engine.loop import Trainer
+from zoo.engine.loop.trainer import Trainer
+from zoo.engine.steps import rngs as zoo_rngs
 
 import zoo
 

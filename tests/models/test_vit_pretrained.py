@@ -9,7 +9,7 @@ import numpy as np
 import pretrained_checks as checks
 import pytest
 from pretrained_checks import FIXTURES, exported, loaded, logits, reference, script
-from zoo.engine import weights
+from zoo.engine.weights import pretrained as weights
 
 import zoo
 

@@ -10,7 +10,7 @@ from flax import nnx
 from helpers import one_step, overriding
 from zoo.engine import registry
 from zoo.engine.errors import ZooError
-from zoo.engine.loop import Trainer
+from zoo.engine.loop.trainer import Trainer
 
 import zoo
 
@@ -45,7 +45,7 @@ def trainer(model: str, workdir, mesh: dict[str, int], *extra: str) -> Trainer:
 
 def updated_params(t: Trainer) -> list[np.ndarray]:
     """The params after the first train step."""
-    from zoo.engine import sharding
+    from zoo.engine.sharding import mesh as sharding
 
     batch = next(iter(t.train_data))
     with sharding.activate(t.mesh, t.rules):

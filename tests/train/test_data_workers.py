@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from helpers import ROOT, overriding
 from image_files import RUN_ARGS as ARGS
-from zoo.engine import pipeline
 from zoo.engine.checkpoints.resume import config_changes
+from zoo.engine.pipeline import batches as pipeline
 
 
 class RowSource(pipeline.ExampleSource):

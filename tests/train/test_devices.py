@@ -1,4 +1,4 @@
-"""zoo.engine.devices: a run says which devices it computes on, and warns, naming the fix, when
+"""zoo.engine.report.devices: a run says which devices it computes on, and warns, naming the fix, when
 a machine with an NVIDIA GPU (a driver file, or nvidia-smi on the PATH) trains on JAX's CPU
 build; not on a GPU, not without a sign of one, not when JAX_PLATFORMS chose the platform."""
 
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import jax
 import pytest
-from zoo.engine import devices
+from zoo.engine.report import devices
 
 import zoo
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import stateful_model
 from helpers import assert_same_bits, overriding, read_events, run_cli, scalar_steps
-from zoo.engine.loop import Trainer
+from zoo.engine.loop.trainer import Trainer
 
 import zoo
 

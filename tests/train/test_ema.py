@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from flax import nnx
 from helpers import overriding, read_events
-from zoo.engine import sharding
 from zoo.engine.errors import ZooError
-from zoo.engine.loop import Trainer
+from zoo.engine.loop.trainer import Trainer
+from zoo.engine.sharding import mesh as sharding
 
 import zoo
 

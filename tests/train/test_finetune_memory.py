@@ -9,8 +9,8 @@ import json
 
 import jax
 from helpers import ROOT
-from zoo.engine.loop import Trainer
-from zoo.engine.memory import step_memory
+from zoo.engine.loop.trainer import Trainer
+from zoo.engine.report.memory import step_memory
 
 import zoo
 from benchmarks import finetune_memory

@@ -7,9 +7,10 @@ import pytest
 from conformance.checks import RULES, make_mesh, tiny_hparams, zoo_models
 from flax import nnx
 from jax.sharding import PartitionSpec as P
-from zoo.engine import registry, sharding
-from zoo.engine.build import abstract_model
-from zoo.engine.plan import plan_state
+from zoo.engine import registry
+from zoo.engine.loop.build import abstract_model
+from zoo.engine.sharding import mesh as sharding
+from zoo.engine.sharding.plan import plan_state
 
 FSDP8 = {"data": 1, "fsdp": 8, "tensor": 1}
 

@@ -1,10 +1,10 @@
-"""Host buffers for a checkpoint fill (`zoo.engine.host_memory`): pages readied on a thread, carved
+"""Host buffers for a checkpoint fill (`zoo.engine.weights.host_memory`): pages readied on a thread, carved
 into page-aligned, zeroed buffers that jax on CPU adopts without a copy; what is left over goes
 back to the kernel."""
 
 import jax
 import numpy as np
-from zoo.engine.host_memory import PAGE, Prefaulted, page_buffer
+from zoo.engine.weights.host_memory import PAGE, Prefaulted, page_buffer
 
 MIB = 2**20
 

@@ -9,8 +9,8 @@ import pytest
 from conformance.checks import make_mesh
 from flax import nnx
 from jax.sharding import PartitionSpec as P
-from zoo.engine import sharding
-from zoo.engine.plan import create_sharded
+from zoo.engine.sharding import mesh as sharding
+from zoo.engine.sharding.plan import create_sharded
 
 from zoo.plugin import ZooError, partitioned
 

@@ -10,7 +10,7 @@ import re
 import jax
 from flax import nnx
 from helpers import read_events, scalar_steps
-from zoo.engine.memory import device_memory
+from zoo.engine.report.memory import device_memory
 
 import zoo
 

@@ -12,10 +12,11 @@ import optax
 import pytest
 from flax import nnx
 from omegaconf import OmegaConf
-from zoo.engine import registry, sharding
-from zoo.engine.freeze import dotted
-from zoo.engine.loop import Trainer
-from zoo.engine.optim import learning_rate_schedule, make_optimizer
+from zoo.engine import registry
+from zoo.engine.loop.trainer import Trainer
+from zoo.engine.sharding import mesh as sharding
+from zoo.engine.steps.optim import learning_rate_schedule, make_optimizer
+from zoo.engine.weights.freeze import dotted
 
 import zoo
 

@@ -13,8 +13,8 @@ import pytest
 from flax import nnx
 from helpers import assert_same_bits, overriding
 from zoo.engine.checkpoints.reader import restore_arrays
-from zoo.engine.loop import Trainer
-from zoo.engine.master import MasterWeightsOptimizer, masters
+from zoo.engine.loop.trainer import Trainer
+from zoo.engine.weights.master import MasterWeightsOptimizer, masters
 
 import zoo
 from zoo.plugin import logical_spec, partitioned

@@ -5,7 +5,7 @@ from __future__ import annotations
 import grain
 import numpy as np
 import pytest
-from zoo.engine import pipeline
+from zoo.engine.pipeline import batches as pipeline
 from zoo.engine.registry import get_data
 
 import zoo

@@ -11,11 +11,14 @@ from conformance.checks import zoo_models
 from flax import nnx
 from helpers import overriding
 from jax.extend import core as jcore
-from zoo.engine import pipeline, precision, registry, sharding
-from zoo.engine import rngs as zoo_rngs
+from zoo.engine import registry
 from zoo.engine.checkpoints.manager import Checkpointer
 from zoo.engine.checkpoints.reader import abstract_like
-from zoo.engine.steps import make_train_step, zero_metrics
+from zoo.engine.pipeline import batches as pipeline
+from zoo.engine.sharding import mesh as sharding
+from zoo.engine.steps import precision
+from zoo.engine.steps import rngs as zoo_rngs
+from zoo.engine.steps.functions import make_train_step, zero_metrics
 
 import zoo
 
@@ -37,7 +40,7 @@ def tiny(model: str) -> tuple[str, ...]:
 
 def fit(model: str, workdir, *extra: str) -> zoo.RunResult:
     overrides = overriding(f"model={model}", *tiny(model), *COMMON, f"workdir={workdir}", *extra)
-    from zoo.engine.loop import Trainer
+    from zoo.engine.loop.trainer import Trainer
 
     return Trainer(zoo.compose(overrides), jax.devices()[:1]).fit()
 
@@ -131,7 +134,7 @@ def test_bf16_train_step_multiplies_in_bf16_and_keeps_float32_where_it_must(tmp_
     The same matmul check fails on the fp32 step."""
     extra = ("model.scan_layers=true", "model.remat=true", "trainer.precision=bf16")
     overrides = overriding("model=gpt", *tiny("gpt"), *COMMON, *extra, f"workdir={tmp_path}")
-    from zoo.engine.loop import Trainer
+    from zoo.engine.loop.trainer import Trainer
 
     trainer = Trainer(zoo.compose(overrides), jax.devices()[:1])
     with sharding.activate(trainer.mesh, trainer.rules):

@@ -16,8 +16,8 @@ import pytest
 from flax import nnx
 from helpers import ROOT, TINY_TEXT_FINETUNE, run_cli
 from zoo.engine.errors import ZooError
-from zoo.engine.lora import ShardedLoRA, add_adapters
-from zoo.engine.quantize import QTYPES, TILE, Layout, dequantize, quantize
+from zoo.engine.weights.lora import ShardedLoRA, add_adapters
+from zoo.engine.weights.quantize import QTYPES, TILE, Layout, dequantize, quantize
 
 import zoo
 

@@ -16,10 +16,10 @@ import pytest
 import stateful_model
 from flax import nnx
 from helpers import ROOT, assert_same_bits, overriding, read_events, run_cli, scalar_steps
-from zoo.engine import pipeline
 from zoo.engine.checkpoints.manager import Checkpointer
 from zoo.engine.checkpoints.reader import abstract_like
-from zoo.engine.loop import Trainer
+from zoo.engine.loop.trainer import Trainer
+from zoo.engine.pipeline import batches as pipeline
 from zoo.engine.registry import Splits, get_data
 
 import zoo

@@ -9,9 +9,10 @@ import jax
 import pytest
 from flax import nnx
 from helpers import assert_same_bits
-from zoo.engine import registry, rngs
-from zoo.engine.build import build_model
-from zoo.engine.rngs import construction_rngs
+from zoo.engine import registry
+from zoo.engine.loop.build import build_model
+from zoo.engine.steps import rngs
+from zoo.engine.steps.rngs import construction_rngs
 from zoo.models import gpt
 
 GPT = {

@@ -10,8 +10,8 @@ import pytest
 from flax import nnx
 from helpers import one_step, overriding, read_events, run_cli
 from jax.sharding import PartitionSpec as P
-from zoo.engine import sharding
-from zoo.engine.loop import Trainer
+from zoo.engine.loop.trainer import Trainer
+from zoo.engine.sharding import mesh as sharding
 
 import zoo
 

@@ -30,8 +30,8 @@ from PIL import Image
 from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
 from zoo.engine.checkpoints.manager import Checkpointer
 from zoo.engine.checkpoints.reader import abstract_like
-from zoo.engine.loop import Trainer
-from zoo.engine.summaries import COLUMNS, column_name
+from zoo.engine.loop.trainer import Trainer
+from zoo.engine.report.summaries import COLUMNS, column_name
 
 import zoo
 from benchmarks.tensorboard_screens import fetch_json, tensorboard, wait_for_tags

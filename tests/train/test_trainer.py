@@ -9,13 +9,14 @@ import stateful_model
 from flax import nnx
 from helpers import assert_same_bits, overriding, read_events, scalar_steps
 from jax.sharding import PartitionSpec as P
-from zoo.engine import pipeline, sharding
 from zoo.engine.checkpoints.manager import Checkpointer
 from zoo.engine.checkpoints.reader import abstract_like
-from zoo.engine.loop import Trainer
-from zoo.engine.norms import global_norm
+from zoo.engine.loop.trainer import Trainer
+from zoo.engine.pipeline import batches as pipeline
 from zoo.engine.registry import get_data
-from zoo.engine.steps import make_grad_step
+from zoo.engine.sharding import mesh as sharding
+from zoo.engine.steps.functions import make_grad_step
+from zoo.engine.steps.norms import global_norm
 
 import zoo
 

@@ -8,7 +8,7 @@ The order, first match wins:
      If none can be read, an error: the run never silently starts over on top of them.
   3. No checkpoint (or `trainer.resume=never` on a workdir without any): a fresh start, its
      params and BatchNorm statistics filled from `finetune.init_from` when that is set (a zoo
-     workdir, or a pretrained checkpoint directory: see `zoo.engine.weights`).
+     workdir, or a pretrained checkpoint directory: see `zoo.engine.weights.pretrained`).
   4. Otherwise a fresh start from the seed.
 
 A restored checkpoint gives everything the run's future depends on: the state (resharded onto
@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any
 import jax
 from flax import nnx
 from omegaconf import DictConfig
-from zoo.engine import weights
 from zoo.engine.checkpoints import resume
 from zoo.engine.checkpoints.failures import reason
 from zoo.engine.checkpoints.manager import FORMATS, Checkpointer
@@ -34,7 +33,8 @@ from zoo.engine.checkpoints.reader import abstract_like, read_json
 from zoo.engine.checkpoints.warm_start import read_first, warm_start
 from zoo.engine.config import resume_step
 from zoo.engine.errors import ZooError
-from zoo.engine.steps import Metrics
+from zoo.engine.steps.functions import Metrics
+from zoo.engine.weights import pretrained as weights
 
 if TYPE_CHECKING:
     import grain

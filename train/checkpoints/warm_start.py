@@ -32,9 +32,9 @@ from zoo.engine.checkpoints.reader import (
 )
 from zoo.engine.config import resume_step
 from zoo.engine.errors import CorruptCheckpoint, ZooError, mismatches
-from zoo.engine.lora import filled
-from zoo.engine.paths import dotted, matches
-from zoo.engine.sharding import AxisRules, variable_sharding
+from zoo.engine.sharding.mesh import AxisRules, variable_sharding
+from zoo.engine.weights.lora import filled
+from zoo.engine.weights.paths import dotted, matches
 
 MODEL = "0"
 OPTIMIZER = "1"
@@ -168,7 +168,7 @@ def restore_averaged(model: nnx.Module, step_path: str, decay: float) -> None:
         key = (*ema, "average", *map(str, path))
         if key in saved:
             averaged.append((key, variable))
-    targets = {  # float32: the average of bfloat16 params is (`zoo.engine.master`)
+    targets = {  # float32: the average of bfloat16 params is (`zoo.engine.weights.master`)
         key: jax.ShapeDtypeStruct(
             v.shape, jnp.promote_types(v.dtype, jnp.float32), sharding=v[...].sharding
         )
@@ -187,7 +187,7 @@ def restore_averaged(model: nnx.Module, step_path: str, decay: float) -> None:
 
 def _ema_link(saved: Mapping[SavedPath, Any]) -> SavedPath:
     """Where the EMA link's state is saved: the last of the optimizer's chain, inside the master
-    weights' state where the run kept them (`zoo.engine.master`)."""
+    weights' state where the run kept them (`zoo.engine.weights.master`)."""
     inner = (OPTIMIZER, "opt_state", "inner")
     return (*inner, "1") if any(key[:3] == inner for key in saved) else (*inner[:2], "1")
 

@@ -44,7 +44,7 @@ from zoo.cli import load_plugins
 from zoo.engine import registry
 from zoo.engine import weights as pretrained
 from zoo.engine.errors import ZooError
-from zoo.engine.lora import merge_adapters
+from zoo.engine.weights import merge_adapters
 from zoo.export.token_ids import special_token_ids
 from zoo.pretrained import run_tokenizer
 

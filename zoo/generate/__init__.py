@@ -40,7 +40,7 @@ from zoo.chat_template import (
 )
 from zoo.cli import load_plugins
 from zoo.data.text import load_tokenizer
-from zoo.engine import precision
+from zoo.engine import steps
 from zoo.engine.errors import ZooError
 from zoo.engine.loop import RunResult
 from zoo.models.generate import Codec, Request, complete
@@ -151,7 +151,7 @@ def _resolved(model: Any, tokenizer: Any):
         tokenizer = load_tokenizer(run_tokenizer(model.config, model.workdir))
     eos = checkpoint_eos(model) if tokenizer is not None else ()
     with model.activate():
-        computing = precision.computing(model.model, model.config.trainer.precision)
+        computing = steps.computing(model.model, model.config.trainer.precision)
     return model, computing, Codec(tokenizer), eos, model.activate
 
 

@@ -1,0 +1,30 @@
+"""Meshes and sharding: the device mesh and the logical-axis rules (`mesh`), the plan they give
+every param (`plan`), abstract arrays that carry their sharding (`abstract`), and several
+processes as one (`distributed`)."""
+
+from zoo.engine.sharding.abstract import partitioned, repeated
+from zoo.engine.sharding.mesh import (
+    DEFAULT_RULES,
+    AxisRules,
+    activate,
+    batch_divisor,
+    logical_spec,
+    make_mesh,
+    mesh_and_rules,
+    shard_batch,
+    unsplit_batch,
+)
+
+__all__ = [
+    "DEFAULT_RULES",
+    "AxisRules",
+    "activate",
+    "batch_divisor",
+    "logical_spec",
+    "make_mesh",
+    "mesh_and_rules",
+    "partitioned",
+    "repeated",
+    "shard_batch",
+    "unsplit_batch",
+]
