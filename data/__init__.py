@@ -1,3 +1,10 @@
 """Data sets (registered on import) and the generic Grain pipelines that batch them."""
 
-from zoo.data import chat, images, tables, text, vision, xor  # noqa: F401  (registers the built-in data sets)
+from zoo.data import (  # noqa: F401  (registers the built-in data sets)
+    builtin_images,
+    chat,
+    image_folders,
+    image_tables,
+    text,
+    xor,
+)

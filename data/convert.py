@@ -16,8 +16,8 @@ from pathlib import Path
 
 import msgpack
 from array_record.python.array_record_module import ArrayRecordWriter
-from zoo.data.examples import Files, OnError, readable
-from zoo.data.images import class_names, scan
+from zoo.data.image_examples import Files, OnError, readable
+from zoo.data.image_folders import class_names, scan
 
 from zoo.plugin import ZooError
 

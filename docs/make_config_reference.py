@@ -6,7 +6,8 @@
 The sections are `zoo.engine.config.Config`'s dataclasses; the `model.*` and `data.*` keys are
 each registered model's and data set's config schema (their constructor's or loader's keyword
 parameters). A key's documentation is the comment that the schema's source has for it: the
-comment lines right above the field or parameter, and the comment at the end of its line. Every
+comment lines right above the field or parameter, and the comment at the end of its line (a
+parameter typed as a dataclass of options stands for its fields, documented so). Every
 key must have one: either command refuses, naming each key without one and where it is declared.
 """
 
@@ -178,7 +179,7 @@ def model_section(name: str) -> list[str]:
         constructor.__dict__.get("__doc__") if inspect.isclass(constructor) else constructor.__doc__
     )
     what = first_paragraph(own or sys.modules[constructor.__module__].__doc__)
-    docs = key_docs(target)
+    docs = parameter_docs(target)
     defaults = [f"data={entry.default_data}"] + [
         f"{section}.{key}={value_text(value)}"
         for section in ("trainer", "optimizer", "data")
@@ -197,7 +198,18 @@ def data_section(name: str) -> list[str]:
     if entry.info:
         facts = ", ".join(f"`{key}` {value_text(value)}" for key, value in entry.info.items())
         lines += [f"It tells models: {facts}.", ""]
-    return lines + key_table("data.", entry.config, key_docs(entry.load), omit=("name",))
+    return lines + key_table("data.", entry.config, parameter_docs(entry.load), omit=("name",))
+
+
+def parameter_docs(fn: Callable[..., Any]) -> dict[str, str]:
+    """The comments of `fn`'s parameters; a parameter typed as a dataclass of options (a data
+    set loader's `options: ImageOptions`, a model's `options: DecoderOptions`) stands for its
+    fields, the config keys, documented by theirs."""
+    docs = key_docs(fn)
+    for name, hint in typing.get_type_hints(inspect.unwrap(fn)).items():
+        if name != "return" and dataclasses.is_dataclass(hint):
+            docs |= key_docs(hint)
+    return docs
 
 
 def render() -> str:

@@ -3,7 +3,7 @@ each training batch's (file, epoch) pairs, appended to `$ZOO_READ_LOG.<pid>`."""
 
 import os
 
-from zoo.data.examples import ImageExamples
+from zoo.data.image_examples import ImageExamples
 
 _examples = ImageExamples.examples
 

@@ -19,7 +19,7 @@ from helpers import ROOT, run_cli
 from image_files import CLASSES, picture, write_folder
 from omegaconf import OmegaConf
 from PIL import Image
-from zoo.data.examples import IMAGENET_MEAN
+from zoo.data.image_options import IMAGENET_MEAN
 from zoo.engine.errors import ZooError
 from zoo.engine.registry import get_data
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from zoo.data import vision
+from zoo.data import builtin_images
 from zoo.data.files import CACHE_ENV
 from zoo.engine.errors import ZooError
 from zoo.engine.pipeline import batches as pipeline
@@ -47,7 +47,7 @@ def write_idx_split(directory: Path, prefix: str, n: int, seed: int, gz: bool = 
 @pytest.mark.parametrize("gz", [True, False])
 def test_idx_split_round_trips_gzipped_or_not(tmp_path, gz):
     (images_path, labels_path), images, labels = write_idx_split(tmp_path, "train", 37, 1, gz)
-    split = vision.read_idx_split(images_path, labels_path)
+    split = builtin_images.read_idx_split(images_path, labels_path)
     assert split["image"].dtype == np.uint8 and split["image"].shape == (37, 28, 28, 1)
     assert split["label"].dtype == np.int32
     np.testing.assert_array_equal(split["image"][..., 0], images)
@@ -71,18 +71,18 @@ def test_a_broken_file_is_refused_naming_it(tmp_path, kind):
     (images_path, labels_path), _, _ = write_idx_split(tmp_path, "train", 30, 2)
     corrupt(kind, images_path)
     with pytest.raises(ZooError, match=re.escape(str(images_path))):
-        vision.read_idx_split(images_path, labels_path)
+        builtin_images.read_idx_split(images_path, labels_path)
 
 
 def test_images_and_labels_must_agree(tmp_path):
     (images_path, _), _, _ = write_idx_split(tmp_path, "train", 30, 3)
     (_, other_labels), _, _ = write_idx_split(tmp_path, "t10k", 20, 3)
     with pytest.raises(ZooError, match="20,.*30 images"):
-        vision.read_idx_split(images_path, other_labels)
+        builtin_images.read_idx_split(images_path, other_labels)
     bad_labels = tmp_path / "bad-labels"
     bad_labels.write_bytes(idx_bytes(np.full(30, 10)))
     with pytest.raises(ZooError, match=f"{re.escape(str(bad_labels))} holds the label 10"):
-        vision.read_idx_split(images_path, bad_labels)
+        builtin_images.read_idx_split(images_path, bad_labels)
 
 
 def test_data_dir_comes_first_and_a_partial_copy_is_refused(tmp_path):
@@ -132,7 +132,7 @@ def test_cifar10_round_trips_from_the_archive_or_its_directory(tmp_path, form):
         path.mkdir()
         for name, (images, labels) in batches.items():
             (path / name).write_bytes(cifar_records(images, labels))
-    train, test = vision.read_cifar10(path)
+    train, test = builtin_images.read_cifar10(path)
     train_names = [f"data_batch_{i}.bin" for i in range(1, 6)]
     np.testing.assert_array_equal(
         train["image"], np.concatenate([batches[n][0] for n in train_names])
@@ -148,11 +148,11 @@ def test_cifar10_refuses_broken_archives_naming_them(tmp_path):
     path = tmp_path / "cifar-10-binary.tar.gz"
     write_cifar_archive(path, cifar_batches(), cut=100)
     with pytest.raises(ZooError, match=f"{re.escape(str(path))}: test_batch.bin holds 9,119 b"):
-        vision.read_cifar10(path)
+        builtin_images.read_cifar10(path)
     write_cifar_archive(path, cifar_batches())
     path.write_bytes(path.read_bytes()[:-2000])
     with pytest.raises(ZooError, match=f"Cannot read {re.escape(str(path))}"):
-        vision.read_cifar10(path)
+        builtin_images.read_cifar10(path)
     write_cifar_archive(path, {"data_batch_1.bin": cifar_batches()["data_batch_1.bin"]})
     with pytest.raises(ZooError, match="lacks data_batch_2.bin"):
         get_data("cifar10").splits({"dir": str(tmp_path), "download": False})
@@ -182,7 +182,7 @@ def matching_view(original: np.ndarray, out: np.ndarray, padding: int) -> tuple[
 @pytest.mark.parametrize(("flip", "channels"), [(False, 1), (True, 1), (True, 3)])
 def test_augment_crops_and_flips_each_image_its_own_way(flip, channels):
     batch = images(channels=channels)
-    out = vision.CropAndFlip(2, flip)(batch, np.random.default_rng(0))
+    out = builtin_images.CropAndFlip(2, flip)(batch, np.random.default_rng(0))
     assert out["image"].shape == batch["image"].shape and out["image"].dtype == np.uint8
     assert out["label"] is batch["label"]
     views = [matching_view(a, b, 2) for a, b in zip(batch["image"], out["image"], strict=True)]
@@ -192,7 +192,7 @@ def test_augment_crops_and_flips_each_image_its_own_way(flip, channels):
 
 def test_augment_is_a_function_of_the_generator():
     batch = images(side=32, channels=3)
-    augment = vision.CropAndFlip(4, True)
+    augment = builtin_images.CropAndFlip(4, True)
 
     def run(seed):
         return augment(batch, np.random.default_rng(seed))["image"]
@@ -205,7 +205,7 @@ def test_augment_is_a_function_of_the_generator():
 def test_normalize_maps_pixels_per_channel(channels):
     mean, std = (0.5, 0.25, 0.0)[:channels], (0.5, 0.125, 2.0)[:channels]
     batch = {**images(n=4, side=5, channels=channels), "mask": np.ones(4, np.float32)}
-    out = vision.Normalize(255, mean, std)(batch)
+    out = builtin_images.Normalize(255, mean, std)(batch)
     assert out["image"].dtype == np.float32 and out["mask"] is batch["mask"]
     expected = (batch["image"] / 255 - np.array(mean)) / np.array(std)
     np.testing.assert_allclose(out["image"], expected, rtol=1e-5, atol=1e-6)
@@ -229,7 +229,7 @@ def test_digits_has_the_documented_split(digits):
         assert set(np.unique(split["label"])) == set(range(10))
     again = get_data("digits").splits({})
     np.testing.assert_array_equal(again.eval["image"], digits.eval["image"])
-    assert again.augment is None and isinstance(digits.augment, vision.CropAndFlip)
+    assert again.augment is None and isinstance(digits.augment, builtin_images.CropAndFlip)
     normalized = digits.transform(dict(digits.train))["image"]
     assert normalized.dtype == np.float32
     assert abs(normalized.mean()) < 0.01 and abs(normalized.std() - 1) < 0.01

@@ -52,21 +52,6 @@ class ExampleSource(abc.ABC):
         row) for training, or as evaluated (`epochs` None)."""
 
 
-class _Examples:
-    """An `ExampleSource`: a batch is its examples, made by the source."""
-
-    def __init__(self, source: ExampleSource, what: str):
-        if len(source) == 0:
-            raise ZooError(f"The {what} split is empty.")
-        self._source = source
-
-    def __len__(self) -> int:
-        return len(self._source)
-
-    def take(self, rows: np.ndarray, epochs: np.ndarray | None = None, seed: int = 0) -> Batch:
-        return self._source.examples(rows, epochs, seed)
-
-
 class _Columns:
     """In-memory columns: a batch is one numpy fancy-index per column."""
 
@@ -85,10 +70,12 @@ class _Columns:
 
 
 class _Records:
-    """A random-access source (a Grain `MapDataset`, or anything with `__len__` and a
-    `__getitem__` that returns a dict of arrays): a batch is its records, stacked."""
+    """A source of records made one at a time: an `ExampleSource`, whose batch is its examples,
+    made (and augmented) by the source; or a random-access source (a Grain `MapDataset`, or
+    anything with `__len__` and a `__getitem__` that returns a dict of arrays), whose batch is
+    its records, stacked."""
 
-    def __init__(self, source: RandomAccess, what: str):
+    def __init__(self, source: ExampleSource | RandomAccess, what: str):
         if len(source) == 0:
             raise ZooError(f"The {what} split is empty.")
         self._source = source
@@ -97,13 +84,15 @@ class _Records:
         return len(self._source)
 
     def take(self, rows: np.ndarray, epochs: np.ndarray | None = None, seed: int = 0) -> Batch:
+        if isinstance(self._source, ExampleSource):
+            return self._source.examples(rows, epochs, seed)
         records = [self._source[int(row)] for row in rows]
         return {name: np.stack([np.asarray(r[name]) for r in records]) for name in records[0]}
 
 
 def _table(data: Mapping[str, np.ndarray] | RandomAccess, what: str) -> _Columns | _Records:
     if isinstance(data, ExampleSource):
-        return _Examples(data, what)
+        return _Records(data, what)
     if isinstance(data, Mapping):
         return _Columns(data, what)
     if hasattr(data, "__len__") and hasattr(data, "__getitem__"):

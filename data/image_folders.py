@@ -8,26 +8,15 @@ seed. Files are taken by extension (`.jpg .jpeg .png .webp .bmp`, any case); oth
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import numpy as np
-from zoo.data.examples import (
-    IMAGENET_MEAN,
-    IMAGENET_STD,
-    Files,
-    ImageExamples,
-    NormalizeBy,
-    OnError,
-    Subset,
-    check_image_keys,
-    held_out,
-    readable,
-)
-from zoo.data.imaging import IMAGE_EXTENSIONS, Augment
-from zoo.data.vision import Normalize
+from zoo.data.image_examples import Augment, Files, Subset, readable
+from zoo.data.image_options import ImageOptions, held_out, image_splits, with_image_options
 
 from zoo.plugin import Splits, ZooError, register_data
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
 
 
 def _root(path: str | None) -> Path:
@@ -84,82 +73,26 @@ def _check_val_classes(val: Path, classes: list[str]) -> None:
         )
 
 
-def fingerprint(paths: list[str]) -> str:
-    """Names, sizes and modification times of the files: changes when any of them does."""
-    digest = hashlib.sha256()
-    for path in paths:
-        stat = Path(path).stat()
-        digest.update(f"{path}|{stat.st_size}|{stat.st_mtime_ns}\n".encode())
-    return digest.hexdigest()
-
-
-def image_splits(
-    train: ImageExamples,
-    test: ImageExamples,
-    normalize: NormalizeBy,
-    workers: int,
-    fingerprint: str,
-    class_names: list[str] | None,
-) -> Splits:
-    """The splits, normalised by the training images' statistics or ImageNet's, or only
-    scaled to [0, 1]; `class_names`: of labels 0, 1, ..., where the data names them."""
-    if normalize == NormalizeBy.imagenet:
-        mean, std = IMAGENET_MEAN, IMAGENET_STD
-        mean, std = (mean, std) if train.channels == 3 else ((np.mean(mean),), (np.mean(std),))
-    elif normalize == NormalizeBy.none:
-        mean, std = (0.0,) * train.channels, (1.0,) * train.channels
-    else:
-        mean, std = train.statistics(fingerprint)
-    return Splits(
-        train=train,
-        eval=test,
-        transform=Normalize(255, mean, std),
-        workers=workers,
-        class_names=class_names,
-    )
-
-
-def describe_images(
-    path: str | None = None, image_size: int = 32, channels: int = 3, **keys
-) -> dict:
-    check_image_keys(image_size=image_size, channels=channels, **keys)
+def describe_images(path: str | None = None, **keys) -> dict:
+    options = ImageOptions.of(keys)
     train, _val = _split_dirs(_root(path))
-    return {
-        "input_shape": (image_size, image_size, channels),
-        "num_classes": len(class_names(train)),
-    }
+    return {"input_shape": options.input_shape, "num_classes": len(class_names(train))}
 
 
 @register_data("images", describe=describe_images)
+@with_image_options
 def images(
     # The folder: a subfolder of images per class, or `train/` and `val/` folders of them
     # (required).
     path: str | None = None,
-    # Side, in pixels, of the square every image is resized and cropped to.
-    image_size: int = 32,
-    channels: int = 3,  # 1: grey, 3: RGB
-    # Training images: `none`, `basic` (a random-resized crop, flipped left-right half the time) or
-    # `strong` (and random brightness, contrast and saturation).
-    augment: Augment = Augment.basic,
-    # Per channel: `dataset` by the training images' mean and std, `imagenet` by ImageNet's, `none`
-    # not at all (intensities in [0, 1], for a model that normalises its inputs itself).
-    normalize: NormalizeBy = NormalizeBy.dataset,
-    # Share of each class held out for evaluation (at least one image) when there is no `val/`
-    # split.
-    eval_fraction: float = 0.1,
-    workers: int = 0,  # processes making the training batches; 0: the training process
-    # An image that cannot be decoded: `skip` it with a warning, or `raise`: decode every image
-    # before training and stop, naming each one that fails.
-    on_error: OnError = OnError.skip,
+    *,
+    options: ImageOptions,
 ) -> Splits:
     """A folder of images, one subfolder per class (see the module's doc). Images become
     `image_size` x `image_size` x `channels` (1: grey, 3: RGB), normalised by the training
     images' per-channel statistics (`dataset`), ImageNet's (`imagenet`), or only scaled to
     [0, 1] (`none`: for a model that normalises its inputs itself, as pretrained ones do);
     `workers` processes decode and augment the training batches."""
-    check_image_keys(
-        image_size=image_size, channels=channels, workers=workers, eval_fraction=eval_fraction
-    )
     train_dir, val_dir = _split_dirs(_root(path))
     classes = class_names(train_dir)
     paths, labels = scan(train_dir, classes)
@@ -168,17 +101,13 @@ def images(
         val_paths, val_labels = scan(val_dir, classes, required=False)
         train_files, test_files = Files(paths), Files(val_paths)
     else:
-        train_rows, test_rows = held_out(labels, eval_fraction)
+        train_rows, test_rows = held_out(labels, options.eval_fraction)
         train_files, test_files = Subset(Files(paths), train_rows), Subset(Files(paths), test_rows)
         labels, val_labels = labels[train_rows], labels[test_rows]
-    kept = readable(train_files, on_error, str(train_dir))
-    kept_test = readable(test_files, on_error, str(val_dir or train_dir))
+    kept = readable(train_files, options.on_error, str(train_dir))
+    kept_test = readable(test_files, options.on_error, str(val_dir or train_dir))
     if not kept or not kept_test:
         raise ZooError(f"data.path={path}: no readable image is left in one of the splits.")
-
-    def examples(files, labels, rows, how):
-        return ImageExamples(Subset(files, rows), labels[rows], image_size, channels, how)
-
-    train = examples(train_files, labels, kept, augment)
-    test = examples(test_files, val_labels, kept_test, Augment.none)
-    return image_splits(train, test, normalize, workers, fingerprint(paths), classes)
+    train = options.examples(Subset(train_files, kept), labels[kept], options.augment)
+    test = options.examples(Subset(test_files, kept_test), val_labels[kept_test], Augment.none)
+    return image_splits(train, test, options, paths, classes)

@@ -1,4 +1,4 @@
-"""The image data sets: scikit-learn's 8x8 digits, MNIST, Fashion-MNIST and CIFAR-10.
+"""The built-in image data sets: scikit-learn's 8x8 digits, MNIST, Fashion-MNIST and CIFAR-10.
 
 Every split holds `image` (uint8, N x H x W x C) and `label` (int32, N). Pixels stay uint8 in
 memory (a quarter of the float32 size) and become float32 one batch at a time: the `transform`

@@ -28,17 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 import msgpack
 import numpy as np
-from zoo.data.examples import (
-    ImageExamples,
-    NormalizeBy,
-    OnError,
-    Subset,
-    check_image_keys,
-    held_out,
-    readable,
-)
-from zoo.data.images import fingerprint, image_splits
-from zoo.data.imaging import Augment
+from zoo.data.image_examples import Augment, Subset, readable
+from zoo.data.image_options import ImageOptions, held_out, image_splits, with_image_options
 
 from zoo.plugin import Splits, ZooError, register_data
 
@@ -92,6 +83,14 @@ def class_list(values: Sequence[Any]) -> list[str] | None:
     if len(values) and isinstance(values[0], str | bytes):
         return sorted({str(v) for v in values})
     return None
+
+
+def _check_num_classes(num_classes: int | None) -> None:
+    if num_classes is not None and num_classes < 1:
+        raise ZooError(
+            f"data.num_classes={num_classes} must be at least 1, or null to count the classes "
+            "(the class names, or the largest label + 1)."
+        )
 
 
 def check_labels(labels: np.ndarray, num_classes: int, where: str, column: str) -> None:
@@ -306,14 +305,21 @@ def _num_classes(given: int | None, labels: np.ndarray, classes: list[str] | Non
     return len(classes) if classes else int(labels.max()) + 1 if len(labels) else 0
 
 
-def _tables(fmt: str, suffix: str, params: dict[str, Any]) -> Splits:
-    check_image_keys(**params)
-    columns, where = (params["image_column"], params["label_column"]), f"data.path={params['path']}"
-    train_files, val_files = split_files(params["path"], suffix, fmt)
+def _tables(
+    fmt: str,
+    suffix: str,
+    path: str | None,
+    columns: tuple[str, str],
+    num_classes: int | None,
+    options: ImageOptions,
+) -> Splits:
+    _check_num_classes(num_classes)
+    where = f"data.path={path}"
+    train_files, val_files = split_files(path, suffix, fmt)
     payloads, labels, classes = _labelled(fmt, train_files, columns, where)
     if not len(payloads):
-        raise ZooError(f"data.path={params['path']} holds no {fmt} examples.")
-    num_classes = _num_classes(params["num_classes"], labels, classes)
+        raise ZooError(f"data.path={path} holds no {fmt} examples.")
+    num_classes = _num_classes(num_classes, labels, classes)
     check_labels(labels, num_classes, where, columns[1])
     if val_files is not None:
         val_where = ", ".join(val_files)
@@ -321,43 +327,31 @@ def _tables(fmt: str, suffix: str, params: dict[str, Any]) -> Splits:
         check_labels(test_labels, num_classes, val_where, columns[1])
         train_rows, test_rows = np.arange(len(labels)), np.arange(len(test_labels))
     else:
-        train_rows, test_rows = held_out(labels, params["eval_fraction"])
+        train_rows, test_rows = held_out(labels, options.eval_fraction)
         test_payloads, test_labels = payloads, labels
-    on_error = params["on_error"]
     splits = []
     for source, source_labels, rows, how in (
-        (payloads, labels, train_rows, params["augment"]),
+        (payloads, labels, train_rows, options.augment),
         (test_payloads, test_labels, test_rows, Augment.none),
     ):
         subset = Subset(source, rows)
-        kept = readable(subset, on_error, where)
-        splits.append(
-            ImageExamples(
-                Subset(subset, kept),
-                source_labels[rows][kept],
-                params["image_size"],
-                params["channels"],
-                how,
-            )
-        )
-    files = train_files + (val_files or [])
-    return image_splits(
-        *splits, params["normalize"], params["workers"], fingerprint(files), classes
-    )
+        kept = readable(subset, options.on_error, where)
+        splits.append(options.examples(Subset(subset, kept), source_labels[rows][kept], how))
+    return image_splits(*splits, options, train_files + (val_files or []), classes)
 
 
 def _describe(fmt: str, suffix: str):
     def describe(**params: Any) -> dict[str, Any]:
-        check_image_keys(**params)
-        size, channels = params.get("image_size", 32), params.get("channels", 3)
+        options = ImageOptions.of(params)
         num_classes = params.get("num_classes")
+        _check_num_classes(num_classes)
         if num_classes is None:
             train_files, _ = split_files(params.get("path"), suffix, fmt)
             columns = params.get("image_column", "image"), params.get("label_column", "label")
             where = f"data.path={params.get('path')}"
             _, labels, classes = _labelled(fmt, train_files, columns, where)
             num_classes = _num_classes(None, labels, classes)
-        return {"input_shape": (size, size, channels), "num_classes": num_classes}
+        return {"input_shape": options.input_shape, "num_classes": num_classes}
 
     return describe
 
@@ -378,25 +372,11 @@ def _loader(fmt: str, suffix: str, what: str):
         # Classes; null: the number of class names (a ClassLabel's, or those the labels are), or the
         # largest label + 1.
         num_classes: int | None = None,
-        # Side, in pixels, of the square every image is resized and cropped to.
-        image_size: int = 32,
-        channels: int = 3,  # 1: grey, 3: RGB
-        # Training images: `none`, `basic` (a random-resized crop, flipped left-right half the time)
-        # or `strong` (and random brightness, contrast and saturation).
-        augment: Augment = Augment.basic,
-        # Per channel: `dataset` by the training images' mean and std, `imagenet` by ImageNet's,
-        # `none` not at all (intensities in [0, 1], for a model that normalises its inputs itself).
-        normalize: NormalizeBy = NormalizeBy.dataset,
-        # Share of each class held out for evaluation (at least one image) when there is no `val/`
-        # split.
-        eval_fraction: float = 0.1,
-        workers: int = 0,  # processes making the training batches; 0: the training process
-        # An image that cannot be decoded: `skip` it with a warning, or `raise`: decode every image
-        # before training and stop, naming each one that fails.
-        on_error: OnError = OnError.skip,
+        *,
+        options: ImageOptions,
     ) -> Splits:
-        params = {k: v for k, v in locals().items() if k not in ("fmt", "suffix")}
-        return _tables(fmt, suffix, params)
+        columns = image_column, label_column
+        return _tables(fmt, suffix, path, columns, num_classes, options)
 
     load.__name__ = load.__qualname__ = fmt
     load.__doc__ = (
@@ -404,7 +384,7 @@ def _loader(fmt: str, suffix: str, what: str):
         "`data=images`. `num_classes` unset: the number of class names (a ClassLabel's, or "
         "those the labels are), or the largest label + 1."
     )
-    return register_data(fmt, describe=_describe(fmt, suffix))(load)
+    return register_data(fmt, describe=_describe(fmt, suffix))(with_image_options(load))
 
 
 arrayrecord = _loader("arrayrecord", ARRAY_RECORD, "ArrayRecord shards")

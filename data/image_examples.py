@@ -1,7 +1,18 @@
 """Labelled images made one at a time: decoded, converted, augmented, stacked into a batch.
 
 The images come from `Payloads`: files of a folder, records of ArrayRecord shards, cells of a
-Parquet column. What cannot be decoded is handled by `data.on_error`:
+Parquet column. Each one goes from encoded bytes (or an array) to the uint8 pixels a model
+sees. Decoding is Pillow's; any mode (L, RGB, RGBA, P, CMYK, 16-bit) becomes the model's
+channels: `L` for one, `RGB` for three (transparency is dropped, as Pillow's conversion does).
+
+- Eval: the shorter side resized to `size`, then the centre `size` x `size` crop.
+- Training (`basic`): a random-resized crop (an area of 8% to 100% of the image, an aspect ratio
+  between 3/4 and 4/3, resized to `size` x `size`; torchvision's `RandomResizedCrop`) and a
+  left-right flip with probability 1/2. `strong` adds random brightness, contrast and
+  saturation (each a factor drawn from [0.6, 1.4]). `none`: the eval view.
+
+Every draw comes from a generator seeded from (seed, example, epoch). What cannot be decoded is
+handled by `data.on_error`:
 
 - `skip` (default): before training, each image's header is read and the ones that are not
   images are left out, each named in a warning, and their count logged. A file whose header
@@ -18,14 +29,14 @@ import hashlib
 import io
 import json
 import logging
+import math
 import os
 from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageEnhance, UnidentifiedImageError
 from zoo.data.files import cache_root
-from zoo.data.imaging import Augment, open_image, pixels
 
 from zoo.plugin import Batch, ExampleSource, ZooError
 
@@ -37,12 +48,109 @@ DECODE_ERRORS = (OSError, UnidentifiedImageError, ValueError, SyntaxError, EOFEr
 STATS_SAMPLE = 1000
 """Images (a fixed sample of the training split) that the data set's statistics come from."""
 
-IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+_SCALE = (0.08, 1.0)
+_LOG_RATIO = (math.log(3 / 4), math.log(4 / 3))
+_JITTER = 0.4
+
+
+class Augment(str, enum.Enum):
+    none = "none"
+    basic = "basic"
+    strong = "strong"
 
 
 class OnError(str, enum.Enum):
     skip = "skip"
     raise_ = "raise"
+
+
+# ---- One image: decoded, then the view a model sees ----
+
+
+def open_image(payload: bytes | np.ndarray | str) -> Image.Image:
+    """A decoded image: from a file's path, its bytes, or an array (H x W or H x W x C)."""
+    if isinstance(payload, np.ndarray):
+        return Image.fromarray(np.ascontiguousarray(payload))
+    image = Image.open(payload if isinstance(payload, str) else io.BytesIO(payload))
+    image.load()  # decode now: a truncated or corrupt file fails here, not later
+    return image
+
+
+def to_channels(image: Image.Image, channels: int) -> Image.Image:
+    mode = "L" if channels == 1 else "RGB"
+    if image.mode == mode:
+        return image
+    if image.mode in ("I;16", "I;16B", "I;16L", "I"):  # 16/32-bit grey: scale to 8 bits
+        pixels = np.asarray(image, np.float64)
+        image = Image.fromarray((pixels * 255 / max(pixels.max(), 1)).astype(np.uint8))
+    return image.convert(mode)
+
+
+def eval_view(image: Image.Image, size: int) -> Image.Image:
+    """Shorter side resized to `size`, then the centre square."""
+    width, height = image.size
+    scale = size / min(width, height)
+    crop_w, crop_h = size / scale, size / scale
+    left, top = (width - crop_w) / 2, (height - crop_h) / 2
+    return image.resize((size, size), Image.BILINEAR, box=(left, top, left + crop_w, top + crop_h))
+
+
+def random_resized_crop(image: Image.Image, size: int, rng: np.random.Generator) -> Image.Image:
+    """torchvision's RandomResizedCrop: up to ten tries at a crop of a random area and aspect
+    ratio that fits; else the centre crop of the largest allowed ratio."""
+    width, height = image.size
+    area = width * height
+    for _ in range(10):
+        target = area * rng.uniform(*_SCALE)
+        ratio = math.exp(rng.uniform(*_LOG_RATIO))
+        w = round(math.sqrt(target * ratio))
+        h = round(math.sqrt(target / ratio))
+        if 0 < w <= width and 0 < h <= height:
+            top = int(rng.integers(0, height - h + 1))
+            left = int(rng.integers(0, width - w + 1))
+            return image.resize((size, size), Image.BILINEAR, box=(left, top, left + w, top + h))
+    ratio = width / height
+    if ratio < 3 / 4:
+        w, h = width, round(width * 4 / 3)
+    elif ratio > 4 / 3:
+        w, h = round(height * 4 / 3), height
+    else:
+        w, h = width, height
+    left, top = (width - w) // 2, (height - h) // 2
+    return image.resize((size, size), Image.BILINEAR, box=(left, top, left + w, top + h))
+
+
+def _jitter(image: Image.Image, rng: np.random.Generator) -> Image.Image:
+    factors = rng.uniform(1 - _JITTER, 1 + _JITTER, size=3)
+    image = ImageEnhance.Brightness(image).enhance(factors[0])
+    image = ImageEnhance.Contrast(image).enhance(factors[1])
+    if image.mode == "RGB":
+        image = ImageEnhance.Color(image).enhance(factors[2])
+    return image
+
+
+def pixels(
+    image: Image.Image,
+    size: int,
+    channels: int,
+    augment: Augment,
+    rng: np.random.Generator | None,
+) -> np.ndarray:
+    """uint8 `size` x `size` x `channels`: the eval view (`rng` None or `augment` none), or a
+    training view drawn from `rng`."""
+    image = to_channels(image, channels)
+    if rng is None or augment == Augment.none:
+        view = eval_view(image, size)
+    else:
+        view = random_resized_crop(image, size, rng)
+        if rng.random() < 0.5:
+            view = view.transpose(Image.FLIP_LEFT_RIGHT)
+        if augment == Augment.strong:
+            view = _jitter(view, rng)
+    return np.asarray(view, np.uint8).reshape(size, size, channels)
+
+
+# ---- Where a split's images are, and which of them can be decoded ----
 
 
 class Payloads(Protocol):
@@ -127,6 +235,9 @@ def readable(payloads: Payloads, on_error: OnError, where: str) -> list[int]:
     return [i for i in range(len(payloads)) if i not in bad_set]
 
 
+# ---- The examples of a split ----
+
+
 class ImageExamples(ExampleSource):
     """`image` (uint8 size x size x channels) and `label` (int32) per example."""
 
@@ -199,62 +310,3 @@ def _write_quietly(path, text: str) -> None:
         os.replace(temporary, path)
     except OSError:
         pass
-
-
-class NormalizeBy(str, enum.Enum):
-    """How pixels become a model's inputs: standardised by the training images' statistics or
-    ImageNet's, or (`none`) only scaled to [0, 1], for a model that normalises them itself."""
-
-    dataset = "dataset"
-    imagenet = "imagenet"
-    none = "none"
-
-
-def held_out(labels: np.ndarray, fraction: float) -> tuple[np.ndarray, np.ndarray]:
-    """(train, eval) indices: of each class, `fraction` of its examples (at least one, when it
-    has two or more) held out, chosen by a fixed seed: the same split on every machine."""
-    train, test = [], []
-    for label in np.unique(labels):
-        members = np.flatnonzero(labels == label)
-        members = members[np.random.default_rng([0, int(label)]).permutation(len(members))]
-        count = min(max(round(fraction * len(members)), 1), len(members) - 1)
-        test.append(members[:count])
-        train.append(members[count:])
-    return np.sort(np.concatenate(train)), np.sort(np.concatenate(test))
-
-
-def check_image_keys(
-    *,
-    image_size: int = 32,
-    channels: int = 3,
-    workers: int = 0,
-    eval_fraction: float = 0.1,
-    num_classes: int | None = None,
-    **_: object,
-) -> None:
-    """The keys that `data=images`, `arrayrecord` and `parquet` share (given as their config
-    is, the others ignored), each refused by name. Their `describe` runs this first: a model
-    sized from a bad `image_size` would otherwise be refused under its own key
-    (`model.input_shape`)."""
-    if image_size < 1:
-        raise ZooError(
-            f"data.image_size={image_size} must be at least 1: the side, in pixels, of the "
-            "square that every image is resized to (e.g. 32)."
-        )
-    if channels not in (1, 3):
-        raise ZooError(f"data.channels={channels} must be 1 (grey) or 3 (RGB).")
-    if workers < 0:
-        raise ZooError(
-            f"data.workers={workers} must be 0 (decode in the training process) or a number "
-            "of worker processes."
-        )
-    if not 0 < eval_fraction < 1:
-        raise ZooError(
-            f"data.eval_fraction={eval_fraction} must be between 0 and 1 (exclusive): the share "
-            "of each class held out for evaluation when there is no val/ split."
-        )
-    if num_classes is not None and num_classes < 1:
-        raise ZooError(
-            f"data.num_classes={num_classes} must be at least 1, or null to count the classes "
-            "(the class names, or the largest label + 1)."
-        )
