@@ -21,11 +21,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
-from zoo.models import attention_cpu, kv_cache
-from zoo.models.attention_route import current_platform, dot_product_attention, route
 from zoo.models.kv_cache import KVCache, Slots
 from zoo.models.rope import Rotation, rotate
-from zoo.models.transformer import tokens_spec
+from zoo.models.transformer import attend_tokens, tokens_spec
 
 from zoo.plugin import TransposedLinear, logical_spec, partitioned
 
@@ -37,7 +35,6 @@ FULL, SLIDING = "full_attention", "sliding_attention"
 LAYER_TYPES = (FULL, SLIDING)
 
 _ZEROS, _ONES = nnx.initializers.zeros_init(), nnx.initializers.ones_init()
-_NO_ATTENTION = -1e30  # a logit that softmax turns into exactly zero weight
 _FLOAT32 = jnp.dtype(jnp.float32)
 
 
@@ -163,107 +160,23 @@ class Attention(nnx.Module):
         if self.query_norm is not None:
             q, k = self.query_norm(q), self.key_norm(k)
         q, k = rotate(q, angles), rotate(k, angles)
-        if cache is None:
-            mixed = self._attend(q, k, v, window, None, segments)
-        else:
-            k, v, visible, cache = kv_cache.update(cache, k, v, slots, window)
-            visible = visible[:, None]  # the same for every head
-
-            def attend(k, v, visible):
-                return self._attend(q, k, v, window, visible, segments)
-
-            mixed = kv_cache.over_written_slots(attend, k, v, visible, slots, window)
-        return self.out(mixed, out_sharding=tokens_spec()), cache
-
-    def _attend(self, q, k, v, window: int, visible: jax.Array | None, segments) -> jax.Array:
-        if attention_cpu.one_query(q, k, visible):
-            return attention_cpu.attend_one(
-                q, k, v, visible, scale=self.scale, softcap=self.softcap
-            )
-        # Soft-capping has no fused kernel: it takes the written-out path, as Dropout on the
-        # attention weights does in the shared block.
-        path = route(
-            current_platform(),
-            q.dtype,
-            q.shape[-1],
-            causal=True,
-            cached=visible is not None,
-            dropout=self.softcap > 0,
-            packed=segments is not None,
-        )
-        cpu_kernel = (
-            path.kernel == "xla"
-            and visible is None
-            and not window
-            and current_platform().backend == "cpu"
-        )
-        if k.shape[2] != q.shape[2] and (
-            path.kernel == "einsum" or cpu_kernel or _grouped_fails(q, k)
-        ):
-            k, v = (_repeat_heads(t, q) for t in (k, v))
-        if cpu_kernel:  # zoo's own, as the shared block's (see `zoo.models.attention_cpu`)
-            causal = path.mask == "causal"
-            return attention_cpu.attend(q, k, v, scale=self.scale, causal=causal, segments=segments)
-        if path.mask == "positions" and visible is None:
-            distance = jnp.arange(q.shape[1])[:, None] - jnp.arange(k.shape[1])[None, :]
-            visible = ((distance >= 0) & ((distance < window) if window else True))[None, None]
-        if segments is not None:  # a packed row's sequences see their own tokens only
-            same = (segments[:, :, None] == segments[:, None, :])[:, None]
-            visible = same if visible is None else visible & same
-        if path.kernel == "einsum":
-            return self._written_out(q, k, v, visible)
-        return dot_product_attention(
+        mixed, cache = attend_tokens(
             q,
             k,
             v,
-            mask=visible,
+            cache,
+            slots,
+            window=window,
             scale=self.scale,
-            is_causal=path.mask == "causal",
-            local_window_size=(window - 1, 0) if window and path.mask == "causal" else None,
-            implementation=path.kernel,
+            causal=True,
+            softcap=self.softcap,
+            segments=segments,
         )
-
-    def _written_out(self, q, k, v, visible) -> jax.Array:
-        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) * self.scale
-        if self.softcap:
-            logits = self.softcap * jnp.tanh(logits / self.softcap)
-        logits = jnp.where(visible, logits, _NO_ATTENTION)
-        weights = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-        return jnp.einsum("bhqk,bkhd->bqhd", weights, v)
-
-
-def _grouped_fails(q: jax.Array, k: jax.Array) -> bool:
-    """Whether `jax.nn.dot_product_attention` cannot take these grouped heads as they are: it
-    splits the query heads into (key/value heads, group) and maps over the group, which fails
-    under explicit sharding for a single key/value head (with a mask, or where the mesh axis of
-    the heads has size 1) and where the query heads' split does not divide the key/value heads
-    (measured, jax 0.10.2); and, in jax 0.12, where the key/value heads are not split as the
-    query heads are (whole beside split ones): its product of the two then pairs heads sharded
-    differently, which explicit sharding refuses there."""
-    groups = k.shape[2]
-    if groups == 1:
-        return True
-    axes = jax.typeof(q).sharding.spec[2]
-    if _as_tuple(axes or ()) != _as_tuple(jax.typeof(k).sharding.spec[2] or ()):
-        return True
-    if axes is None:
-        return False
-    mesh = jax.sharding.get_abstract_mesh()
-    return groups % math.prod(mesh.shape[a] for a in _as_tuple(axes)) != 0
+        return self.out(mixed, out_sharding=tokens_spec()), cache
 
 
 def _as_tuple(axes: str | tuple[str, ...]) -> tuple[str, ...]:
     return (axes,) if isinstance(axes, str) else tuple(axes)
-
-
-def _repeat_heads(t: jax.Array, q: jax.Array) -> jax.Array:
-    """Key or value heads `t` repeated to one per query head of `q` (grouped-query attention is
-    multi-head attention with each key/value head repeated for its group), placed as `q` is."""
-    batch, length, groups, head_dim = t.shape
-    per_group = q.shape[2] // groups
-    wide = jnp.broadcast_to(t[:, :, :, None, :], (batch, length, groups, per_group, head_dim))
-    spec = jax.typeof(q).sharding.spec
-    return jnp.reshape(wide, (batch, length, q.shape[2], head_dim), out_sharding=spec)
 
 
 class GatedMLP(nnx.Module):

@@ -9,17 +9,10 @@ Attention's projections are written out rather than taken from `nnx.MultiHeadAtt
 each contraction can say where its output lives: heads are split over the `tensor` mesh axis,
 and explicit sharding needs the output projection's sum over heads placed explicitly. A causal
 block (`gpt`) masks later positions and can run a few new tokens against a fixed-size key/value
-cache. Between the projections, `zoo.models.attention_route` picks how the attention itself runs:
-- fused, `jax.nn.dot_product_attention` with cuDNN's flash attention: on an NVIDIA GPU from
-  Ampere on, in bfloat16 or float16 (`trainer.precision=bf16`), heads of a multiple of 8 up to
-  128 (256 from Hopper on), without a cache; a causal mask is cuDNN's own (`is_causal`);
-- fused with XLA's kernel: everywhere else without attention Dropout in training: CPUs, TPUs,
-  float32, decoding against the cache (with a mask of positions); on a CPU, without a cache,
-  zoo's own written-out attention, which XLA:CPU runs three times faster
-  (`zoo.models.attention_cpu`);
-- written out in two einsums: where Dropout on the attention weights is on in training, on
-  every platform. `vit` trains so by default (its `dropout_rate`, 0.1, is also its attention
-  Dropout); its evals and `gpt` (no attention Dropout) take a fused path.
+cache. Between the projections, attention itself is `zoo.plugin.attend`'s (`attend_tokens`, the
+one call of `gpt`, `vit` and `decoder`), which picks the kernel for the platform: cuDNN's flash
+attention, XLA's, zoo's CPU kernels, or written out where Dropout is on its weights (`vit`
+trains so by default: its `dropout_rate`, 0.1, is also its attention Dropout).
 
 Randomness comes at call time as one key per block, split into one key per Dropout site, so a
 stack of blocks can be scanned over (the keys are a scanned input).
@@ -28,19 +21,16 @@ stack of blocks can be scanned over (the keys are a scanned input).
 from __future__ import annotations
 
 import dataclasses
-import math
+import functools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from zoo.models import attention_cpu, kv_cache
-from zoo.models.attention_route import current_platform, dot_product_attention, route
+from zoo.models import kv_cache
 from zoo.models.kv_cache import KVCache, Slots
 from zoo.models.layers import dense, head_projections, layer_norm
 
-from zoo.plugin import ZooError, logical_spec
-
-_NO_ATTENTION = -1e30  # a logit that softmax turns into exactly zero weight
+from zoo.plugin import ZooError, attend, logical_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,55 +92,36 @@ class Attention(nnx.Module):
         q, k, v = (proj(x, out_sharding=heads) for proj in (self.query, self.key, self.value))
         if query_scale is not None:
             q = q * jnp.asarray(query_scale, q.dtype)
-        if cache is None:
-            mixed = self._attend(q, k, v, None, key, cached=False)
-        else:
-            k, v, visible, cache = kv_cache.update(cache, k, v, slots, 0)
-            visible = visible[:, None]  # the same for every head
-
-            def attend(k, v, visible):
-                return self._attend(q, k, v, visible, key, cached=True)
-
-            mixed = kv_cache.over_written_slots(attend, k, v, visible, slots, 0)
+        dropping = bool(self.dropout.rate) and not self.dropout.deterministic
+        dropout = functools.partial(self.dropout, rngs=key) if dropping else None
+        mixed, cache = attend_tokens(
+            q, k, v, cache, slots, scale=self.scale, causal=self.causal, dropout=dropout
+        )
         return self.out(mixed, out_sharding=tokens_spec()), cache
 
-    def _attend(self, q, k, v, visible, key, cached: bool) -> jax.Array:
-        dropout = bool(self.dropout.rate) and not self.dropout.deterministic
-        path = route(
-            current_platform(),
-            q.dtype,
-            q.shape[-1],
-            causal=self.causal,
-            cached=cached,
-            dropout=dropout,
-        )
-        if path.mask == "positions" and visible is None:
-            visible = jnp.tril(jnp.ones((1, 1, q.shape[1], k.shape[1]), bool))
-        if path.kernel == "einsum":
-            return self._with_dropout(q, k, v, visible, key)
-        if attention_cpu.one_query(q, k, visible):
-            scale = 1 / math.sqrt(q.shape[-1]) if self.scale is None else self.scale
-            return attention_cpu.attend_one(q, k, v, visible, scale=scale)
-        if path.kernel == "xla" and visible is None and current_platform().backend == "cpu":
-            return attention_cpu.attend(q, k, v, scale=self.scale, causal=path.mask == "causal")
-        return dot_product_attention(
-            q,
-            k,
-            v,
-            mask=visible,
-            scale=self.scale,
-            is_causal=path.mask == "causal",
-            implementation=path.kernel,
-        )
 
-    def _with_dropout(self, q, k, v, visible, key) -> jax.Array:
-        """Attention written out, for Dropout on its weights (which the fused call lacks)."""
-        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k)
-        logits = logits / math.sqrt(q.shape[-1]) if self.scale is None else logits * self.scale
-        if visible is not None:
-            logits = jnp.where(visible, logits, _NO_ATTENTION)
-        weights = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(v.dtype)
-        return jnp.einsum("bhqk,bkhd->bqhd", self.dropout(weights, rngs=key), v)
+def attend_tokens(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    cache: KVCache | None,
+    slots: Slots | None,
+    *,
+    window: int = 0,
+    **options,
+) -> tuple[jax.Array, KVCache | None]:
+    """`attend` (`zoo.plugin`, with `window` and `options`) of the new tokens' queries to their
+    keys and values; with a cache, to the cache's, after writing theirs into it at `slots`
+    (`zoo.models.kv_cache`), and the cache back with them in it."""
+    if cache is None:
+        return attend(q, k, v, window=window, **options), None
+    k, v, visible, cache = kv_cache.update(cache, k, v, slots, window)
+
+    def to_slots(k, v, visible):
+        return attend(q, k, v, window=window, cache_mask=visible, **options)
+
+    visible = visible[:, None]  # the same for every head
+    return kv_cache.over_written_slots(to_slots, k, v, visible, slots, window), cache
 
 
 class Block(nnx.Module):

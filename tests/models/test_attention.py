@@ -1,6 +1,7 @@
-"""The shared block's fused attention (`jax.nn.dot_product_attention`) computes what attention
+"""The shared block's attention (`zoo.engine.kernels.attention.attend`) computes what attention
 written out in einsums does: causal, bidirectional and against a KV cache, on one device and
-with heads split over `tensor`; and each call takes the kernel and mask `route` picks for it."""
+with heads split over `tensor`; and each call takes the kernel and mask `route` picks for it,
+in the order `attend` documents."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from conformance.checks import MESH, ONE_DEVICE
 from model_checks import Models, outputs
 from zoo.engine.sharding.mesh import logical_spec
-from zoo.models.attention_route import Platform, Route, current_platform, route
+from zoo.engine.kernels.attention import Call, Platform, Route, current_platform, route
 from zoo.models.kv_cache import Slots
 
 CONTEXT, DIM, HEADS, BATCH = 16, 32, 4, 4
@@ -75,56 +76,105 @@ def test_fused_attention_matches_einsum_attention_against_a_kv_cache(models, mes
 
 HOPPER = Platform("gpu", cuda=True, compute_capability=(9, 0))
 AMPERE = Platform("gpu", cuda=True, compute_capability=(8, 0))
-TRAINING = {"causal": True, "cached": False, "dropout": False}
+CPU = Platform("cpu")
+TRAINING = {"causal": True}
+DECODING = {"causal": True, "cached": True, "one_query": True}
 
 
 @pytest.mark.parametrize(
     ("platform", "dtype", "head_dim", "call", "expected"),
     [
         (HOPPER, jnp.bfloat16, 64, TRAINING, Route("cudnn", "causal")),
-        (AMPERE, jnp.float16, 128, {**TRAINING, "causal": False}, Route("cudnn", "none")),
+        (AMPERE, jnp.float16, 128, {"causal": False}, Route("cudnn", "none")),
         (HOPPER, jnp.float32, 64, TRAINING, Route("xla", "causal")),
-        (Platform("cpu"), jnp.bfloat16, 64, TRAINING, Route("xla", "causal")),
         (Platform("gpu"), jnp.bfloat16, 64, TRAINING, Route("xla", "causal")),
         (Platform("gpu", True, (7, 5)), jnp.bfloat16, 64, TRAINING, Route("xla", "causal")),
         (HOPPER, jnp.bfloat16, 64, {**TRAINING, "dropout": True}, Route("einsum", "positions")),
-        (
-            HOPPER,
-            jnp.bfloat16,
-            64,
-            {"causal": False, "cached": False, "dropout": True},
-            Route("einsum", "none"),
-        ),
+        (HOPPER, jnp.bfloat16, 64, {"dropout": True}, Route("einsum", "none")),
+        (HOPPER, jnp.bfloat16, 64, {**TRAINING, "softcap": True}, Route("einsum", "positions")),
         (HOPPER, jnp.bfloat16, 64, {**TRAINING, "cached": True}, Route("xla", "positions")),
+        (HOPPER, jnp.bfloat16, 64, {**TRAINING, "packed": True}, Route("xla", "causal")),
+        (HOPPER, jnp.bfloat16, 64, {**TRAINING, "window": True}, Route("cudnn", "causal")),
         (HOPPER, jnp.bfloat16, 12, TRAINING, Route("xla", "causal")),
         (HOPPER, jnp.bfloat16, 264, TRAINING, Route("xla", "causal")),
         (HOPPER, jnp.bfloat16, 256, TRAINING, Route("cudnn", "causal")),
         (AMPERE, jnp.bfloat16, 256, TRAINING, Route("xla", "causal")),
+        (HOPPER, jnp.bfloat16, 64, {**DECODING, "grouped": True}, Route("xla", "positions")),
+        (CPU, jnp.float32, 64, TRAINING, Route("cpu", "causal")),
+        (CPU, jnp.bfloat16, 64, {"causal": False}, Route("cpu", "none")),
+        (CPU, jnp.float32, 64, {**TRAINING, "packed": True}, Route("cpu", "causal")),
+        (CPU, jnp.float32, 64, {**TRAINING, "window": True}, Route("xla", "causal")),
+        (CPU, jnp.float32, 64, {**TRAINING, "dropout": True}, Route("einsum", "positions")),
+        (CPU, jnp.float32, 64, {**TRAINING, "softcap": True}, Route("einsum", "positions")),
+        (CPU, jnp.float32, 64, {**TRAINING, "cached": True}, Route("xla", "positions")),
+        (CPU, jnp.float32, 64, {**DECODING, "grouped": True}, Route("cpu_decode", "positions")),
+        (CPU, jnp.bfloat16, 64, DECODING, Route("cpu_decode", "positions")),
+        (CPU, jnp.float32, 64, DECODING, Route("xla", "positions")),
+        (
+            CPU,
+            jnp.float32,
+            64,
+            {**DECODING, "grouped": True, "softcap": True},
+            Route("cpu_decode", "positions"),
+        ),
+        (
+            CPU,
+            jnp.float32,
+            64,
+            {**DECODING, "grouped": True, "dropout": True},
+            Route("einsum", "positions"),
+        ),
+        (
+            CPU,
+            jnp.bfloat16,
+            64,
+            {**DECODING, "one_device": False},
+            Route("xla", "positions"),
+        ),
     ],
     ids=[
         "gpu-bf16-cudnn",
         "gpu-fp16-bidirectional-cudnn",
         "gpu-fp32-xla",
-        "cpu-xla",
         "rocm-xla",
         "pre-ampere-xla",
         "dropout-einsum",
         "dropout-bidirectional-einsum",
+        "softcap-einsum",
         "kv-cache-xla-with-mask",
+        "packed-xla",
+        "window-cudnn",
         "head-dim-not-multiple-of-8-xla",
         "head-dim-over-256-xla",
         "head-dim-256-on-hopper-cudnn",
         "head-dim-256-before-hopper-xla",
+        "gpu-decoding-xla",
+        "cpu-kernel",
+        "cpu-bidirectional-kernel",
+        "cpu-packed-kernel",
+        "cpu-window-xla",
+        "cpu-dropout-einsum",
+        "cpu-softcap-einsum",
+        "cpu-kv-cache-xla",
+        "cpu-decoding-grouped",
+        "cpu-decoding-bf16",
+        "cpu-decoding-fp32-heads-each-xla",
+        "cpu-decoding-softcap-grouped",
+        "cpu-decoding-dropout-einsum",
+        "cpu-decoding-on-a-mesh-xla",
     ],
 )
-def test_route_picks_cudnn_only_where_jax_accepts_it(platform, dtype, head_dim, call, expected):
-    assert route(platform, dtype, head_dim, **call) == expected
+def test_route_picks_each_kernel_where_it_runs(platform, dtype, head_dim, call, expected):
+    assert route(platform, Call(jnp.dtype(dtype), head_dim, **call)) == expected
 
 
-def test_this_machine_routes_to_xla():
-    """These tests run on CPUs: the block's calls above took XLA's kernel."""
-    assert current_platform().backend == jax.default_backend() != "gpu"
-    assert route(current_platform(), jnp.bfloat16, 64, **TRAINING) == Route("xla", "causal")
+def test_this_machine_routes_to_the_cpu_kernel():
+    """These tests run on CPUs: the block's calls above took zoo's CPU kernel, or XLA's against
+    a cache."""
+    assert current_platform() == CPU and jax.default_backend() == "cpu"
+    assert route(current_platform(), Call(jnp.dtype(jnp.bfloat16), 64, **TRAINING)) == Route(
+        "cpu", "causal"
+    )
 
 
 def causal_both_ways(model, x):

@@ -1,9 +1,10 @@
-"""The CPU's written-out attention (`zoo.models.attention_cpu`) computes what
+"""The CPU's written-out attention (`zoo.engine.kernels.attention_cpu`) computes what
 `jax.nn.dot_product_attention` does, forward and backward: causal in blocks of queries (lengths
 that the blocks divide and that they do not), bidirectional, another scale, bfloat16, and with
 batch and heads split over a mesh; and the shared block takes it on a CPU. A decoding step's
 attention (`attend_one`: one query a row against a cache) is the masked softmax of that query,
-grouped heads and soft-capped logits included."""
+grouped heads and soft-capped logits included, and `attend` takes it for a decoding step where
+its heads are grouped or held in half precision."""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conformance.checks import MESH, on_mesh
+from conformance.checks import MESH, ONE_DEVICE, on_mesh
 from jax.sharding import PartitionSpec as P
+from zoo.engine.kernels import attention, attention_cpu
 from zoo.engine.sharding.mesh import logical_spec
-from zoo.models import attention_cpu
 
 BATCH, HEADS, HEAD_DIM = 4, 2, 8  # the batch splits 4 ways, the heads 2
 
@@ -131,15 +132,30 @@ def test_a_decoding_step_s_attention_is_the_masked_softmax_of_its_one_query(
     np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=tolerance)
 
 
-def test_a_decoding_step_takes_attend_one_where_its_heads_are_grouped_or_half_precision():
-    visible = jnp.ones((1, 1, 1, 8), bool)
+def test_a_decoding_step_takes_attend_one_where_its_heads_are_grouped_or_half_precision(
+    monkeypatch,
+):
+    calls = []
+    attend_one = attention_cpu.attend_one
 
-    def taken(heads, kv_heads, dtype=jnp.float32, queries=1, mask=visible):
-        q = jnp.zeros((1, queries, heads, HEAD_DIM), dtype)
-        return attention_cpu.one_query(q, jnp.zeros((1, 8, kv_heads, HEAD_DIM), dtype), mask)
+    def counted(*args, **kwargs):
+        calls.append(True)
+        return attend_one(*args, **kwargs)
 
-    assert taken(4, 2) and taken(4, 4, jnp.bfloat16)
-    assert not taken(4, 4)  # float32, a key/value head each: jax's product is faster there
-    assert not taken(4, 2, queries=2) and not taken(4, 2, mask=None)
+    monkeypatch.setattr(attention_cpu, "attend_one", counted)
+
+    def taken(heads, kv_heads, dtype=jnp.float32, queries=1, cached=True):
+        calls.clear()
+        q = jnp.ones((1, queries, heads, HEAD_DIM), dtype)
+        k = v = jnp.ones((1, 8, kv_heads, HEAD_DIM), dtype)
+        mask = jnp.ones((1, 1, queries, 8), bool) if cached else None
+        mixed = attention.attend(q, k, v, causal=True, cache_mask=mask)
+        np.testing.assert_allclose(np.asarray(mixed, np.float32), 1.0)  # the mean of ones
+        return bool(calls)
+
+    with on_mesh(ONE_DEVICE):
+        assert taken(4, 2) and taken(4, 4, jnp.bfloat16)
+        assert not taken(4, 4)  # float32, a key/value head each: jax's product is faster there
+        assert not taken(4, 2, queries=2) and not taken(4, 2, cached=False)
     with on_mesh(MESH):
         assert not taken(4, 2)

@@ -14,10 +14,10 @@ from conformance.checks import ONE_DEVICE, on_mesh
 from flax import nnx
 from pretrained_checks import FIXTURES, loaded
 from zoo.data.packing import pack
+from zoo.engine.kernels import attention, attention_cpu
+from zoo.engine.kernels.attention import Platform
 from zoo.engine.registry import WEIGHT
-from zoo.models import attention_cpu, decoder_parts
-from zoo.models.attention_route import Platform
-from zoo.models.gpt import language_model_loss
+from zoo.models.language_model import language_model_loss
 
 FAMILIES = ["qwen3-tiny", "mistral-window", "gemma3-tiny"]
 """Full attention (Qwen 3, its heads normed), a window of 5 on every layer (Mistral), and both
@@ -131,7 +131,7 @@ def test_a_perturbed_conversation_leaves_the_others_logits_unchanged(
     attend = attention_cpu.attend
     monkeypatch.setattr(attention_cpu, "attend", counted)
     if PATHS[path] is not None:
-        monkeypatch.setattr(decoder_parts, "current_platform", lambda: PATHS[path])
+        monkeypatch.setattr(attention, "current_platform", lambda: PATHS[path])
     model = models(name, **overrides)
     pieces = conversations()
     changed = [pieces[0], (np.roll(pieces[1][0], 1) + 7, pieces[1][1]), pieces[2]]

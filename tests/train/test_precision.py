@@ -152,7 +152,8 @@ def test_bf16_train_step_multiplies_in_bf16_and_keeps_float32_where_it_must(tmp_
     softmax = [eqn for eqn, _ in found if eqn.primitive.name in ("exp", "reduce_max")]
     shapes = {eqn.invars[0].aval.ndim for eqn in softmax}
     # The loss's (batch x length x vocab) and attention's: batch x heads x queries x keys (on a
-    # CPU, `zoo.models.attention_cpu`), with the heads grouped (jax's kernel) a fifth axis.
+    # CPU, `zoo.engine.kernels.attention_cpu`), with the heads grouped (jax's kernel) a fifth
+    # axis.
     assert 3 in shapes and shapes & {4, 5}
     assert {dtype for eqn in softmax for dtype in operand_dtypes(eqn)} == {f32}
     dim = trainer.cfg.model.dim

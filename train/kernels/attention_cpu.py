@@ -17,7 +17,8 @@ forward and backward take a third of the time of `jax.nn.dot_product_attention`'
 docs/performance.md).
 
 A decoding step's attention (`attend_one`, one query a row against the key/value cache) is
-written as sums of products instead, reading the cache as it is held.
+written as sums of products instead, reading the cache as it is held. Which calls take either is
+`zoo.engine.kernels.attention`'s choice.
 """
 
 from __future__ import annotations
@@ -91,22 +92,6 @@ def _block(q, k, v, start: int, scale: float, causal: bool, segments) -> jax.Arr
         logits = jnp.where(visible, logits, _NO_ATTENTION)
     weights = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
     return jnp.einsum("bhqk,bhkd->bhqd", weights, v)
-
-
-def one_query(q: jax.Array, k: jax.Array, visible: jax.Array | None) -> bool:
-    """Whether a decoding step's attention on a CPU (one query a row, against a cache, on one
-    device) takes `attend_one`: where its keys and values are shared by groups of query heads
-    or held in half precision. Measured on a 2-core CPU (2026-11-26): Qwen3-0.6B's (16 query
-    heads, 8 key/value heads) at batch 8 decoded 1.3x faster in float32 and 1.1x in bfloat16,
-    while GPT-2 small's (12 heads each their own, float32) decoded 1.2x slower than through
-    `jax.nn.dot_product_attention`, whose copies are small there."""
-    return (
-        visible is not None
-        and q.shape[1] == 1
-        and (k.shape[2] < q.shape[2] or q.dtype != jnp.float32)
-        and jax.default_backend() == "cpu"
-        and jax.sharding.get_abstract_mesh().size <= 1
-    )
 
 
 def attend_one(
