@@ -348,34 +348,16 @@ def chat(
     check_reply_options(eval_replies, eval_reply_tokens)
     file, encoder = _encoder(tokenizer, template, loss_on, template_kwargs)
     columns = Columns(messages, prompt, completion)
-    settings = _settings(file, encoder, columns, roles)
+    reader = _Reader(path, encoder, _settings(file, encoder, columns, roles), columns, roles)
     train_files, val_files = conversation_files(path)
+    train, train_rows, test, test_rows = _held_out(
+        reader, train_files, val_files, eval_fraction, on_error
+    )
     longest = max(buckets)
-
-    def load(files: list[Path]) -> tuple[Encoded, list[str]]:
-        parts = [encoded_file(f, encoder, settings, columns, roles) for f in files]
-        encoded = Encoded.joined(parts)
-        handle_problems(encoded, on_error, f"data.path={path}")
-        root = Path(path).expanduser()
-        return encoded, [n for f, p in zip(files, parts) for n in split_names(p.wheres, f, root)]
-
-    train, names = load(train_files)
-    if val_files is None:
-        out = held_out(names, eval_fraction)
-        test, train_rows, test_rows = train, np.flatnonzero(~out), np.flatnonzero(out)
-    else:
-        test, _ = load(val_files)
-        train_rows, test_rows = np.arange(len(train)), np.arange(len(test))
-    if not len(train_rows) or not len(test_rows):
-        raise ZooError(
-            f"data.path={path} leaves {len(train_rows)} training and {len(test_rows)} held-out "
-            "conversations: data=chat needs at least one of each (two conversations or more)."
-        )
     held = trainable_rows(test, test_rows, longest, "held-out")
+    trained = trainable_rows(train, train_rows, longest, "training")
     return Splits(
-        train=(PackedChatExamples if packing else ChatExamples)(
-            train, trainable_rows(train, train_rows, longest, "training"), longest
-        ),
+        train=(PackedChatExamples if packing else ChatExamples)(train, trained, longest),
         eval=ChatExamples(test, held, longest),
         transform=ChatPadding(list(buckets)),
         tokenizer=encoder.tokenizer,
@@ -390,3 +372,51 @@ def chat(
             longest,
         ),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Reader:
+    """How `chat` reads the files under `path`: each tokenised (or taken from the cache) with
+    `encoder`, `settings` its cache entry's hash of all but the file."""
+
+    path: str | None  # data.path; `read` is given files found under it
+    encoder: Encoder
+    settings: bytes
+    columns: Columns
+    roles: Sequence[str]
+
+    def read(self, files: list[Path], on_error: OnError) -> tuple[Encoded, list[str]]:
+        """The conversations of `files`, end to end, their bad rows handled by `on_error`, and
+        each one's name (file and line: what `held_out` chooses by)."""
+        parts = [
+            encoded_file(f, self.encoder, self.settings, self.columns, self.roles) for f in files
+        ]
+        encoded = Encoded.joined(parts)
+        handle_problems(encoded, on_error, f"data.path={self.path}")
+        root = Path(self.path).expanduser()
+        return encoded, [n for f, p in zip(files, parts) for n in split_names(p.wheres, f, root)]
+
+
+def _held_out(
+    reader: _Reader,
+    train_files: list[Path],
+    val_files: list[Path] | None,
+    eval_fraction: float,
+    on_error: OnError,
+) -> tuple[Encoded, np.ndarray, Encoded, np.ndarray]:
+    """The training conversations and their rows, and the held-out ones and theirs: those of
+    `val_files`, or without them `eval_fraction` of the training files' rows (by name)."""
+    train, names = reader.read(train_files, on_error)
+    if val_files is None:
+        out = held_out(names, eval_fraction)
+        test, train_rows, test_rows = train, np.flatnonzero(~out), np.flatnonzero(out)
+    else:
+        test, _ = reader.read(val_files, on_error)
+        train_rows, test_rows = np.arange(len(train)), np.arange(len(test))
+    if not len(train_rows) or not len(test_rows):
+        raise ZooError(
+            f"data.path={reader.path} leaves {len(train_rows)} training and {len(test_rows)} "
+            "held-out conversations: data=chat needs at least one of each (two conversations or "
+            "more)."
+        )
+    return train, train_rows, test, test_rows

@@ -31,12 +31,13 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from zoo.models.gpt import padded_vocab
+from zoo.models.decoder_options import DecoderOptions
+from zoo.models.decoder_parts import FULL, SLIDING
+from zoo.models.language_model import padded_vocab
+from zoo.models.rope import ROPE_TYPES
 
 from zoo.plugin import Family, Rule, ZooError, register_family
 
-ROPE_TYPES = ("default", "linear", "llama3")
-FULL, SLIDING = "full_attention", "sliding_attention"
 DEFAULT_THETA = 10000.0
 _SILU = ("silu", "swish")
 _TANH_GELU = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")
@@ -239,7 +240,7 @@ def _gemma3_export(hparams: Mapping[str, Any]) -> dict[str, Any]:
         "attn_logit_softcapping": None,
         "final_logit_softcapping": hparams["final_softcap"] or None,
         "sliding_window": hparams["sliding_window"] or None,
-        "layer_types": _layer_types(hparams),
+        "layer_types": list(hparams["layer_types"]),
         "rope_parameters": {
             FULL: global_rope,
             SLIDING: {"rope_type": "default", "rope_theta": local_theta},
@@ -293,7 +294,7 @@ def _qwen_windows(config: Mapping[str, Any], read) -> dict[str, Any]:
 
 
 def _qwen_windows_config(hparams: Mapping[str, Any]) -> dict[str, Any]:
-    kinds = _layer_types(hparams)
+    kinds = list(hparams["layer_types"])
     sliding = [i for i, kind in enumerate(kinds) if kind == SLIDING]
     return {
         "use_sliding_window": bool(sliding),
@@ -301,13 +302,6 @@ def _qwen_windows_config(hparams: Mapping[str, Any]) -> dict[str, Any]:
         "max_window_layers": sliding[0] if sliding else hparams["depth"],
         "layer_types": kinds,
     }
-
-
-def _layer_types(hparams: Mapping[str, Any]) -> list[str]:
-    """Each layer's kind as `decoder` reads its `layer_types` and `sliding_window`."""
-    if hparams.get("layer_types"):
-        return list(hparams["layer_types"])
-    return [SLIDING if hparams["sliding_window"] else FULL] * hparams["depth"]
 
 
 def _checked_layer_types(kinds: Any, read) -> list[str]:
@@ -535,15 +529,17 @@ def _sliding_window_pattern(kinds: list[str]) -> int | None:
     return pattern if derived == kinds else None
 
 
+_OPTIONS = tuple(field.name for field in dataclasses.fields(DecoderOptions))
+
+
 def _effective(hparams: Mapping[str, Any]) -> dict[str, Any]:
     """`decoder`'s arguments with each 0 or null that stands for a default made explicit (as
-    `decoder` computes them), so that a model built with defaults compares with a checkpoint's."""
+    `DecoderOptions.resolved` makes them, and the layouts write them), so that a model built
+    with defaults compares with a checkpoint's."""
     h = {**_PLAIN, **hparams}
-    heads, dim = h["num_heads"], h["dim"]
-    h["num_kv_heads"] = h["num_kv_heads"] or heads
-    h["head_dim"] = h["head_dim"] or dim // heads
-    h["mlp_dim"] = h["mlp_dim"] or -(-8 * dim // 3 // 64) * 64
-    h["layer_types"] = _layer_types(h)
+    options = DecoderOptions(**{key: h[key] for key in _OPTIONS if key in h}).resolved()
+    for key in ("num_kv_heads", "head_dim", "mlp_dim", "layer_types"):
+        h[key] = getattr(options, key)
     if SLIDING not in h["layer_types"]:
         h["sliding_window"] = 0
     h["query_scale"] = float(h["query_scale"] or h["head_dim"])
@@ -574,50 +570,71 @@ def _rules(kind: _Kind) -> Callable[[Mapping[str, Any]], list[Rule]]:
         heads, head_dim = hparams["num_heads"], hparams["head_dim"] or dim // hparams["num_heads"]
         kv_heads = hparams["num_kv_heads"] or heads
         pad = padded_vocab(vocab) - vocab
-        gemma = kind.name == "gemma3_text"
-        table = [
-            _rule("model.embed_tokens.weight", "embedding", pad_rows=pad),
-            _rule("model.norm.weight", "norm.scale"),
-            _layer("input_layernorm.weight", "attention_norm.scale"),
-            _projection("q_proj", "query", heads, head_dim, dim),
-            _projection("k_proj", "key", kv_heads, head_dim, dim),
-            _projection("v_proj", "value", kv_heads, head_dim, dim),
-            _layer(
-                "self_attn.o_proj.weight",
-                "attention.out.kernel",
-                load=lambda w: (w.reshape(dim, heads, head_dim),),
-                save=lambda kernel: kernel.reshape(dim, heads * head_dim),
-            ),
-            *[_layer(f"mlp.{name}_proj.weight", f"mlp.{name}.kernel") for name in MLP],
+        return [
+            *_core_rules(dim, heads, kv_heads, head_dim, pad),
+            *_norm_rules(gemma=kind.name == "gemma3_text"),
+            *_optional_rules(hparams, heads, kv_heads, head_dim, pad),
         ]
-        if gemma:
-            table += [
-                _layer("post_attention_layernorm.weight", "post_attention_norm.scale"),
-                _layer("pre_feedforward_layernorm.weight", "mlp_norm.scale"),
-                _layer("post_feedforward_layernorm.weight", "post_mlp_norm.scale"),
-            ]
-        else:
-            table.append(_layer("post_attention_layernorm.weight", "mlp_norm.scale"))
-        if hparams.get("qk_norm"):
-            table += [
-                _layer("self_attn.q_norm.weight", "attention.query_norm.scale"),
-                _layer("self_attn.k_norm.weight", "attention.key_norm.scale"),
-            ]
-        if hparams.get("qkv_bias"):
-            table += [
-                _bias("q_proj", "query", heads, head_dim),
-                _bias("k_proj", "key", kv_heads, head_dim),
-                _bias("v_proj", "value", kv_heads, head_dim),
-            ]
-        if hparams.get("out_bias"):
-            table.append(_layer("self_attn.o_proj.bias", "attention.out.bias"))
-        if hparams.get("mlp_bias"):
-            table += [_layer(f"mlp.{n}_proj.bias", f"mlp.{n}.bias") for n in MLP]
-        if not hparams.get("tie_embeddings", True):
-            table.append(_rule("lm_head.weight", "unembed.kernel", pad_rows=pad))
-        return table
 
     return rules
+
+
+def _core_rules(dim: int, heads: int, kv_heads: int, head_dim: int, pad: int) -> list[Rule]:
+    """The rules of the params every family has: the embedding (`pad` rows added), the final
+    norm, and each layer's input norm, attention projections and MLP kernels."""
+    return [
+        _rule("model.embed_tokens.weight", "embedding", pad_rows=pad),
+        _rule("model.norm.weight", "norm.scale"),
+        _layer("input_layernorm.weight", "attention_norm.scale"),
+        _projection("q_proj", "query", heads, head_dim, dim),
+        _projection("k_proj", "key", kv_heads, head_dim, dim),
+        _projection("v_proj", "value", kv_heads, head_dim, dim),
+        _layer(
+            "self_attn.o_proj.weight",
+            "attention.out.kernel",
+            load=lambda w: (w.reshape(dim, heads, head_dim),),
+            save=lambda kernel: kernel.reshape(dim, heads * head_dim),
+        ),
+        *[_layer(f"mlp.{name}_proj.weight", f"mlp.{name}.kernel") for name in MLP],
+    ]
+
+
+def _norm_rules(gemma: bool) -> list[Rule]:
+    """The rules of the norms around each layer's MLP: Gemma 3's three (after attention, before
+    and after the MLP), or the one the others hold before the MLP."""
+    if gemma:
+        return [
+            _layer("post_attention_layernorm.weight", "post_attention_norm.scale"),
+            _layer("pre_feedforward_layernorm.weight", "mlp_norm.scale"),
+            _layer("post_feedforward_layernorm.weight", "post_mlp_norm.scale"),
+        ]
+    return [_layer("post_attention_layernorm.weight", "mlp_norm.scale")]
+
+
+def _optional_rules(
+    hparams: Mapping[str, Any], heads: int, kv_heads: int, head_dim: int, pad: int
+) -> list[Rule]:
+    """The rules of the params that `hparams` may add: query/key norms, biases, and the output
+    layer of untied embeddings."""
+    table = []
+    if hparams.get("qk_norm"):
+        table += [
+            _layer("self_attn.q_norm.weight", "attention.query_norm.scale"),
+            _layer("self_attn.k_norm.weight", "attention.key_norm.scale"),
+        ]
+    if hparams.get("qkv_bias"):
+        table += [
+            _bias("q_proj", "query", heads, head_dim),
+            _bias("k_proj", "key", kv_heads, head_dim),
+            _bias("v_proj", "value", kv_heads, head_dim),
+        ]
+    if hparams.get("out_bias"):
+        table.append(_layer("self_attn.o_proj.bias", "attention.out.bias"))
+    if hparams.get("mlp_bias"):
+        table += [_layer(f"mlp.{n}_proj.bias", f"mlp.{n}.bias") for n in MLP]
+    if not hparams.get("tie_embeddings", True):
+        table.append(_rule("lm_head.weight", "unembed.kernel", pad_rows=pad))
+    return table
 
 
 MLP = ("gate", "up", "down")

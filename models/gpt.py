@@ -5,9 +5,9 @@ Token embedding (a gather of rows) + learned positions -> pre-norm blocks (causa
 attention, GELU MLP) -> final norm -> logits over the vocabulary, through the embedding itself
 (tied, the default) or a separate output layer. The embedding's rows are padded to a multiple
 of `VOCAB_MULTIPLE`, so the vocabulary shards over `tensor` whatever its size; the padded rows'
-logits are masked out. `attention_bias`, `norm_epsilon`, `exact_gelu`, `scale_attention` and
-`scale_attention_by_layer` are the block options that pretrained checkpoints differ in (see
-`zoo.models.gpt_params` for GPT-2's).
+logits are masked out (`zoo.models.language_model`, which `decoder` shares). `attention_bias`,
+`norm_epsilon`, `exact_gelu`, `scale_attention` and `scale_attention_by_layer` are the block
+options that pretrained checkpoints differ in (see `zoo.models.gpt_params` for GPT-2's).
 
 The blocks can be stacked into one module whose params carry a leading layer axis and run with
 `nnx.scan` (`scan_layers`: one compiled block instead of `depth` copies, so compile time does
@@ -21,85 +21,34 @@ Heads and MLP hidden units are on the logical `heads`/`mlp` axes (tensor paralle
 embedding on (`vocab`, `embed`), so FSDP shards it along its width.
 
 `decode(tokens, cache, slots)` runs the same blocks on new tokens against a key/value cache
-(`zoo.models.kv_cache`; generation: `zoo.models.generation`).
+(`zoo.models.kv_cache`; generation: `zoo.models.sampling_loop`).
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 from zoo.models import hparams
-from zoo.models.generate import sample_on_eval
-from zoo.models.kv_cache import DecodesWithCache, KVCache
-from zoo.models.layers import dense, layer_norm
-from zoo.models.transformer import Block, BlockOptions, dropout_key, tokens_spec
-
-from zoo.plugin import (
-    LOSS_MASK,
-    POSITIONS,
-    SEGMENT_IDS,
-    WEIGHT,
-    ZooError,
-    construction_rngs,
-    logical_spec,
-    loss_contract,
-    outputs_first_product,
-    partitioned,
-    register_model,
-    repeated,
+from zoo.models.eval_samples import sample_on_eval
+from zoo.models.kv_cache import Cache, DecodesWithCache, empty_cache
+from zoo.models.language_model import (
+    LANGUAGE_MODEL_OPTIMIZER,
+    LANGUAGE_MODEL_TRAINER,
+    VOCAB,
+    embedded,
+    language_model_loss,
+    layers_dropout_key,
+    output_logits,
+    padded_vocab,
 )
+from zoo.models.layers import dense, layer_norm, layer_stack, learned
+from zoo.models.transformer import Block, BlockOptions, tokens_spec
 
-VOCAB = 256
-"""The byte-level vocabulary, the default."""
-VOCAB_MULTIPLE = 128
-"""The embedding's rows are padded to a multiple of this, so any tensor-parallel size up to it
-that divides it shards the vocabulary."""
-_MASKED = -1e30  # the logit of a padded row: softmax gives it exactly zero probability
-Cache = tuple[KVCache, ...] | KVCache
-"""A language model's key/value cache: one (keys, values) pair per layer, or one pair of
-stacked arrays for stacked layers (`scan_layers`)."""
-
-
-def embed_tokens(tokens: jax.Array, table: jax.Array) -> jax.Array:
-    """The rows of `table` that `tokens` name: a gather, except for a table of at most `VOCAB`
-    rows (the byte-level default), which keeps the one-hot matmul it was trained with: the two
-    compute the same rows, but their gradients sum repeated tokens in a different order, and
-    byte-level runs stay bit for bit what they were."""
-    if table.shape[0] <= VOCAB:
-        one_hot = jax.nn.one_hot(tokens, table.shape[0], dtype=table.dtype)
-        return jnp.einsum("btv,vd->btd", one_hot, table, out_sharding=tokens_spec())
-    rows = jax.sharding.reshard(table, P())  # every device looks up any token's row
-    return rows.at[tokens].get(out_sharding=tokens_spec())
-
-
-def mask_padding(logits: jax.Array, vocab_size: int) -> jax.Array:
-    """`logits` over a padded vocabulary with the padded rows' masked out."""
-    if logits.shape[-1] == vocab_size:
-        return logits
-    real = jnp.arange(logits.shape[-1]) < vocab_size
-    return jnp.where(real, logits, jnp.asarray(_MASKED, logits.dtype))
-
-
-def tied_logits(x: jax.Array, table: jax.Array) -> jax.Array:
-    """The logits of `x` (batch x length x features) through the embedding `table` (vocabulary
-    x features). For one position a row (a decode step) it is a `TransposedLinear`'s product
-    (`outputs_first_product`): the table first, as XLA:CPU multiplies a large matrix by a few
-    rows several times faster (151,936 x 1,024 by 8 rows: 150 ms against 330 ms on one core),
-    or zoo's bfloat16 kernel; longer rows keep the order whose output needs no transposing."""
-    vocab = logical_spec("batch", None, "vocab")
-    if x.shape[1] != 1:
-        return jnp.einsum("btd,vd->btv", x, table, out_sharding=vocab)
-    return outputs_first_product(x, table, out_sharding=vocab)
-
-
-def padded_vocab(vocab_size: int) -> int:
-    """The embedding's number of rows for a vocabulary of `vocab_size` tokens."""
-    return -(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+from zoo.plugin import ZooError, logical_spec, register_model
 
 
 def _apply_block(block: Block, x, key, cache, slots, query_scale=None):
@@ -107,49 +56,6 @@ def _apply_block(block: Block, x, key, cache, slots, query_scale=None):
 
 
 _remat_block = nnx.remat(_apply_block)
-
-
-LANGUAGE_MODEL_TRAINER = {"steps": 1400, "batch_size": 16, "log_every": 50, "eval_every": 350}
-"""The language models' schedule: 2.9 MB of text, two thirds of the default corpus's training
-bytes, 16 x 128 bytes a step (gpt: under 4 minutes on a 2-core CPU)."""
-LANGUAGE_MODEL_OPTIMIZER = {
-    "name": "adamw",
-    "learning_rate": 3e-3,
-    "schedule": "cosine",
-    "warmup_steps": 100,
-    "weight_decay": 0.01,
-    "grad_clip_norm": 1.0,
-}
-
-
-@loss_contract(columns=("tokens", "length"), metrics=("bits_per_byte",))
-def language_model_loss(model: GPT, batch: Mapping[str, jax.Array], rngs: nnx.Rngs):
-    """Per sequence: the mean cross-entropy (nats) of its real next-token predictions, and the
-    same in bits per byte (per token, with a tokenizer); weighted by its number of real targets,
-    so that the trainer's means are exact means over tokens, padding excluded. With a
-    `LOSS_MASK` column (a chat's replies) only the targets it marks count, and `loss_tokens`
-    says how many the batch has (a mean over the log window's steps). Packed rows (`SEGMENT_IDS`
-    and `POSITIONS` columns) go to the model with them, and `packing_efficiency` says which
-    share of the batch's targets are real (not padding)."""
-    tokens = batch["tokens"].astype(jnp.int32)
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    packed = {name: batch[name] for name in (SEGMENT_IDS, POSITIONS) if name in batch}
-    logits = model(inputs, rngs=rngs, **packed)
-    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    per_token = -jnp.sum(jax.nn.one_hot(targets, log_probs.shape[-1]) * log_probs, axis=-1)
-    real_targets = jnp.arange(targets.shape[1])[None, :] < batch["length"][:, None]
-    real = real_targets.astype(jnp.float32)
-    if LOSS_MASK in batch:
-        real = real * batch[LOSS_MASK].astype(jnp.float32)
-    count = jnp.sum(real, axis=-1)
-    loss = jnp.sum(per_token * real, axis=-1) / jnp.maximum(count, 1.0)
-    unit = "bits_per_byte" if model.vocab_size == VOCAB else "bits_per_token"
-    metrics = {unit: loss / math.log(2), WEIGHT: count}
-    if LOSS_MASK in batch:  # the same for every sequence: its weighted mean is the batch's sum
-        metrics["loss_tokens"] = jnp.zeros_like(count) + jnp.sum(count)
-    if packed:
-        metrics["packing_efficiency"] = jnp.zeros_like(count) + jnp.mean(real_targets)
-    return loss, metrics
 
 
 @register_model(
@@ -202,53 +108,22 @@ class GPT(nnx.Module, DecodesWithCache):
         *,
         rngs: nnx.Rngs,
     ):
-        hparams.positive(
-            "gpt",
-            context_length=context_length,
-            dim=dim,
-            depth=depth,
-            num_heads=num_heads,
-            mlp_ratio=mlp_ratio,
-            vocab_size=vocab_size,
+        """A GPT of these options (each a `model.*` key), checked first, its params drawn from
+        `rngs` in a fixed order: the token embedding, the positions, the blocks (each from its
+        own key), the final norm, the output layer."""
+        _check_options(
+            context_length, dim, depth, num_heads, mlp_ratio, vocab_size, norm_epsilon, dropout_rate
         )
-        if not norm_epsilon > 0:
-            raise ZooError(f"model.norm_epsilon={norm_epsilon} must be positive (gpt).")
-        hparams.rates("gpt", dropout_rate=dropout_rate)
-        if dim % num_heads:
-            raise ZooError(f"gpt: dim={dim} must be a multiple of num_heads={num_heads}.")
-        normal = nnx.initializers.normal(0.02)
-        self.embedding = nnx.Param(
-            partitioned(normal, ("vocab", "embed"))(rngs.params(), (padded_vocab(vocab_size), dim))
-        )
-        self.positions = nnx.Param(
-            partitioned(normal, (None, "embed"))(rngs.params(), (context_length, dim))
-        )
-
+        self.embedding = learned((padded_vocab(vocab_size), dim), ("vocab", "embed"), rngs=rngs)
+        self.positions = learned((context_length, dim), (None, "embed"), rngs=rngs)
         scale = None if scale_attention else 1.0  # None: 1/sqrt(head size)
         options = BlockOptions(mlp_ratio, attention_bias, norm_epsilon, exact_gelu, scale)
-
-        def block(key: jax.Array) -> Block:
-            return Block(
-                dim,
-                num_heads,
-                mlp_ratio,
-                dropout_rate,
-                causal=True,
-                options=options,
-                rngs=construction_rngs(params=key),
-            )
-
-        layer_keys = jax.random.split(rngs.params(), depth)
-        if scan_layers:  # one Block whose params have a leading (unsharded) layer axis
-            self.blocks = nnx.vmap(block, transform_metadata={nnx.PARTITION_NAME: None})(layer_keys)
-        else:
-            self.blocks = nnx.List(repeated(lambda i: block(layer_keys[i]), depth))
-        self.norm = layer_norm(dim, rngs=rngs, epsilon=norm_epsilon)
-        self.unembed = (
-            None
-            if tie_embeddings
-            else dense(dim, padded_vocab(vocab_size), ("embed", "vocab"), use_bias=False, rngs=rngs)
+        block = partial(
+            Block, dim, num_heads, mlp_ratio, dropout_rate, causal=True, options=options
         )
+        self.blocks = layer_stack(block, depth, scan_layers, rngs.params())
+        self.norm = layer_norm(dim, rngs=rngs, epsilon=norm_epsilon)
+        self.unembed = None if tie_embeddings else _unembed(dim, vocab_size, rngs)
         self.context_length, self.depth, self.num_heads = context_length, depth, num_heads
         self.vocab_size = vocab_size
         self.head_dim = dim // num_heads
@@ -261,8 +136,7 @@ class GPT(nnx.Module, DecodesWithCache):
     def __call__(self, tokens: jax.Array, *, rngs: nnx.Rngs | None = None) -> jax.Array:
         """Next-token logits (batch x length x padded vocabulary; the padded rows' are masked)
         for every position of `tokens`."""
-        first = self.blocks.dropout if self.scan_layers else self.blocks[0].dropout
-        key = dropout_key(rngs, self.dropout_rate, first.deterministic, "gpt")
+        key = layers_dropout_key(rngs, self.blocks, self.scan_layers, self.dropout_rate, "gpt")
         logits, _ = self._forward(tokens, key, None, None)
         return logits
 
@@ -270,42 +144,36 @@ class GPT(nnx.Module, DecodesWithCache):
         """A key/value cache for `decode`: `slots` positions of every layer (one array of all
         layers with `scan_layers`), in the dtype the model computes in (its params': bfloat16
         for a copy made by `trainer.precision=bf16`)."""
-        shape = (batch_size, slots, self.num_heads, self.head_dim)
-        spec = logical_spec("batch", None, "heads", None)
-        dtype = self.embedding[...].dtype
-        if self.scan_layers:
-            stacked = (self.depth, *shape)
-            return tuple(jnp.zeros(stacked, dtype, out_sharding=P(None, *spec)) for _ in range(2))
-        return tuple(
-            tuple(jnp.zeros(shape, dtype, out_sharding=spec) for _ in range(2))
-            for _ in range(self.depth)
+        return empty_cache(
+            batch_size,
+            slots,
+            (self.num_heads, self.head_dim),
+            dtype=self.embedding[...].dtype,
+            spec=logical_spec("batch", None, "heads", None),
+            windows=(0,) * self.depth,
+            stacked=self.scan_layers,
         )
 
     def _forward(self, tokens, key, cache, slots, last_only=False):
-        length = tokens.shape[1]
-        if length > self.context_length:
-            raise ZooError(
-                f"gpt got sequences of {length} tokens, more than model.context_length="
-                f"{self.context_length}: use data.window (and data.buckets) of at most "
-                f"{self.context_length}, or a larger model.context_length."
-            )
         table = self.embedding[...]
-        x = embed_tokens(tokens, table)
+        x = embedded(tokens, table, self.context_length, "gpt")
         # Stored split by FSDP; whole on every device where they meet the batch-sharded tokens.
         held = jax.sharding.reshard(self.positions[...], P())
+        length = tokens.shape[1]
         if slots is None:
             x = x + held[:length]
         else:  # each row's own positions
             x = x + held.at[slots.positions(length)].get(out_sharding=tokens_spec())
         x, cache = self._run_blocks(x, jax.random.split(key, self.depth), cache, slots)
-        if last_only:  # the output layer for one position, not the whole prompt
-            x = x[:, -1:]
-        x = self.norm(x)
-        if self.unembed is None:
-            logits = tied_logits(x, table)
-        else:
-            logits = self.unembed(x, out_sharding=logical_spec("batch", None, "vocab"))
-        return mask_padding(logits, self.vocab_size), cache
+        logits = output_logits(
+            x,
+            norm=self.norm,
+            table=table,
+            unembed=self.unembed,
+            vocab_size=self.vocab_size,
+            last_only=last_only,
+        )
+        return logits, cache
 
     def _run_blocks(self, x, keys, cache, slots):
         apply = _remat_block if self.remat else _apply_block
@@ -324,3 +192,36 @@ class GPT(nnx.Module, DecodesWithCache):
             x, layer_cache = apply(block, x, keys[i], layer_cache, slots, scale)
             layer_caches.append(layer_cache)
         return x, None if cache is None else tuple(layer_caches)
+
+
+def _check_options(
+    context_length: int,
+    dim: int,
+    depth: int,
+    num_heads: int,
+    mlp_ratio: int,
+    vocab_size: int,
+    norm_epsilon: float,
+    dropout_rate: float,
+) -> None:
+    """Every size at least 1, `norm_epsilon` positive, the dropout rate in [0, 1), and heads
+    that split `dim`."""
+    hparams.positive(
+        "gpt",
+        context_length=context_length,
+        dim=dim,
+        depth=depth,
+        num_heads=num_heads,
+        mlp_ratio=mlp_ratio,
+        vocab_size=vocab_size,
+    )
+    if not norm_epsilon > 0:
+        raise ZooError(f"model.norm_epsilon={norm_epsilon} must be positive (gpt).")
+    hparams.rates("gpt", dropout_rate=dropout_rate)
+    if dim % num_heads:
+        raise ZooError(f"gpt: dim={dim} must be a multiple of num_heads={num_heads}.")
+
+
+def _unembed(dim: int, vocab_size: int, rngs: nnx.Rngs) -> nnx.Linear:
+    """The output layer of untied embeddings: `dim` features to the padded vocabulary."""
+    return dense(dim, padded_vocab(vocab_size), ("embed", "vocab"), use_bias=False, rngs=rngs)

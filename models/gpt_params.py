@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-from zoo.models.gpt import padded_vocab
+from zoo.models.language_model import padded_vocab
 from zoo.models.hf_config import transformer_config
 
 from zoo.plugin import Family, Rule, ZooError, register_family

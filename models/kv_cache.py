@@ -22,15 +22,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 KVCache = tuple[jax.Array, jax.Array]
 """Keys and values of one layer: two arrays of batch x slots x heads x head_dim (with a
 leading layer axis for stacked layers)."""
+Cache = tuple[KVCache, ...] | KVCache
+"""A language model's key/value cache: one (keys, values) pair per layer, or one pair of
+stacked arrays for stacked layers (`scan_layers`)."""
 
 
 @jax.tree_util.register_dataclass
@@ -62,6 +66,33 @@ class DecodesWithCache:
         all a prefill needs), attending to the cache's earlier slots; the cache comes back with
         these tokens' keys and values in it."""
         return self._forward(tokens, jax.random.key(0), cache, slots, last_only=last_only)
+
+
+def empty_cache(
+    batch_size: int,
+    slots: int,
+    heads: tuple[int, int],
+    *,
+    dtype: Any,
+    spec: P,
+    windows: Sequence[int],
+    stacked: bool,
+) -> Cache:
+    """A language model's empty key/value cache (zeros) for `decode`, a (keys, values) pair
+    for each layer of `windows` (its sliding window; 0: none): `batch_size` rows x `slots`
+    positions (a sliding layer's at most its window: a ring buffer) x `heads` (heads,
+    head_dim), laid out as `spec` (of batch, slots, heads, head_dim) says. `stacked` layers
+    (`scan_layers`) have one pair of arrays with a leading layer axis, every layer `slots`
+    long."""
+
+    def zeros(length: int, *layers: int) -> jax.Array:
+        sharding = P(*(None,) * len(layers), *spec)
+        return jnp.zeros((*layers, batch_size, length, *heads), dtype, out_sharding=sharding)
+
+    if stacked:
+        return zeros(slots, len(windows)), zeros(slots, len(windows))
+    lengths = (cache_slots(slots, window) for window in windows)
+    return tuple((zeros(length), zeros(length)) for length in lengths)
 
 
 def cache_slots(total: int, window: int) -> int:

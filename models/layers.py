@@ -15,7 +15,13 @@ from collections.abc import Callable, Sequence
 import jax
 from flax import nnx
 
-from zoo.plugin import dense_dot_general, logical_spec, partitioned
+from zoo.plugin import (
+    construction_rngs,
+    dense_dot_general,
+    logical_spec,
+    partitioned,
+    repeated,
+)
 
 Axis = str | tuple[str, ...] | None  # one logical name, several (split on all their axes), none
 Axes = tuple[Axis, ...]
@@ -124,6 +130,28 @@ def batch_norm(
         bias_init=partitioned(_ZEROS, (axis,)),
         rngs=rngs,
     )
+
+
+def learned(shape: tuple[int, ...], axes: Axes, *, rngs: nnx.Rngs) -> nnx.Param:
+    """A learned array (positions, a class token, an embedding table) annotated `axes`, drawn
+    from a normal distribution of std 0.02 with one key of `rngs.params`."""
+    return nnx.Param(partitioned(nnx.initializers.normal(0.02), axes)(rngs.params(), shape))
+
+
+def layer_stack(
+    layer: Callable[..., nnx.Module], depth: int, stacked: bool, key: jax.Array
+) -> nnx.Module:
+    """`depth` layers `layer(rngs=...)`, layer i initialised from the i-th of `key`'s split
+    whether they are `stacked` (one layer whose params have a leading, unsharded layer axis,
+    for `nnx.scan`) or not (an `nnx.List`), so both layouts hold the same weights."""
+
+    def one(key: jax.Array) -> nnx.Module:
+        return layer(rngs=construction_rngs(params=key))
+
+    keys = jax.random.split(key, depth)
+    if stacked:
+        return nnx.vmap(one, transform_metadata={nnx.PARTITION_NAME: None})(keys)
+    return nnx.List(repeated(lambda i: one(keys[i]), depth))
 
 
 def layer_norm(features: int, *, rngs: nnx.Rngs, epsilon: float = 1e-6) -> nnx.LayerNorm:

@@ -25,10 +25,10 @@ import jax.numpy as jnp
 from flax import nnx
 from zoo.models import hparams, positions
 from zoo.models.classification import classification_loss_with_rngs, report_classifier
-from zoo.models.layers import conv, dense, layer_norm, split_by_fsdp
+from zoo.models.layers import conv, dense, layer_norm, learned, split_by_fsdp
 from zoo.models.transformer import Block, BlockOptions, dropout_key
 
-from zoo.plugin import ZooError, logical_spec, partitioned, register_model, repeated
+from zoo.plugin import ZooError, logical_spec, register_model, repeated
 
 
 @register_model(
@@ -95,76 +95,27 @@ class ViT(nnx.Module):
         *,
         rngs: nnx.Rngs,
     ):
-        hparams.positive(
-            "vit",
-            input_shape=input_shape,
-            num_classes=num_classes,
-            patch_size=patch_size,
-            dim=dim,
-            depth=depth,
-            num_heads=num_heads,
-            mlp_ratio=mlp_ratio,
+        """A ViT of these options (each a `model.*` key), checked first, its params drawn from
+        `rngs` in a fixed order: the patch embedding, the positions, the class token, the
+        blocks, the final norm, the head."""
+        _check_options(
+            input_shape, num_classes, patch_size, dim, depth, num_heads, mlp_ratio, dropout_rate
         )
-        hparams.rates("vit", dropout_rate=dropout_rate)
-        hparams.choice(
-            "vit", pool=(pool, ("mean", "cls")), position_resize=(position_resize, positions.MODES)
-        )
-        if pool == "cls" and not class_token:
-            raise ZooError("vit: model.pool=cls needs model.class_token=true.")
+        _check_choices(pool, position_resize, class_token)
         self.pixel_mean, self.pixel_std = hparams.pixel_statistics(
             pixel_mean, pixel_std, input_shape
         )
         height, width, channels = input_shape
-        if height % patch_size or width % patch_size or dim % num_heads:
-            raise ZooError(
-                f"vit: {height}x{width} images do not split into {patch_size}x{patch_size} "
-                f"patches, or dim={dim} is not a multiple of num_heads={num_heads}. Choose "
-                f"model.patch_size dividing both {height} and {width}, and model.dim divisible "
-                "by model.num_heads."
-            )
+        grid = _position_grid(height, width, patch_size, dim, num_heads, position_grid)
         self.patch_size, self.position_resize = patch_size, position_resize
-        grid = position_grid or [height // patch_size, width // patch_size]
-        hparams.positive("vit", position_grid=grid)
         self.prefix = int(class_token)  # tokens before the patches
-        # A patch_size-strided convolution is the patch embedding: one linear map per patch.
-        self.embed = conv(
-            channels,
-            dim,
-            patch_size,
-            strides=patch_size,
-            padding="VALID",
-            use_bias=True,
-            in_axis=None,
-            out_axis="embed",
-            rngs=rngs,
-        )
-        self.positions = nnx.Param(
-            partitioned(nnx.initializers.normal(0.02), (None, "embed"))(
-                rngs.params(), (self.prefix + grid[0] * grid[1], dim)
-            )
-        )
+        self.embed = _patch_embedding(channels, dim, patch_size, rngs)
+        self.positions = learned((self.prefix + grid[0] * grid[1], dim), (None, "embed"), rngs=rngs)
         self.position_grid = tuple(grid)
         self.input_grid = (height // patch_size, width // patch_size)
-        self.class_token = nnx.data(None)
-        if class_token:
-            self.class_token = nnx.Param(
-                partitioned(nnx.initializers.normal(0.02), (None,))(rngs.params(), (dim,))
-            )
+        self.class_token = learned((dim,), (None,), rngs=rngs) if class_token else nnx.data(None)
         options = BlockOptions(mlp_ratio, attention_bias, norm_epsilon, exact_gelu)
-        self.blocks = nnx.List(
-            repeated(
-                lambda _: Block(
-                    dim,
-                    num_heads,
-                    mlp_ratio,
-                    dropout_rate,
-                    attention_dropout=dropout_rate,
-                    options=options,
-                    rngs=rngs,
-                ),
-                depth,
-            )
-        )
+        self.blocks = _blocks(dim, num_heads, depth, dropout_rate, options, rngs)
         self.dropout_rate = dropout_rate
         self.pool, self.norm_after_pool = pool, norm_after_pool
         self.norm = layer_norm(dim, rngs=rngs, epsilon=norm_epsilon)
@@ -212,3 +163,96 @@ class ViT(nnx.Module):
 
     def _pooled(self, tokens: jax.Array) -> jax.Array:
         return tokens[:, 0] if self.pool == "cls" else tokens[:, self.prefix :].mean(axis=1)
+
+
+def _check_options(
+    input_shape: list[int] | None,
+    num_classes: int | None,
+    patch_size: int,
+    dim: int,
+    depth: int,
+    num_heads: int,
+    mlp_ratio: int,
+    dropout_rate: float,
+) -> None:
+    """Every size at least 1 (the data set's `input_shape` and `num_classes` given), the
+    dropout rate in [0, 1)."""
+    hparams.positive(
+        "vit",
+        input_shape=input_shape,
+        num_classes=num_classes,
+        patch_size=patch_size,
+        dim=dim,
+        depth=depth,
+        num_heads=num_heads,
+        mlp_ratio=mlp_ratio,
+    )
+    hparams.rates("vit", dropout_rate=dropout_rate)
+
+
+def _check_choices(pool: str, position_resize: str, class_token: bool) -> None:
+    """`pool` and `position_resize` among their choices; `pool=cls` with a class token."""
+    hparams.choice(
+        "vit", pool=(pool, ("mean", "cls")), position_resize=(position_resize, positions.MODES)
+    )
+    if pool == "cls" and not class_token:
+        raise ZooError("vit: model.pool=cls needs model.class_token=true.")
+
+
+def _position_grid(
+    height: int, width: int, patch_size: int, dim: int, num_heads: int, grid: list[int] | None
+) -> list[int]:
+    """The [rows, columns] of patches the learned positions are held for: `grid`, or the
+    images' own; an error where the images do not split into patches or the heads do not
+    split `dim`."""
+    if height % patch_size or width % patch_size or dim % num_heads:
+        raise ZooError(
+            f"vit: {height}x{width} images do not split into {patch_size}x{patch_size} "
+            f"patches, or dim={dim} is not a multiple of num_heads={num_heads}. Choose "
+            f"model.patch_size dividing both {height} and {width}, and model.dim divisible "
+            "by model.num_heads."
+        )
+    grid = grid or [height // patch_size, width // patch_size]
+    hparams.positive("vit", position_grid=grid)
+    return grid
+
+
+def _patch_embedding(channels: int, dim: int, patch_size: int, rngs: nnx.Rngs) -> nnx.Conv:
+    """A patch_size-strided convolution: one linear map of each patch to a `dim`-wide token."""
+    return conv(
+        channels,
+        dim,
+        patch_size,
+        strides=patch_size,
+        padding="VALID",
+        use_bias=True,
+        in_axis=None,
+        out_axis="embed",
+        rngs=rngs,
+    )
+
+
+def _blocks(
+    dim: int,
+    num_heads: int,
+    depth: int,
+    dropout_rate: float,
+    options: BlockOptions,
+    rngs: nnx.Rngs,
+) -> nnx.List:
+    """`depth` transformer blocks, drawn from `rngs` one after another; `dropout_rate` on their
+    attention weights too."""
+    return nnx.List(
+        repeated(
+            lambda _: Block(
+                dim,
+                num_heads,
+                options.mlp_ratio,
+                dropout_rate,
+                attention_dropout=dropout_rate,
+                options=options,
+                rngs=rngs,
+            ),
+            depth,
+        )
+    )

@@ -6,7 +6,9 @@ module constructor, its loss/metrics function, its default data set and any trai
 defaults of its own. The constructor's keyword parameters (type-hinted, each with a default) *are*
 the model's config schema: the CLI's `model.<param>=...` overrides, `--cfg job` and
 `zoo.create_model(name, **overrides)` are all derived from the signature, so a hyper-parameter is
-declared exactly once.
+declared exactly once. A model of many options may take them as one typed object instead
+(`__init__(self, options: MyOptions, *, rngs)`, `MyOptions` a dataclass): its fields are then
+the schema, and the model is built from an instance of it (`options_class`).
 
 Data sets work the same way: a loader function whose keyword parameters are the `data.*` config.
 A data set also states what models must know about it (`info`, e.g. `input_shape` and
@@ -166,6 +168,9 @@ class ModelEntry:
                 f"Model '{self.name}' needs {', '.join(missing)}, which come from its data set: "
                 f"resolve the parameters with a data set first, or set model.{missing[0]}."
             )
+        options = options_class(self.constructor)
+        if options is not None:
+            return self.constructor(options(**params), rngs=rngs)
         return self.constructor(**params, rngs=rngs)
 
 
@@ -418,7 +423,7 @@ def register_model(
     def register(ctor: Callable[..., nnx.Module]) -> Callable[..., nnx.Module]:
         if name in _MODELS:
             raise ZooError(f"A model named '{name}' is already registered; choose another name.")
-        schema = _signature_dataclass(ctor, name, f"{_camel(name)}ModelConfig")
+        schema = _signature_dataclass(ctor, name, f"{_camel(name)}ModelConfig", options_class(ctor))
         _MODELS[name] = ModelEntry(
             name,
             ctor,
@@ -535,26 +540,70 @@ def get_data(name: str) -> DataEntry:
     return _DATASETS[name]
 
 
-def _signature_dataclass(fn: Callable[..., Any], name: str, class_name: str) -> type:
-    """A dataclass of `fn`'s keyword parameters (minus `rngs`), plus `name` = the registry key."""
+def options_class(constructor: Callable[..., Any]) -> type | None:
+    """The dataclass a model's constructor takes its options as, where it takes them as one
+    typed object (`__init__(self, options: MyOptions, *, rngs)`): its fields, each typed and
+    with a default, are then the model's config keys. None for a constructor that takes them
+    as keyword parameters."""
+    params = [p for p in _parameters(constructor) if p.name != "rngs"]
+    if len(params) != 1 or params[0].default is not params[0].empty:
+        return None
+    hint = _hints(constructor).get(params[0].name)
+    return hint if isinstance(hint, type) and dataclasses.is_dataclass(hint) else None
+
+
+def _parameters(fn: Callable[..., Any]) -> list[inspect.Parameter]:
+    """`fn`'s parameters (a class's constructor's, without `self`)."""
     target = fn.__init__ if inspect.isclass(fn) else fn
-    hints = typing.get_type_hints(target)
+    return list(inspect.signature(target).parameters.values())[inspect.isclass(fn) :]
+
+
+def _hints(fn: Callable[..., Any]) -> dict[str, Any]:
+    """The type hints of `fn`'s parameters (a class's constructor's)."""
+    return typing.get_type_hints(fn.__init__ if inspect.isclass(fn) else fn)
+
+
+def _signature_dataclass(
+    fn: Callable[..., Any], name: str, class_name: str, options: type | None = None
+) -> type:
+    """A dataclass of `fn`'s keyword parameters (minus `rngs`), or of the fields of `options`
+    where `fn` takes its options as that dataclass, plus `name` = the registry key."""
+    owner = options or fn
     fields: list[tuple[str, Any, Any]] = [("name", str, dataclasses.field(default=name))]
-    for param in list(inspect.signature(target).parameters.values())[inspect.isclass(fn) :]:
-        if param.name == "rngs" or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
-            continue
-        if param.default is param.empty or param.name not in hints:
+    for key, hint, default in _options_fields(options) if options else _keywords(fn):
+        if default is inspect.Parameter.empty or hint is None:
             raise ZooError(
-                f"Cannot register '{name}': parameter '{param.name}' of {fn.__qualname__} needs a "
+                f"Cannot register '{name}': parameter '{key}' of {owner.__qualname__} needs a "
                 "type hint and a default value, since it becomes a config key."
             )
-        default = param.default
         if isinstance(default, list | dict):
             field = dataclasses.field(default_factory=lambda d=default: type(d)(d))
         else:
             field = dataclasses.field(default=default)
-        fields.append((param.name, hints[param.name], field))
+        fields.append((key, hint, field))
     return dataclasses.make_dataclass(class_name, fields)
+
+
+def _keywords(fn: Callable[..., Any]) -> list[tuple[str, Any, Any]]:
+    """(name, type hint or None, default or `Parameter.empty`) of `fn`'s config parameters."""
+    hints = _hints(fn)
+    return [
+        (param.name, hints.get(param.name), param.default)
+        for param in _parameters(fn)
+        if param.name != "rngs" and param.kind not in (param.VAR_POSITIONAL, param.VAR_KEYWORD)
+    ]
+
+
+def _options_fields(options: type) -> list[tuple[str, Any, Any]]:
+    """(name, type hint, default or `Parameter.empty`) of the fields of an options dataclass."""
+    hints = typing.get_type_hints(options)
+    return [(f.name, hints.get(f.name), _default(f)) for f in dataclasses.fields(options)]
+
+
+def _default(field: dataclasses.Field) -> Any:
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return inspect.Parameter.empty if field.default is dataclasses.MISSING else field.default
 
 
 def _camel(name: str) -> str:

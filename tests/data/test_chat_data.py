@@ -22,7 +22,7 @@ from zoo.data.chat_tokens import Encoder
 from zoo.data.conversations import DEFAULT_ROLES, Columns, conversation
 from zoo.data.text import load_tokenizer
 from zoo.engine.errors import ZooError
-from zoo.models.gpt import language_model_loss
+from zoo.models.language_model import language_model_loss
 
 TEMPLATES = ROOT / "tests" / "fixtures" / "chat_templates"
 TOKENIZER = ROOT / "tests" / "fixtures" / "pretrained" / "qwen3-tiny" / "tokenizer.json"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import pytest
 from flax import nnx
@@ -25,6 +27,39 @@ class Tiny(nnx.Module):
 
 if "tiny" not in zoo.list_models():
     zoo.register_model("tiny", Tiny, loss=binary_classification_loss, default_data="xor")
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyOptions:
+    width: int = 4
+    scale: float = 1.0
+
+    def __post_init__(self):
+        if self.width < 1:
+            raise zoo.ZooError(f"model.width={self.width} must be at least 1.")
+
+
+class TinyOfOptions(Tiny):
+    """`Tiny` built from one typed object of options."""
+
+    def __init__(self, options: TinyOptions, *, rngs: nnx.Rngs):
+        super().__init__(options.width, options.scale, rngs=rngs)
+
+
+if "tiny_options" not in zoo.list_models():
+    zoo.register_model(
+        "tiny_options", TinyOfOptions, loss=binary_classification_loss, default_data="xor"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Required:
+    width: int  # no default: no config key
+
+
+class OfRequired(nnx.Module):
+    def __init__(self, options: Required, *, rngs: nnx.Rngs):
+        pass
 
 
 def test_list_models_holds_builtins_and_user_models():
@@ -82,6 +117,19 @@ def test_user_model_gets_a_typed_config_the_cli_accepts():
     assert zoo.create_model("tiny", width=8).layer.kernel.shape == (2, 8)
 
 
+def test_a_model_may_take_its_options_as_one_typed_object():
+    assert registry.options_class(TinyOfOptions) is TinyOptions
+    assert registry.options_class(Tiny) is None
+    cfg = zoo.compose(["model=tiny_options", "model.width=8", "model.scale=0.5"])
+    assert cfg.model.width == 8 and cfg.model.scale == 0.5
+    with pytest.raises(zoo.ZooError, match="model.width=big"):
+        zoo.compose(["model=tiny_options", "model.width=big"])
+    model = zoo.create_model("tiny_options", width=8, scale=0.5)
+    assert model.layer.kernel.shape == (2, 8) and model.scale == 0.5
+    with pytest.raises(zoo.ZooError, match="model.width=0 must be at least 1"):
+        zoo.create_model("tiny_options", width=0)
+
+
 def test_model_defaults_apply_and_command_line_overrides_them():
     cfg = zoo.compose(["model=xor"])
     assert (cfg.trainer.steps, cfg.trainer.batch_size) == (2000, 128)
@@ -102,3 +150,9 @@ def test_registration_errors_are_clear():
     with pytest.raises(zoo.ZooError, match="'width'.*type hint and a default"):
         zoo.register_model("untyped", Untyped, loss=binary_classification_loss, default_data="xor")
     assert "untyped" not in zoo.list_models()
+
+    with pytest.raises(zoo.ZooError, match="'width' of .*Required needs a type hint and a def"):
+        zoo.register_model(
+            "required", OfRequired, loss=binary_classification_loss, default_data="xor"
+        )
+    assert "required" not in zoo.list_models()

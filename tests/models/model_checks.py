@@ -13,7 +13,7 @@ from conformance.checks import MESH, ONE_DEVICE, on_mesh, on_one_device, tiny_co
 from flax import nnx
 
 import zoo
-from zoo.api import resolved_hparams
+from zoo.trained import resolved_hparams
 
 
 class Models:

@@ -23,7 +23,7 @@ from zoo.engine.sharding import mesh as sharding
 from zoo.engine.weights import pretrained as weights
 
 import zoo
-from zoo.api import checkpoint_hparams, plan_pretrained
+from zoo.loading import checkpoint_hparams, plan_pretrained
 
 FIXTURES = ROOT / "tests" / "fixtures" / "pretrained"
 ONE = jax.devices()[:1]

@@ -23,8 +23,9 @@ from zoo.engine.kernels import cpu_dot
 from zoo.engine.sharding.mesh import logical_spec
 from zoo.engine.steps.precision import lowered
 from zoo.models.decoder import Decoder
-from zoo.models.generate import generate_tokens
+from zoo.models.decoder_options import DecoderOptions
 from zoo.models.layers import dense, head_projections
+from zoo.models.text_completion import generate_tokens
 
 from zoo.plugin import TransposedLinear
 
@@ -261,7 +262,8 @@ def test_the_decoders_projections_and_their_gradients_reach_xla_in_bf16(monkeypa
     (`BF16_PRODUCT`) than with `jax.lax.dot_general` alone. A decoding step of a few rows
     (`FEW_ROWS`) keeps the kernel-first product and still runs."""
     with on_mesh({"data": 1, "fsdp": 1, "tensor": 1}):
-        model = Decoder(vocab_size=256, context_length=256, dim=32, depth=1, rngs=nnx.Rngs(0))
+        options = DecoderOptions(vocab_size=256, context_length=256, dim=32, depth=1)
+        model = Decoder(options, rngs=nnx.Rngs(0))
         graph, params, rest = nnx.split(model, nnx.Param, ...)
         low = nnx.merge(graph, lowered(params), rest)
         tokens = jnp.ones((8, 256), jnp.int32)

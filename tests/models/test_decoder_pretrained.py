@@ -30,11 +30,11 @@ from pretrained_checks import (
 from zoo.engine import registry
 from zoo.engine.sharding import mesh as sharding
 from zoo.engine.weights import pretrained as weights
-from zoo.models.generate import generate_tokens
+from zoo.models.text_completion import generate_tokens
 
 import zoo
 from benchmarks import decoder_costs
-from zoo.api import checkpoint_hparams, plan_pretrained
+from zoo.loading import checkpoint_hparams, plan_pretrained
 
 DECODER_FAMILIES = {family.name: family for family in registry.families("decoder")}
 NAMES = sorted(

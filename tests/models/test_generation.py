@@ -1,4 +1,4 @@
-"""The generation engine (`zoo.models.generation`) on every decoder family's fixture: a ragged
+"""The generation engine (`zoo.models.sampling_loop`) on every decoder family's fixture: a ragged
 batch of prompts (3 to 40 tokens) decoded greedily writes what each prompt writes alone and what
 transformers writes (`tests/fixtures/pretrained/generation.json`, by `make_generation.py`), on
 one device and on the 2x2x2 mesh; a session compiles one prefill per prompt bucket and one
@@ -21,9 +21,9 @@ import pytest
 from conformance.checks import MESH, ONE_DEVICE, on_mesh
 from pretrained_checks import FIXTURES, loaded
 from zoo.data.text import load_tokenizer
-from zoo.models import generation
-from zoo.models.generate import Codec, Request, complete, stream
-from zoo.models.generation import COMPILATIONS, Sampling, Session
+from zoo.models import sampling_loop
+from zoo.models.sampling_loop import COMPILATIONS, Sampling, Session
+from zoo.models.text_completion import Codec, Request, complete, stream
 from zoo.models.kv_cache import Slots
 
 FAMILIES = ("llama-tiny", "qwen2-tiny", "qwen3-tiny", "mistral-window", "gemma3-tiny", "gpt2-tiny")
@@ -148,7 +148,7 @@ def test_sampling_draws_from_the_renormalised_distribution(sampling):
     draws = 40_000
     logits = jnp.broadcast_to(jnp.asarray(LOGITS), (draws, len(LOGITS)))
     keys = jax.random.split(jax.random.key(7), draws)
-    choose = jax.jit(generation.choose, static_argnames="filters")
+    choose = jax.jit(sampling_loop.choose, static_argnames="filters")
     with on_mesh(ONE_DEVICE):
         tokens, logprobs = choose(logits, keys, sampling.values(), sampling.filters)
     counts = np.bincount(np.asarray(tokens), minlength=len(LOGITS))

@@ -33,8 +33,7 @@ from zoo.engine.registry import get_data
 from zoo.engine.sharding import abstract
 from zoo.engine.sharding import mesh as sharding
 from zoo.engine.sharding.mesh import DEFAULT_RULES
-from zoo.models import generate as sampling
-from zoo.models import generation
+from zoo.models import sampling_loop, text_completion
 
 import zoo
 
@@ -164,8 +163,8 @@ def test_generation_works_with_remat_and_scanned_layers(models):
     models.split.eval()
     other.eval()
     with _mesh():
-        want = sampling.generate_bytes(models.split, "def f(x):", 12, temperature=0.0)
-        assert sampling.generate_bytes(other, "def f(x):", 12, temperature=0.0) == want
+        want = text_completion.generate_bytes(models.split, "def f(x):", 12, temperature=0.0)
+        assert text_completion.generate_bytes(other, "def f(x):", 12, temperature=0.0) == want
 
 
 @pytest.mark.parametrize(
@@ -261,14 +260,16 @@ def test_generation_is_reproducible_consistent_and_compiled_per_bucket():
     model.eval()
     with _mesh():
         jax.clear_caches()  # what compiles here is counted, whatever ran before
-        start = generation.COMPILATIONS.copy()
-        same = [sampling.generate(model, "def f(x):", 20, seed=3) for _ in range(2)]
-        other = sampling.generate(model, "def f(x):", 20, seed=4)
-        raw = sampling.generate_bytes(model, "def f(x):", 20, seed=3)
+        start = sampling_loop.COMPILATIONS.copy()
+        same = [text_completion.generate(model, "def f(x):", 20, seed=3) for _ in range(2)]
+        other = text_completion.generate(model, "def f(x):", 20, seed=4)
+        raw = text_completion.generate_bytes(model, "def f(x):", 20, seed=3)
         for length, new in [(5, 7), (6, 3), (7, 12), (12, 19), (15, 2), (17, 9)]:
-            sampling.generate(model, "x" * length, new, temperature=0.5, top_k=5, seed=length)
-        compiled = collections.Counter(key[:2] for key in generation.COMPILATIONS - start)
-        greedy = sampling.generate_bytes(model, "import os", 16, temperature=0.0)
+            text_completion.generate(
+                model, "x" * length, new, temperature=0.5, top_k=5, seed=length
+            )
+        compiled = collections.Counter(key[:2] for key in sampling_loop.COMPILATIONS - start)
+        greedy = text_completion.generate_bytes(model, "import os", 16, temperature=0.0)
         sequence = np.frombuffer(b"import os" + greedy, np.uint8).astype(np.int32)
         with sharding.unsplit_batch():
             logits = nnx.jit(lambda m, x: m(x))(model, jnp.asarray(sequence[None, :-1]))

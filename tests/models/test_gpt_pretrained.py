@@ -20,8 +20,8 @@ from pretrained_checks import logits as pretrained_logits
 from zoo.engine.weights import pretrained as weights
 
 import zoo
-from zoo.api import checkpoint_hparams, plan_pretrained
-from zoo.export import export
+from zoo.exporting import export
+from zoo.loading import checkpoint_hparams, plan_pretrained
 
 FIXTURES = ROOT / "tests" / "fixtures" / "pretrained"
 TINY, SHARDED = FIXTURES / "gpt2-tiny", FIXTURES / "gpt2-tiny-sharded"

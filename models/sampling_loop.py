@@ -1,6 +1,7 @@
-"""The generation engine of every language model (`gpt`, `decoder`): batches of prompts of any
-lengths, a key/value cache donated and updated in place, sampling controls, stops per row, and
-a stream of tokens as they come.
+"""The sampling loop of every language model (`gpt`, `decoder`), the engine beneath its text
+generation (`zoo.models.text_completion`): batches of prompts of any lengths, a key/value cache
+donated and updated in place, sampling controls, stops per row, and a stream of tokens as they
+come.
 
 The model is used through what it offers, not its class: `decode(tokens, cache, slots)`,
 `empty_cache(batch_size, slots)`, `context_length` and `vocab_size`.
@@ -35,7 +36,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 from zoo.models.kv_cache import Slots
 
-from zoo.plugin import ZooError, unsplit_batch
+from zoo.plugin import ZooError, reading_widened, unsplit_batch, widened_copies
 
 log = logging.getLogger("zoo.generation")
 """Where each compilation is said (DEBUG: a run's console shows INFO)."""
@@ -127,7 +128,9 @@ class Session:
         self.model, self.batch_size, self.slots = model, batch_size, slots
         graphdef, state = nnx.split(model)
         leaves, treedef = jax.tree.flatten(state)
-        self._weights, self._structure = leaves, _Structure((graphdef, treedef))
+        self._structure = _Structure((graphdef, treedef))
+        # With float32 copies where zoo's bfloat16 CPU kernel does not run (else Nones).
+        self._weights = (leaves, widened_copies(leaves))
         with unsplit_batch():
             self._cache = model.empty_cache(batch_size, slots)
 
@@ -290,7 +293,7 @@ class _Structure:
 
 def _model(structure: _Structure, weights):
     graphdef, treedef = structure.value
-    model = nnx.merge(graphdef, jax.tree.unflatten(treedef, weights))
+    model = nnx.merge(graphdef, jax.tree.unflatten(treedef, weights[0]))
     model.eval()
     return model
 
@@ -302,7 +305,8 @@ def _prefill(structure, weights, cache, tokens, first, keys, controls, filters):
     tokens, first = jax.sharding.reshard(tokens, P()), jax.sharding.reshard(first, P())
     slots = Slots(jnp.int32(0), first, prefill=True)
     # Left-padded: the last column is every row's last prompt token.
-    logits, cache = _model(structure, weights).decode(tokens, cache, slots, last_only=True)
+    with reading_widened(*weights):
+        logits, cache = _model(structure, weights).decode(tokens, cache, slots, last_only=True)
     return (*choose(logits[:, -1], _step_keys(keys, 0), controls, filters), cache)
 
 
@@ -312,7 +316,8 @@ def _decode(structure, weights, cache, token, index, first, keys, step, controls
     log.debug("compiling the decode step of %d rows (%s)", token.shape[0], ",".join(filters))
     first = jax.sharding.reshard(first, P())
     slots = Slots(index, first, prefill=False)
-    logits, cache = _model(structure, weights).decode(token[:, None], cache, slots)
+    with reading_widened(*weights):
+        logits, cache = _model(structure, weights).decode(token[:, None], cache, slots)
     return (*choose(logits[:, 0], _step_keys(keys, step), controls, filters), cache)
 
 

@@ -1,0 +1,203 @@
+"""The options of `decoder` as one typed object, `DecoderOptions`: its fields are the model's
+`model.*` config keys (the registry makes the config schema of them, so an option is declared
+once), they are refused by name when no model can be built with them, and `resolved` says what
+each 0 or null among them stands for.
+
+The options are those the checkpoints differ in; each says which family uses it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+from zoo.models import hparams
+from zoo.models.decoder_parts import ACTIVATIONS, FULL, LAYER_TYPES, SLIDING
+from zoo.models.language_model import VOCAB
+from zoo.models.rope import ROPE_TYPES
+
+from zoo.plugin import ZooError
+
+PARAM_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderOptions:
+    """Everything a `decoder` is built from, checked when made (a `ZooError` naming the
+    config key and what would be valid)."""
+
+    # Tokens in the vocabulary: 256 bytes without a tokenizer; with data.tokenizer, at least its
+    # ids.
+    vocab_size: int = VOCAB
+    # Positions the model has (a checkpoint's max_position_embeddings): sequences, and the
+    # key/value cache of generation, are at most this long.
+    context_length: int = 128
+    dim: int = 128  # width of the token embeddings and every layer (hidden_size)
+    depth: int = 4  # layers (num_hidden_layers)
+    num_heads: int = 4  # query heads (num_attention_heads)
+    # Key/value heads, each shared by num_heads / num_kv_heads query heads (grouped-query
+    # attention; 1: multi-query); 0: as many as num_heads.
+    num_kv_heads: int = 0
+    # Features of each head; 0: dim / num_heads (Qwen 3 and Gemma 3 set it independently).
+    head_dim: int = 0
+    # Hidden width of the gated MLP (intermediate_size); 0: 8/3 of dim rounded up to a multiple
+    # of 64, which holds about the weights of a 4 x dim two-layer MLP.
+    mlp_dim: int = 0
+    # The gated MLP's activation: `silu` (SwiGLU: Llama, Mistral, Qwen) or `gelu_tanh` (GeGLU
+    # with tanh-approximated GELU: Gemma).
+    activation: str = "silu"
+    norm_epsilon: float = 1e-6  # epsilon of every RMSNorm (rms_norm_eps)
+    # RMSNorm scales by 1 + w instead of w (Gemma), w held as the checkpoint stores it.
+    norm_unit_offset: bool = False
+    # A norm after attention and after the MLP too, before each is added back (Gemma).
+    post_norms: bool = False
+    qk_norm: bool = False  # RMSNorm of each query and key head before the rotation (Qwen 3)
+    qkv_bias: bool = False  # biases on the query, key and value projections (Qwen 2)
+    out_bias: bool = False  # a bias on attention's output projection
+    mlp_bias: bool = False  # biases on the MLP's gate, up and down projections
+    rope_theta: float = 10000.0  # base of the rotary frequencies of full-attention layers
+    # Scaling of those frequencies: `default` (none), `linear` (divided by rope_factor) or
+    # `llama3` (Llama 3.1's, with the three parameters below).
+    rope_type: str = "default"
+    rope_factor: float = 1.0  # the `linear` and `llama3` scaling factor
+    rope_low_freq_factor: float = 1.0  # `llama3`: low_freq_factor
+    rope_high_freq_factor: float = 4.0  # `llama3`: high_freq_factor
+    rope_original_context: int = 8192  # `llama3`: original_max_position_embeddings
+    # Base of sliding-window layers' rotary frequencies, unscaled (Gemma 3: 10000); 0: those of
+    # the full-attention layers, scaling included.
+    local_rope_theta: float = 0.0
+    # Positions a sliding-window layer sees, itself included (a query at i sees keys j with
+    # i - sliding_window < j <= i); 0: no sliding-window layers.
+    sliding_window: int = 0
+    # Each layer's attention, `full_attention` or `sliding_attention`, one per layer; null:
+    # every layer sliding when sliding_window > 0 (Mistral), else every layer full.
+    layer_types: list[str] | None = None
+    # Attention logits are scaled by query_scale ** -0.5; 0: head_dim (Gemma 3 sets its
+    # query_pre_attn_scalar).
+    query_scale: float = 0.0
+    # Attention logits soft-capped to (-cap, cap) by cap * tanh(logits / cap); 0: not capped.
+    attention_softcap: float = 0.0
+    final_softcap: float = 0.0  # the output logits soft-capped the same way; 0: not capped
+    # Embeddings multiplied by sqrt(dim), rounded to the params' dtype (Gemma).
+    embed_scale: bool = False
+    # Logits through the input embedding; false: a separate output layer.
+    tie_embeddings: bool = True
+    dropout_rate: float = 0.0  # Dropout on each layer's attention and MLP outputs
+    # Store the layers stacked (a leading layer axis) and run them with `nnx.scan`: compile time
+    # no longer grows with depth; the same weights, another checkpoint layout.
+    scan_layers: bool = False
+    # Recompute each layer's activations in the backward pass (`nnx.remat`) instead of keeping
+    # them: less memory, more compute.
+    remat: bool = False
+    # The dtype every param is held and computed in: `fp32`, or `bf16` (half the memory; a
+    # bfloat16 checkpoint as it is stored).
+    param_dtype: str = "fp32"
+
+    def __post_init__(self) -> None:
+        _check_values(self)
+        _check_heads(self)
+        _layer_types(self.layer_types, self.depth, self.sliding_window)
+
+    def resolved(self) -> DecoderOptions:
+        """These options with each 0 or null that stands for a default made explicit: the
+        key/value heads, each head's width, the MLP's width and every layer's type."""
+        return dataclasses.replace(
+            self,
+            num_kv_heads=self.num_kv_heads or self.num_heads,
+            head_dim=self.head_dim or self.dim // self.num_heads,
+            mlp_dim=self.mlp_dim or default_mlp_dim(self.dim),
+            layer_types=_layer_types(self.layer_types, self.depth, self.sliding_window),
+        )
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        """The dtype of every param (`param_dtype`)."""
+        return jnp.dtype(PARAM_DTYPES[self.param_dtype])
+
+
+def default_mlp_dim(dim: int) -> int:
+    """8/3 of `dim` rounded up to a multiple of 64: a gated MLP's three matrices then hold about
+    the weights of a two-matrix MLP 4 x `dim` wide."""
+    return 64 * -(-8 * dim // (3 * 64))
+
+
+def _check_values(o: DecoderOptions) -> None:
+    """Refuse, naming its key, a size, rate or choice out of its range."""
+    hparams.positive(
+        "decoder",
+        vocab_size=o.vocab_size,
+        context_length=o.context_length,
+        dim=o.dim,
+        depth=o.depth,
+        num_heads=o.num_heads,
+        rope_original_context=o.rope_original_context,
+    )
+    for key in ("num_kv_heads", "head_dim", "mlp_dim", "sliding_window"):
+        value = getattr(o, key)
+        if not isinstance(value, int) or value < 0:
+            raise ZooError(f"model.{key}={value} must be a whole number >= 0 (0: the default).")
+    for key in ("norm_epsilon", "rope_theta", "rope_factor"):
+        if not getattr(o, key) > 0:
+            raise ZooError(f"model.{key}={getattr(o, key)} must be positive (decoder).")
+    for key in ("local_rope_theta", "query_scale", "attention_softcap", "final_softcap"):
+        value = getattr(o, key)
+        if not (math.isfinite(value) and value >= 0):
+            raise ZooError(f"model.{key}={value} must be >= 0 (0: off, or the default).")
+    hparams.rates("decoder", dropout_rate=o.dropout_rate)
+    hparams.choice(
+        "decoder",
+        activation=(o.activation, tuple(ACTIVATIONS)),
+        rope_type=(o.rope_type, ROPE_TYPES),
+        param_dtype=(o.param_dtype, tuple(PARAM_DTYPES)),
+    )
+
+
+def _check_heads(o: DecoderOptions) -> None:
+    """Refuse heads that do not split evenly, or rotary positions that cannot be computed."""
+    num_heads, num_kv_heads = o.num_heads, o.num_kv_heads or o.num_heads
+    if num_heads % num_kv_heads:
+        raise ZooError(
+            f"model.num_kv_heads={num_kv_heads} must divide model.num_heads={num_heads} "
+            "(each key/value head serves an equal group of query heads)."
+        )
+    head_dim = o.head_dim or o.dim // num_heads
+    if not o.head_dim and o.dim % num_heads:
+        raise ZooError(
+            f"model.dim={o.dim} must be a multiple of model.num_heads={num_heads} when "
+            "model.head_dim=0 (the heads split dim); or give model.head_dim."
+        )
+    if head_dim % 2:
+        raise ZooError(
+            f"The heads' width {head_dim} (model.head_dim, or dim / num_heads) must be even: "
+            "rotary positions turn pairs of features."
+        )
+    if o.rope_type == "llama3" and not o.rope_high_freq_factor > o.rope_low_freq_factor:
+        raise ZooError(
+            f"model.rope_high_freq_factor={o.rope_high_freq_factor} must exceed "
+            f"model.rope_low_freq_factor={o.rope_low_freq_factor} for rope_type=llama3."
+        )
+
+
+def _layer_types(given: list[str] | None, depth: int, window: int) -> list[str]:
+    """Each layer's attention type: `given`, checked, or what null stands for."""
+    if given is None:
+        return [SLIDING if window else FULL] * depth
+    given = list(given)
+    if len(given) != depth:
+        raise ZooError(
+            f"model.layer_types={given} lists {len(given)} layers, but model.depth={depth}: "
+            "give one type per layer (or null)."
+        )
+    for i, kind in enumerate(given):
+        if kind not in LAYER_TYPES:
+            raise ZooError(
+                f"model.layer_types[{i}]={kind!r} is not a decoder layer type: choose one of "
+                f"{', '.join(LAYER_TYPES)}."
+            )
+    if SLIDING in given and not window:
+        raise ZooError(
+            f"model.layer_types={given} has {SLIDING} layers but model.sliding_window=0: "
+            "give the window's length in positions."
+        )
+    return given
