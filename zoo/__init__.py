@@ -17,19 +17,14 @@ uses the plugins `zoo.models` and `zoo.data`, which use the engine `zoo.engine`;
 imports upwards.
 """
 
+# `zoo.export` and `zoo.generate` name both a command line (a package) and a function. Python
+# binds a package to its parent's attribute when it first imports it: the packages are imported
+# here, before the functions are bound below, so that a later `import zoo.generate` (or
+# `python -m zoo.generate`) finds them imported and leaves `zoo.generate` the function.
 import zoo.data  # registers the built-in data sets
+import zoo.export
+import zoo.generate
 import zoo.models  # noqa: F401  (registers the built-in models)
-from zoo.api import (
-    TrainedModel,
-    create_model,
-    evaluate,
-    fit,
-    load,
-    load_data,
-    merge_lora,
-    predict,
-    run,
-)
 from zoo.engine.errors import NonFiniteLoss, ZooError
 from zoo.engine.loop import STOP, CallbackFailed, CallbackStop, Interrupted, RunResult
 from zoo.engine.registry import (
@@ -40,11 +35,17 @@ from zoo.engine.registry import (
     register_data,
     register_model,
 )
-from zoo.export import export
-from zoo.generate import generate
+from zoo.evaluation import evaluate
+from zoo.exporting import export
+from zoo.finetuning import finetune
+from zoo.loading import load
 from zoo.overrides import compose
+from zoo.predicting import predict
 from zoo.pretrained import list_models
-from zoo.tuning import finetune
+from zoo.registered import create_model, load_data
+from zoo.text_generation import generate
+from zoo.trained import TrainedModel, merge_lora
+from zoo.training import fit, run
 
 __all__ = [
     "STOP",

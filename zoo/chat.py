@@ -8,8 +8,8 @@ messages=...)`). An empty line, `/exit` or the end of the input ends the chat. `
 checkpoint's directory, a hub name (`hf://ORG/NAME`), or the workdir of a run fine-tuned from
 one. Turn i samples with seed + i. `template.NAME=VALUE` sets a chat template variable
 (`template.enable_thinking=false`), its value typed as a run's overrides are; a run's own
-`data.template_kwargs` are the default (`zoo.generate.chat_variables`). Each is checked before
-the first turn.
+`data.template_kwargs` are the default (`zoo.text_generation.chat_variables`). Each is checked
+before the first turn.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from typing import Any, TextIO
 
 import jax
 
-from zoo.api import load
-from zoo.cli import load_plugins
+from zoo.cli import load_plugins, typed_options
 from zoo.engine.errors import ZooError
-from zoo.generate import chat_variables, generate, typed_options
+from zoo.loading import load
 from zoo.overrides import typed_argument
+from zoo.text_generation import chat_variables, generate
 
 log = logging.getLogger("zoo")
 DEFAULTS = {"max_new_tokens": 256, "temperature": 0.7, "seed": 0}

@@ -1,5 +1,7 @@
 """What every command line of zoo shares (`python -m zoo.train`, `zoo.generate`, `zoo.export`,
-`zoo.chat`): the plugin modules a user names in `$ZOO_PLUGINS`.
+`zoo.chat`): the plugin modules a user names in `$ZOO_PLUGINS`; and what the two that generate
+text (`zoo.generate`, `zoo.chat`) share: their `key=value` options, typed as
+`zoo.generate(...)` takes them.
 
 A run of a model that a project's own module registers is trained, loaded, exported and chatted
 with by naming that module, the same way for each command: a command that skipped it would
@@ -10,10 +12,23 @@ from __future__ import annotations
 
 import importlib
 import os
+from typing import Any
 
 from zoo.engine.errors import ZooError
 
 PLUGINS_VARIABLE = "ZOO_PLUGINS"
+GENERATE_OPTIONS = {
+    "prompt": str,
+    "max_new_tokens": int,
+    "temperature": float,
+    "top_k": int,
+    "top_p": float,
+    "min_p": float,
+    "seed": int,
+    "stop": str,
+}
+"""The `key=value` options of `python -m zoo.generate`, each the type of `zoo.generate`'s
+keyword argument of its name (`zoo.chat` takes those of sampling)."""
 
 
 def plugin_modules(variable: str = PLUGINS_VARIABLE) -> list[str]:
@@ -33,3 +48,17 @@ def load_plugins(variable: str = PLUGINS_VARIABLE) -> None:
                 "importable from the current directory, PYTHONPATH or the installed packages "
                 "(comma-separated)."
             ) from None
+
+
+def typed_options(options: dict[str, str]) -> dict[str, Any]:
+    """Command-line `key=value` options as the types `GENERATE_OPTIONS` gives them."""
+    typed = {}
+    for name, text in options.items():
+        kind = GENERATE_OPTIONS[name]
+        try:
+            typed[name] = kind(text)
+        except ValueError:
+            raise ZooError(
+                f"{name}={text!r} is not a number: {name} takes an {kind.__name__}."
+            ) from None
+    return typed

@@ -18,17 +18,17 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from zoo.engine import registry
-from zoo.engine.config import reason as config_reason
-from zoo.engine.errors import ZooError
-from zoo.engine.loop import CADENCES, validate
-from zoo.fitting import (
+from zoo.defaults import (
     fit_context,
     fit_epochs,
     fit_finetune_defaults,
     fit_normalisation,
     fit_tokenizer,
 )
+from zoo.engine import registry
+from zoo.engine.config import reason as config_reason
+from zoo.engine.errors import ZooError
+from zoo.engine.loop import CADENCES, validate
 from zoo.hydra_store import store_registry
 from zoo.pretrained import pretrained_args
 
@@ -43,7 +43,7 @@ def compose(overrides: Sequence[str] = ()) -> DictConfig:
 
     `finetune.init_from=DIR` on a pretrained checkpoint directory sets the model's sizes and
     the tokenizer from it (see `zoo.pretrained`); zoo's own defaults are fitted to the model
-    (see `zoo.fitting`), and `trainer.epochs` becomes `trainer.steps`. Raises `ZooError` with a
+    (see `zoo.defaults`), and `trainer.epochs` becomes `trainer.steps`. Raises `ZooError` with a
     one-paragraph message for an unknown model, data set or key, or a value of the wrong type.
     """
     return composed(overrides)

@@ -25,7 +25,13 @@ module alone, as a project's own would be:
   `nnx.Linear`; `outputs_first_product` its product alone (logits through a tied embedding
   table). `dense_dot_general`: the `dot_general` to give an `nnx.Linear` or
   `nnx.LinearGeneral`, so that its bfloat16 product on a CPU, backward pass included, takes
-  XLA:CPU's bfloat16 path (`TransposedLinear` takes it itself).
+  XLA:CPU's bfloat16 path (`TransposedLinear` takes it itself). `widened_copies(weights)`
+  and `reading_widened(weights, copies)`: a decoding loop's bfloat16 weights held in float32
+  once where zoo's bfloat16 CPU kernel does not run, and its steps traced to multiply them.
+- `attend(q, k, v, ...)`: attention, given what the layer knows of the call (causal, a sliding
+  window, soft-capped logits, packed rows' segments, a key/value cache's mask, Dropout on the
+  weights); it picks the kernel for the platform (cuDNN's, XLA's, zoo's CPU kernels, or written
+  out).
 - Evaluation hooks: `EvalReport` (what `on_eval` receives) and `image_grid`.
 - `ZooError`: the one exception for bad input; raise it with a message that names the bad value
   and what would be valid.
@@ -35,7 +41,13 @@ of the plugin surface.
 """
 
 from zoo.engine.errors import ZooError
-from zoo.engine.kernels import TransposedLinear, outputs_first_product
+from zoo.engine.kernels import (
+    TransposedLinear,
+    attend,
+    outputs_first_product,
+    reading_widened,
+    widened_copies,
+)
 from zoo.engine.kernels import dot_general as dense_dot_general
 from zoo.engine.pipeline import MASK, ExampleSource
 from zoo.engine.registry import (
@@ -80,6 +92,7 @@ __all__ = [
     "Splits",
     "TransposedLinear",
     "ZooError",
+    "attend",
     "construction_rngs",
     "dense_dot_general",
     "image_grid",
@@ -87,10 +100,12 @@ __all__ = [
     "loss_contract",
     "outputs_first_product",
     "partitioned",
+    "reading_widened",
     "register_data",
     "register_families",
     "register_family",
     "register_model",
     "repeated",
     "unsplit_batch",
+    "widened_copies",
 ]

@@ -8,7 +8,7 @@ resized, a 1-channel stem summed, a head named in `finetune.reinit` started fres
 text data set the directory's `tokenizer.json` unless `data.tokenizer` is set. A tokenizer with
 more ids than the model's vocabulary is an error before anything is built. Its model normalises
 pixels itself, with the checkpoint's statistics, so an image data set's own normalisation is
-turned off (see `zoo.fitting`, which fits zoo's defaults to the model the checkpoint makes).
+turned off (see `zoo.defaults`, which fits zoo's defaults to the model the checkpoint makes).
 The directory may be named by its Hugging Face Hub name (`hf://ORG/NAME`, see `zoo.hub`).
 """
 

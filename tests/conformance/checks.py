@@ -23,8 +23,8 @@ from zoo.engine.sharding import mesh as sharding
 from zoo.engine.sharding.mesh import DEFAULT_RULES
 
 import zoo
-from zoo.api import resolved_hparams
 from zoo.cli import plugin_modules
+from zoo.trained import resolved_hparams
 
 MESH = {"data": 2, "fsdp": 2, "tensor": 2}
 ONE_DEVICE = {"data": 1, "fsdp": 1, "tensor": 1}

@@ -30,7 +30,8 @@ from zoo.engine.loop.trainer import Trainer
 from zoo.engine.pipeline import batches as pipeline
 
 import zoo
-from zoo.api import Reads, resolved_hparams
+from zoo.inputs import Reads
+from zoo.trained import resolved_hparams
 
 TRAINING = (
     "trainer.steps=20",

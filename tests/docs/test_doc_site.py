@@ -31,13 +31,20 @@ def test_the_site_builds_strictly_and_documents_every_public_name(tmp_path):
     for module, page in [(zoo, "api"), (zoo.plugin, "plugin")]:
         html = (tmp_path / "reference" / page / "index.html").read_text()
         anchors = set(re.findall(r'id="([\w.]+)"', html))
-        # A function named as the module that holds it is documented as `zoo.export.export`.
+        # A function whose name a package of zoo takes too (`zoo.export`, the command line) is
+        # documented where it is defined (`zoo.exporting.export`).
         missing = [
             name
             for name in module.__all__
-            if {f"{module.__name__}.{name}", f"{module.__name__}.{name}.{name}"}.isdisjoint(anchors)
+            if {f"{module.__name__}.{name}", defined_as(module, name)}.isdisjoint(anchors)
         ]
         assert not missing, f"docs/reference/{page}.md does not document {missing}"
+
+
+def defined_as(module, name: str) -> str:
+    """The full name of `module.name` in the module that defines it."""
+    value = getattr(module, name)
+    return f"{getattr(value, '__module__', module.__name__)}.{name}"
 
 
 def test_the_config_reference_is_up_to_date():

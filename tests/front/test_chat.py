@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from helpers import ROOT
 from zoo.data.text import load_tokenizer
-from zoo.models.generate import Codec
-from zoo.models.generation import Completion
+from zoo.models.sampling_loop import Completion
+from zoo.models.text_completion import Codec
 
 import zoo
 

@@ -21,9 +21,9 @@ from helpers import ROOT, export_cli, run_cli
 from zoo.engine.weights import pretrained as weights
 
 import zoo
-from zoo.export.token_ids import special_token_ids
+from zoo.hf_export import special_token_ids
 
-zoo_export = importlib.import_module("zoo.export")  # the module (`zoo.export` is the function)
+zoo_export = importlib.import_module("zoo.export")  # the command (`zoo.export`: the function)
 FIXTURES = ROOT / "tests" / "fixtures" / "pretrained"
 TINY, TEXT = FIXTURES / "gpt2-tiny", FIXTURES / "tiny.txt"
 FINETUNE = (

@@ -20,8 +20,9 @@ from omegaconf import OmegaConf
 from zoo.engine.weights import pretrained as weights
 
 import zoo
+from zoo import hf_export
 
-zoo_export = importlib.import_module("zoo.export")  # the module (`zoo.export` is the function)
+zoo_export = importlib.import_module("zoo.export")  # the command (`zoo.export`: the function)
 TINY = ROOT / "tests" / "fixtures" / "pretrained" / "gpt2-tiny"
 ONE = jax.devices()[:1]
 EXTRAS = {
@@ -119,9 +120,9 @@ def test_a_run_trained_with_another_tokenizer_carries_that_one_alone(source, tmp
     config = OmegaConf.create(
         {"finetune": {"init_from": str(source)}, "data": {"tokenizer": str(other)}}
     )
-    assert zoo_export.carried_files(config) == {"tokenizer.json": str(other)}
+    assert hf_export.carried_files(config) == {"tokenizer.json": str(other)}
     config.data.tokenizer = str(source / "tokenizer.json")
-    assert set(zoo_export.carried_files(config)) == {"tokenizer.json", *EXTRAS}
+    assert set(hf_export.carried_files(config)) == {"tokenizer.json", *EXTRAS}
 
 
 @pytest.mark.parametrize(
@@ -141,7 +142,7 @@ def test_bad_export_options_are_refused_by_name(source, tmp_path, options, named
 def test_a_source_directory_that_is_gone_is_said(tmp_path, caplog):
     config = OmegaConf.create({"finetune": {"init_from": str(tmp_path / "gone")}, "data": {}})
     with caplog.at_level(logging.WARNING, logger="zoo"):
-        assert zoo_export.carried_files(config) == {}
+        assert hf_export.carried_files(config) == {}
     assert f"started from {tmp_path / 'gone'}, which is gone" in caplog.text
 
 
@@ -173,9 +174,9 @@ MIXED = "[sliding_attention,full_attention]"
 )
 def test_the_family_written_is_the_first_whose_layout_holds_the_settings(options, model_type):
     config = zoo.compose(["model=decoder", "model.depth=2", *options])
-    trained = zoo.api.TrainedModel(None, config, 0, None, None, None, {})
+    trained = zoo.TrainedModel(None, config, 0, None, None, None, {})
     if model_type is None:
         with pytest.raises(zoo.ZooError, match="No checkpoint family of model 'decoder' has a"):
-            zoo_export._family(trained)
+            hf_export.export_family(trained)
     else:
-        assert zoo_export._family(trained).name == model_type
+        assert hf_export.export_family(trained).name == model_type

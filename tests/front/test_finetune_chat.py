@@ -1,8 +1,9 @@
 """Fine-tuning a chat checkpoint on conversations: `python -m zoo.train finetune.init_from=DIR
-data=chat data.path=FILE` in a subprocess, and `zoo.finetune(DIR, data=[...])` on conversations
-given from Python (written once to the data cache, read as `data=chat` reads files), each
-training on the replies alone and logging how many tokens carry loss; at each eval, the replies
-to held-out prompts in TensorBoard's text tab."""
+data=chat data.path=FILE` in a subprocess (Qwen 2.5's checkpoint), and `zoo.finetune(DIR,
+data=[...])` on conversations given from Python (written once to the data cache, read as
+`data=chat` reads files; Qwen 3's checkpoint, thinking off), each training on the replies alone
+and logging how many tokens carry loss; at each eval, the replies to held-out prompts in
+TensorBoard's text tab."""
 
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ from omegaconf import OmegaConf
 from zoo.data.chat import chat
 
 import zoo
-from zoo.generate import chat_prompt
 from zoo.plugin import LOSS_MASK
+from zoo.text_generation import chat_prompt
 
 zoo_chat = importlib.import_module("zoo.chat")
 
@@ -32,7 +33,13 @@ CONVERSATIONS = [
     for n, p in [(1, 2), (2, 3), (4, 5), (6, 7), (8, 11), (12, 13), (14, 17), (18, 19)]
 ]
 FIXTURES = ROOT / "tests" / "fixtures"
-STEPS = ("trainer.steps=2", "trainer.batch_size=8", "trainer.log_every=1", "trainer.eval_every=2")
+STEPS = (
+    "trainer.steps=2",
+    "trainer.batch_size=8",
+    "trainer.log_every=1",
+    "trainer.eval_every=2",
+    "logging.norms_every=0",  # no norms at the first step: a gradient's compilation less
+)
 REPLIES = (
     "trainer.eval_every=1",
     "trainer.checkpoint_every=1",
@@ -50,12 +57,19 @@ def checkpoint():
     return FIXTURES / "pretrained" / "qwen25-chat"
 
 
+# Qwen 3's thinking switch, from training to chatting: a run fine-tuned with
+# data.template_kwargs={enable_thinking:false} is asked with it by default.
+QWEN3 = FIXTURES / "pretrained" / "qwen3-chat"
+THINKING_OFF = {"enable_thinking": False}
+PYTHON_RUN = (*STEPS, *REPLIES, "data.template_kwargs={enable_thinking:false}")
+
+
 @pytest.fixture(scope="module")
-def finetuned(checkpoint, tmp_path_factory):
-    """Two steps on the conversations given from Python, an eval and a checkpoint after each,
-    writing the replies to two held-out prompts."""
+def finetuned(tmp_path_factory):
+    """Two steps of Qwen 3's chat checkpoint on the conversations given from Python, thinking
+    off, an eval and a checkpoint after each, writing the replies to two held-out prompts."""
     workdir = tmp_path_factory.mktemp("chat") / "run"
-    return zoo.finetune(checkpoint, *STEPS, *REPLIES, f"workdir={workdir}", data=CONVERSATIONS)
+    return zoo.finetune(QWEN3, *PYTHON_RUN, f"workdir={workdir}", data=CONVERSATIONS)
 
 
 def test_the_command_line_fine_tunes_on_a_file_of_conversations(checkpoint, tmp_path):
@@ -81,7 +95,7 @@ def test_the_command_line_fine_tunes_on_a_file_of_conversations(checkpoint, tmp_
     assert "sample/text_summary" in texts and not [t for t in texts if t.startswith("replies")]
 
 
-def test_python_fine_tunes_on_conversations_given_as_a_list(checkpoint, finetuned):
+def test_python_fine_tunes_on_conversations_given_as_a_list(finetuned):
     config = OmegaConf.load(Path(finetuned.workdir) / ".hydra" / "config.yaml")
     assert config.data.name == "chat" and config.data.loss_on == "assistant"
     lines = Path(config.data.path).read_text().splitlines()
@@ -89,9 +103,7 @@ def test_python_fine_tunes_on_conversations_given_as_a_list(checkpoint, finetune
     assert written == CONVERSATIONS
     assert finetuned.step == 2 and np.isfinite(finetuned.eval_metrics["loss"])
     # The same conversations are the same file, so the same call resumes the finished run.
-    again = zoo.finetune(
-        checkpoint, *STEPS, *REPLIES, f"workdir={finetuned.workdir}", data=CONVERSATIONS
-    )
+    again = zoo.finetune(QWEN3, *PYTHON_RUN, f"workdir={finetuned.workdir}", data=CONVERSATIONS)
     assert again.start_step == 2
 
 
@@ -115,7 +127,7 @@ def blocks(markdown: str) -> dict[str, str]:
     }
 
 
-def test_each_eval_writes_the_replies_that_generation_gives(checkpoint, finetuned):
+def test_each_eval_writes_the_replies_that_generation_gives(finetuned):
     events = read_events(finetuned.workdir)
     asked = {c[1]["content"]: c[0] for c in CONVERSATIONS}
     seen = set()
@@ -125,10 +137,10 @@ def test_each_eval_writes_the_replies_that_generation_gives(checkpoint, finetune
         for entry in entries:
             shown = blocks(entry.tensor_proto.string_val[0].decode())
             messages = [asked[shown["reference"]]]
-            assert shown["prompt"] == chat_prompt(finetuned, messages)[0].rstrip("\n")
+            assert shown["prompt"] == chat_prompt(finetuned, messages)[0].removesuffix("\n")
             at_step = zoo.load(finetuned.workdir, step=entry.step)
             reply = zoo.generate(at_step, messages=messages, temperature=0, max_new_tokens=6)
-            assert shown["reply"] == reply.rstrip("\n")
+            assert shown["reply"] == reply.removesuffix("\n")
             seen.add((entry.step, reply))
     assert any(reply for _, reply in seen)  # the model writes before its end of turn
 
@@ -138,10 +150,6 @@ def test_a_list_that_is_not_conversations_is_refused(checkpoint):
         zoo.finetune(checkpoint, data=[[{"role": "user", "content": object()}]])
 
 
-# Qwen 3's thinking switch, from training to chatting: a run fine-tuned with
-# data.template_kwargs={enable_thinking:false} is asked with it by default.
-QWEN3 = FIXTURES / "pretrained" / "qwen3-chat"
-THINKING_OFF = {"enable_thinking": False}
 EMPTY_THINKING = "<think>\n\n</think>\n\n"
 ASKED = [{"role": "user", "content": "Name a prime above 20."}]
 GREEDY = {"temperature": 0, "max_new_tokens": 6}
@@ -149,24 +157,9 @@ SAMPLED = {"temperature": 1.0, "max_new_tokens": 8, "seed": 0}
 """Sampled, the replies of the tiny model tell its prompts apart (its greedy ones do not)."""
 
 
-@pytest.fixture(scope="module")
-def thinking_off(tmp_path_factory):
-    """One step of Qwen 3's chat checkpoint on the conversations, thinking off."""
-    workdir = tmp_path_factory.mktemp("thinking-off") / "run"
-    return zoo.finetune(
-        QWEN3,
-        "trainer.steps=1",
-        "trainer.batch_size=8",
-        "data.eval_replies=0",
-        "data.template_kwargs={enable_thinking:false}",
-        f"workdir={workdir}",
-        data=CONVERSATIONS,
-    )
-
-
-def test_a_run_trained_without_thinking_is_asked_without_it(thinking_off, caplog):
-    loaded = zoo.load(thinking_off.workdir)
-    for run in (thinking_off, loaded):
+def test_a_run_trained_without_thinking_is_asked_without_it(finetuned, caplog):
+    loaded = zoo.load(finetuned.workdir)
+    for run in (finetuned, loaded):
         assert chat_prompt(run, ASKED)[0].endswith("assistant\n" + EMPTY_THINKING)
     checkpoint = zoo.load(QWEN3)  # trained with no template variables: thinking on
     assert chat_prompt(checkpoint, ASKED)[0].endswith("assistant\n")
@@ -183,7 +176,7 @@ def test_a_run_trained_without_thinking_is_asked_without_it(thinking_off, caplog
     # Switching thinking back on is the caller's to do, and said, naming both values.
     (warning,) = [r.getMessage() for r in caplog.records]
     assert "enable_thinking=True differs from the enable_thinking=False" in warning
-    assert thinking_off.workdir in warning
+    assert finetuned.workdir in warning
 
 
 def chat_in_process(*arguments: str, turns: str = "Name a prime above 20.\n") -> str:
@@ -193,15 +186,15 @@ def chat_in_process(*arguments: str, turns: str = "Name a prime above 20.\n") ->
     return out.getvalue()
 
 
-def test_the_terminal_chat_asks_the_run_as_it_trained(thinking_off, caplog):
-    loaded = zoo.load(thinking_off.workdir)
+def test_the_terminal_chat_asks_the_run_as_it_trained(finetuned, caplog):
+    loaded = zoo.load(finetuned.workdir)
     off, on = (
         zoo.generate(loaded, messages=ASKED, **SAMPLED, chat_template_kwargs={"enable_thinking": v})
         for v in (False, True)
     )
     assert off != on  # the two prompts lead this model to different replies
     options = [f"{key}={value}" for key, value in SAMPLED.items()]
-    assert chat_in_process(thinking_off.workdir, *options) == off + "\n"
+    assert chat_in_process(finetuned.workdir, *options) == off + "\n"
     # Typed as overrides are: `false` is False (the text 'false' would turn thinking on).
     assert chat_in_process(str(QWEN3), *options, "template.enable_thinking=false") == (
         zoo.generate(QWEN3, messages=ASKED, **SAMPLED, chat_template_kwargs=THINKING_OFF) + "\n"
@@ -211,7 +204,7 @@ def test_the_terminal_chat_asks_the_run_as_it_trained(thinking_off, caplog):
     with caplog.at_level(logging.WARNING, logger="zoo"):
         two_turns = "Name a prime above 20.\nAnother?\n"
         printed = chat_in_process(
-            thinking_off.workdir, *options, "template.enable_thinking=true", turns=two_turns
+            finetuned.workdir, *options, "template.enable_thinking=true", turns=two_turns
         )
     assert printed.startswith(on + "\n") and printed.count("\n") == 2
     (warning,) = [r.getMessage() for r in caplog.records]

@@ -11,6 +11,7 @@ from helpers import ROOT, TINY_TEXT_FINETUNE
 from zoo.engine.weights import pretrained as weights
 
 import zoo
+from zoo.trained import resolved_hparams
 
 FIXTURES = ROOT / "tests" / "fixtures" / "pretrained"
 TINY, TEXT = FIXTURES / "gpt2-tiny", FIXTURES / "tiny.txt"
@@ -96,7 +97,7 @@ def test_lora_trains_adapters_only_and_merges_into_the_checkpoint_layout(pretrai
         path = f"blocks.0.{kernel}.kernel"
         assert not np.array_equal(merged[path], pretrained[path]), path
     family = weights.open_pretrained(TINY).family
-    tensors = weights.export_tensors(loaded.model, family, zoo.api.resolved_hparams(loaded.config))
+    tensors = weights.export_tensors(loaded.model, family, resolved_hparams(loaded.config))
     assert "transformer.h.0.attn.c_attn.weight" in tensors
 
 

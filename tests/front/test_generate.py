@@ -6,7 +6,10 @@ zoo.generate DIR prompt=...` prints what the function writes."""
 from __future__ import annotations
 
 import importlib
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -17,16 +20,15 @@ from helpers import ROOT, generate_cli, run_cli
 from zoo.data.text import load_tokenizer
 from zoo.engine.steps.precision import computing
 from zoo.engine.steps.rngs import on_eval_key
-from zoo.models.generate import generate_tokens
+from zoo.models.text_completion import generate_tokens
 
 import zoo
+from zoo import text_generation
 
 FIXTURES = ROOT / "tests" / "fixtures" / "pretrained"
 TINY, TEXT = FIXTURES / "gpt2-tiny", FIXTURES / "tiny.txt"
 TOKENIZER = load_tokenizer(TINY)
-zoo_generate = importlib.import_module(
-    "zoo.generate"
-)  # the module (`zoo.generate` is the function)
+zoo_generate = importlib.import_module("zoo.generate")  # the command (`zoo.generate`: the function)
 PROMPT = "def main():\n    return"
 DATA = {"path": str(TEXT), "window": 16, "tokenizer": str(TINY)}
 
@@ -79,7 +81,7 @@ def test_a_bf16_run_with_a_tokenizer_generates_and_samples_through_it_in_bf16(ru
     trained = zoo.load(run)
     assert trained.config.data.tokenizer == str(TINY / "tokenizer.json")
     called = []
-    monkeypatch.setattr(zoo_generate, "complete", spy(zoo_generate.complete, called))
+    monkeypatch.setattr(text_generation, "complete", spy(text_generation.complete, called))
     from_dir = zoo.generate(run, PROMPT, max_new_tokens=6, seed=3)
     (model,) = called
     dtypes = {x.dtype for x in jax.tree.leaves(nnx.state(model, nnx.Param))}
@@ -124,3 +126,33 @@ def test_generate_cli_refuses_bad_options(args, message, capsys):
     assert zoo_generate.main([str(TINY), *prompt, *args]) == 2
     stderr = capsys.readouterr().err
     assert re.search(message, stderr), stderr
+
+
+NAMES_KEPT = """
+import runpy, sys
+import zoo.generate  # the package before `zoo`: zoo/__init__ runs inside its import
+import zoo
+assert getattr(zoo.generate, "__module__", None) == "zoo.text_generation", zoo.generate
+sys.argv = ["zoo.export"]
+try:
+    runpy.run_module("zoo.export", run_name="__main__")  # python -m zoo.export
+except SystemExit as e:
+    assert e.code == 2, e.code  # its usage
+assert getattr(zoo.export, "__module__", None) == "zoo.exporting", zoo.export
+"""
+
+
+def test_the_commands_leave_their_names_to_the_functions():
+    """`zoo.generate` and `zoo.export` each name a function and a package (its command line):
+    importing the package before `zoo`, or running its command, leaves the name on the
+    function (a fresh process: this one imported both long ago)."""
+    result = subprocess.run(
+        [sys.executable, "-c", NAMES_KEPT],
+        cwd=ROOT,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr

@@ -18,7 +18,7 @@ from zoo.engine.weights import pretrained as weights
 from zoo.models.xor import binary_classification_loss
 
 import zoo
-from zoo.api import checkpoint_hparams, plan_pretrained
+from zoo.loading import checkpoint_hparams, plan_pretrained
 
 CLASSES, SIZE = 3, 2
 """What the data sets' config decides by default."""

@@ -8,6 +8,7 @@ exactly, as the CLI's resume does.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -17,14 +18,6 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from zoo.api import (
-    Trained,
-    TrainedModel,
-    check_data,
-    console_logging,
-    resolved_hparams,
-    saved_config,
-)
 from zoo.data.conversations import write_conversations
 from zoo.engine import registry, weights
 from zoo.engine.checkpoints import locate
@@ -32,8 +25,12 @@ from zoo.engine.errors import ZooError
 from zoo.engine.loop import RunLog, RunResult, Trainer
 from zoo.engine.weights import Filter
 from zoo.hub import local
+from zoo.inputs import check_data
+from zoo.loading import saved_config
 from zoo.overrides import composed
 from zoo.pretrained import is_pretrained_dir, run_tokenizer
+from zoo.trained import Trained, TrainedModel, resolved_hparams
+from zoo.training import console_logging
 
 CHAT = "chat"
 """The data set that reads conversations given to `finetune` (files or a list)."""
@@ -101,7 +98,7 @@ def finetune(
     - `overrides`: the CLI's keys, e.g. `"trainer.steps=200"` (or `"trainer.epochs=3"`),
       `"optimizer.learning_rate=1e-3"`, `"workdir=runs/ft"`, `"mesh.fsdp=2"`; the model's own
       defaults fill the rest, but for the optimizer of a pretrained checkpoint's fine-tune
-      (the defaults of its kind, LoRA or full: `zoo.fitting.fit_finetune_defaults`).
+      (the defaults of its kind, LoRA or full: `zoo.defaults.fit_finetune_defaults`).
     - `data`: a registered data set's name (its `input_shape` and `num_classes` then decide the
       model's; `"data=NAME"` among the overrides says the same), or `zoo.Splits` of your own: columns of arrays or random-access sources (a Grain
       `MapDataset`, ...), batched, sharded and shuffled as the zoo's own data are; an `image`
@@ -126,42 +123,21 @@ def finetune(
     Running the same call again with the same workdir resumes it (a finished run returns at
     once), as the CLI does. It prints and writes what the CLI does (`train.log`, `.hydra/`)."""
     with console_logging(), RunLog() as run_log:
-        named = [o for o in overrides if o.startswith("data=")]
-        if named and data is None:  # `data=NAME` among the overrides, as on the command line
-            data, overrides = (
-                named[-1].partition("=")[2],
-                tuple(o for o in overrides if o not in named),
-            )
-        data, overrides = _conversations(data, overrides)
-        pretrained = _pretrained(start, step)
-        if pretrained is not None:
-            overrides = (f"finetune.init_from={pretrained.directory}", *overrides)
-            workdir, step_number, base = None, None, None
-            name = pretrained.family.model
-        else:
-            workdir, step_number, base = _start(start, step)
-            name = base.model.name if base is not None else str(start)
+        data, overrides = _conversations(*_named_data(data, overrides))
+        origin = _origin(start, step)
+        overrides, base = (*origin.init_from, *overrides), origin.config
         if base is not None and data is None and base.data.name not in registry.list_datasets():
             raise ZooError(
-                f"The run in {workdir} trained on data of its own ('{base.data.name}'): pass the "
-                "data to fine-tune on as data=zoo.Splits(...) or a registered data set's name."
+                f"The run in {origin.workdir} trained on data of its own ('{base.data.name}'): "
+                "pass the data to fine-tune on as data=zoo.Splits(...) or a registered data "
+                "set's name."
             )
-        if isinstance(data, registry.Splits):
-            _check_image_axes(data, name, base)
-        settings = {
-            "reinit": list(reinit),
-            "freeze": freeze if isinstance(freeze, str) else None,
-            "lora_rank": lora_rank,
-            "lora_layers": lora_layers,
-        }
-        if workdir is not None:
-            settings.update(init_from=workdir, init_step=str(step_number))
-        if quantize is not None:
-            settings["quantize"] = quantize
         user_data = isinstance(data, registry.Splits)
+        if user_data:
+            _check_image_axes(data, origin.name, base)
         cfg = composed(
-            [*_model_args(name, base, data, num_classes, overrides), *overrides],
-            finetune=settings,
+            [*_model_args(origin.name, base, data, num_classes, overrides), *overrides],
+            finetune=_settings(origin, reinit, freeze, lora_rank, lora_layers, quantize),
             train=data.train if user_data else None,
         )
         if replace_head:
@@ -174,6 +150,61 @@ def finetune(
         frozen = None if freeze is None or isinstance(freeze, str) else freeze
         trainer = Trainer(cfg, data=data if user_data else None, freeze=frozen, callbacks=callbacks)
         return trainer.fit(overrides=list(overrides), run_log=run_log)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Origin:
+    """Where a fine-tune starts: its model's name and, for a run, its workdir, step and config;
+    for a pretrained directory, the override that names it."""
+
+    name: str
+    workdir: str | None = None
+    step: int | None = None
+    config: DictConfig | None = None
+    init_from: tuple[str, ...] = ()
+
+
+def _origin(start: Any, step: str | int | None) -> _Origin:
+    """What `start` is: a pretrained directory (or hub name), a run, or a registered model's
+    name (a fresh one)."""
+    pretrained = _pretrained(start, step)
+    if pretrained is not None:
+        named = f"finetune.init_from={pretrained.directory}"
+        return _Origin(pretrained.family.model, init_from=(named,))
+    workdir, step_number, base = _start(start, step)
+    return _Origin(base.model.name if base is not None else str(start), workdir, step_number, base)
+
+
+def _named_data(data: Any, overrides: tuple[str, ...]) -> tuple[Any, tuple[str, ...]]:
+    """`data=NAME` among the overrides, as on the command line, taken as `data` where that is
+    not given."""
+    named = [o for o in overrides if o.startswith("data=")]
+    if not named or data is not None:
+        return data, overrides
+    return named[-1].partition("=")[2], tuple(o for o in overrides if o not in named)
+
+
+def _settings(
+    origin: _Origin,
+    reinit: tuple[str, ...],
+    freeze: str | Filter | None,
+    lora_rank: int,
+    lora_layers: str,
+    quantize: str | None,
+) -> dict[str, Any]:
+    """The config's `finetune` section as `finetune`'s keyword arguments set it (a `freeze`
+    filter is code, set after composition)."""
+    settings = {
+        "reinit": list(reinit),
+        "freeze": freeze if isinstance(freeze, str) else None,
+        "lora_rank": lora_rank,
+        "lora_layers": lora_layers,
+    }
+    if origin.workdir is not None:
+        settings.update(init_from=origin.workdir, init_step=str(origin.step))
+    if quantize is not None:
+        settings["quantize"] = quantize
+    return settings
 
 
 def _conversations(data: Any, overrides: tuple[str, ...]) -> tuple[Any, tuple[str, ...]]:
