@@ -1,4 +1,4 @@
-"""Generation speed: prefill and decode tokens/s of zoo's engine (`zoo.models.generation`)
+"""Generation speed: prefill and decode tokens/s of zoo's engine (`zoo.models.sampling_loop`)
 against transformers with PyTorch, in one process, on the same CPU and thread count, rounds
 interleaved.
 
@@ -19,6 +19,11 @@ new token; decode tokens/s: the remaining new tokens over the time after it. zoo
 key/value cache off, as its default), warmed up the same way. `torch.set_num_threads` is set to
 the cores XLA uses (all of this process's; `--single-thread`: one each). Medians of `--repeats`
 rounds.
+
+`--kernels`: zoo alone (no torch needed), Qwen3-0.6B's architecture at batch 1 and 8 in float32
+and in bfloat16 on each variant of zoo's bfloat16 CPU kernel that the CPU runs
+(`zoo.engine.kernels.bf16_rows`) and on the float32 copies a session takes where none runs
+(`zoo.engine.kernels.widened`), each forced in turn, rounds interleaved in one process.
 """
 
 from __future__ import annotations
@@ -77,11 +82,13 @@ def zoo_side(directory: Path, dtype: str, batch: int) -> Timed:
     return session_timer(loaded.model, loaded.activate, batch)
 
 
-def session_timer(model: Any, activate: Callable[[], Any], batch: int) -> Timed:
+def session_timer(model: Any, activate: Callable[[], Any], batch: int, loop: Any = None) -> Timed:
     """zoo's side on `model`: a `Session` of `batch` rows and `CONTEXT` slots, made and run
-    inside `activate()` (the model's mesh), greedy."""
-    from zoo.models.generation import Sampling, Session
+    inside `activate()` (the model's mesh), greedy; from `loop` (a copy of
+    `zoo.models.sampling_loop`), else zoo's own."""
+    from zoo.models import sampling_loop
 
+    Session, Sampling = (loop or sampling_loop).Session, sampling_loop.Sampling
     with activate():
         session = Session(model, batch, CONTEXT)
 
@@ -150,6 +157,69 @@ def measure(directory: Path, dtype: str, batch: int, prompt: int, new: int, repe
     return result
 
 
+def kernel_variants(directory: Path, batch: int, prompt: int, new: int, repeats: int) -> dict:
+    """zoo's decoding in float32 and in bfloat16 on each of its kernel's variants that the CPU
+    runs and on the float32 copies, each forced in turn; rounds interleaved, medians."""
+    from unittest import mock
+
+    import jax
+    from zoo.engine.kernels import bf16_rows
+
+    import zoo
+
+    prompts = np.random.default_rng(0).integers(1, 1000, (batch, prompt)).astype(np.int32)
+    sides = {"fp32": zoo_side(directory, "fp32", batch)}
+    model = {"context_length": CONTEXT, "param_dtype": "bf16"}
+    loaded = zoo.load(directory, model=model, devices=jax.devices()[:1])
+    for variant in [*bf16_rows.runnable(), None]:
+        force = mock.patch.object(bf16_rows, "chosen", lambda variant=variant: variant)
+        with force:  # the session's float32 copies are made, or not, as it starts
+            run = session_timer(loaded.model, loaded.activate, batch, _own_sampling_loop())
+        sides[f"bf16, {variant or 'float32 copies'}"] = _forced(run, force)
+    for run in sides.values():
+        run(prompts, 4)  # compiled, warm
+    times: dict[str, list] = {name: [] for name in sides}
+    for _ in range(repeats):
+        for name, run in sides.items():
+            times[name].append(run(prompts, new))
+    return {name: rates(pairs, batch, prompt, new) for name, pairs in times.items()}
+
+
+def _own_sampling_loop() -> Any:
+    """A copy of `zoo.models.sampling_loop` with compiled steps of its own: the steps are
+    compiled for the kernel taken while they are traced, and a session of another module's
+    steps, over the same model, would reuse them."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("zoo.models.sampling_loop")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _forced(run: Timed, force: Any) -> Timed:
+    def forced(prompts: np.ndarray, new: int) -> tuple[float, float]:
+        with force:
+            return run(prompts, new)
+
+    return forced
+
+
+def kernels_table(results: dict) -> str:
+    names = list(results["cases"][0]["rates"])
+    lines = [
+        "| batch | " + " | ".join(f"{n} decode tok/s" for n in names) + " |",
+        "|---|" + "---|" * len(names),
+    ]
+    for case in results["cases"]:
+        rates_ = case["rates"]
+        fp32 = rates_["fp32"]["decode_tokens_per_s"]
+        cells = [f"{r['decode_tokens_per_s']:.1f}" for r in rates_.values()]
+        cells[1:] = [f"{c} ({float(c) / fp32:.2f}x)" for c in cells[1:]]
+        lines.append(f"| {case['batch']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def rates(pairs: list[tuple[float, float]], batch: int, prompt: int, new: int) -> dict:
     """Prefill and decode tokens/s from the medians of rounds' (seconds to the first new token,
     seconds of the rest) for `batch` prompts of `prompt` tokens and `new` new tokens each."""
@@ -190,12 +260,19 @@ def main() -> None:
         action="store_true",
         help="both sides on one thread (XLA's and PyTorch's): for a machine others share",
     )
+    parser.add_argument(
+        "--kernels",
+        action="store_true",
+        help="zoo alone: float32 and bfloat16 on each variant of its bfloat16 CPU kernel",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     threads = 1 if args.single_thread else len(os.sched_getaffinity(0))
     if args.single_thread:  # before jax is imported
         flags = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()
+    if args.kernels:
+        return kernels_main(args)
     import torch
 
     torch.set_num_threads(threads)
@@ -211,6 +288,19 @@ def main() -> None:
         results["cases"].append({"model": name, "dtype": dtype, "batch": batch, **case})
         print(table({"cases": results["cases"][-1:]}).splitlines()[-1], flush=True)
     print(table(results))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+def kernels_main(args: argparse.Namespace) -> None:
+    directory = make_checkpoint(args.cache / "qwen3-0.6b-random")
+    results: dict = {"prompt": args.prompt, "new": args.new, "cases": []}
+    for batch in (1, 8):
+        case = kernel_variants(directory, batch, args.prompt, args.new, args.repeats)
+        results["cases"].append({"batch": batch, "rates": case})
+        print(kernels_table({"cases": results["cases"][-1:]}).splitlines()[-1], flush=True)
+    print(kernels_table(results))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2))

@@ -212,7 +212,7 @@ def _lora_step(directory: str) -> dict[str, float]:
 
 def _decode(directory: str) -> dict[str, float]:
     """The engine's session itself: the checkpoint has no tokenizer, so its ids are no text."""
-    from zoo.models.generation import Sampling, Session
+    from zoo.models.sampling_loop import Sampling, Session
 
     import zoo
 

@@ -28,9 +28,9 @@ Sections (`--only` picks some of the first four, `--models` some models):
   medians over `--rounds` rounds after a warm one (`benchmarks.decode`'s timing).
 - `cudnn`: from the compiled programs of the steps above (their HLO text), whether a cuDNN
   fused attention call (`__cudnn$fmha...`) is in each, against what the attention's route
-  (`zoo.models.attention_route`) asks for on this platform: GPT-2's and Qwen3's training
-  steps should take it on an NVIDIA GPU of compute capability 8.0 or more (not on packed
-  rows), a decoding step never.
+  (`zoo.engine.kernels.attention.route`) asks for on this platform: GPT-2's and Qwen3's
+  training steps should take it on an NVIDIA GPU of compute capability 8.0 or more (not on
+  packed rows), a decoding step never.
 
 It prints a table per section under the device's name, jax's version and the date, writes one
 JSON with every figure (`--json`), and exits with 1 if any check failed.
@@ -61,12 +61,12 @@ import numpy as np
 from flax import nnx
 from zoo.engine import registry
 from zoo.engine.errors import ZooError
+from zoo.engine.kernels.attention import Call, current_platform, route
 from zoo.engine.loop.build import build_on_mesh
 from zoo.engine.loop.trainer import evaluate_batches
 from zoo.engine.report import memory
 from zoo.engine.sharding import mesh as sharding
 from zoo.engine.steps.functions import means
-from zoo.models.attention_route import current_platform, route
 from zoo.models.kv_cache import Slots
 
 import zoo
@@ -74,13 +74,13 @@ from benchmarks import decode, loops, machine, throughput
 from benchmarks.decoder_costs import CONFIG as QWEN3_0_6B
 from benchmarks.decoder_costs import qwen3_model
 from benchmarks.run import _timed, benchmark_trainer, spread
-from zoo.api import resolved_hparams
+from zoo.trained import resolved_hparams
 
 SECTIONS = ("models", "gpt2", "qwen3", "decode")
-SMALL_GPT2 = {"depth": 2, "dim": 64, "heads": 2, "context": 64, "vocab": 256, "batch": 4}
+SMALL_GPT2 = {"depth": 1, "dim": 64, "heads": 2, "context": 64, "vocab": 256, "batch": 4}
 SMALL_QWEN3 = {
     **QWEN3_0_6B,
-    "num_hidden_layers": 2,
+    "num_hidden_layers": 1,
     "hidden_size": 64,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
@@ -110,7 +110,8 @@ def has_cudnn_attention(compiled: Any) -> bool:
 def cudnn_row(name: str, compiled: Any, head_dim: int, **call: bool) -> dict[str, Any]:
     """What the route asks for a bf16 causal attention `call` on this platform, and what the
     compiled program does."""
-    asked = route(current_platform(), jnp.bfloat16, head_dim, causal=True, **call).kernel
+    described = Call(jnp.dtype(jnp.bfloat16), head_dim, causal=True, **call)
+    asked = route(current_platform(), described).kernel
     taken = has_cudnn_attention(compiled)
     return {"step": name, "route": asked, "cudnn": taken, "ok": taken == (asked == "cudnn")}
 

@@ -17,11 +17,11 @@ machine without an accelerator, the GPU on a GPU machine (`JAX_PLATFORMS=cuda`).
 
 What depends on the backend. The arguments (the train state: weights, adapters, the adapters'
 Adam moments; and the batch) are the same everywhere. The temporaries are not: on a CPU, zoo's
-attention (`zoo.models.attention_cpu`) keeps each layer's batch x heads x length x length
-logits for the backward pass, where on a CUDA GPU it runs cuDNN's flash attention, which keeps
-none; and XLA:CPU's analysis shows no saving from `model.remat` (four of Qwen3-0.6B's layers,
-a vocabulary of 1024, at 8 x 1024: 7.97 GiB of temporaries with it, 7.88 GiB without). So a
-GPU's figures are expected to be lower than XLA:CPU's.
+attention (`zoo.engine.kernels.attention_cpu`) keeps each layer's batch x heads x length x
+length logits for the backward pass, where on a CUDA GPU it runs cuDNN's flash attention, which
+keeps none; and XLA:CPU's analysis shows no saving from `model.remat` (four of Qwen3-0.6B's
+layers, a vocabulary of 1024, at 8 x 1024: 7.97 GiB of temporaries with it, 7.88 GiB without).
+So a GPU's figures are expected to be lower than XLA:CPU's.
 
 Prints one JSON line per step compiled, a table (GiB per device: the weights as held, the
 adapters, the step's arguments, its temporaries, and its peak: arguments + outputs +

@@ -109,7 +109,7 @@ def measure(what: str, directory: str, devices: int) -> dict[str, float]:
     from zoo.engine.weights.pretrained import open_pretrained
 
     import zoo
-    from zoo.api import checkpoint_hparams, plan_pretrained
+    from zoo.loading import checkpoint_hparams, plan_pretrained
 
     jax.devices()  # the backend is up before the clock starts
     started = time.perf_counter()

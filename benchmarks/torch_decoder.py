@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from zoo.models.gpt import padded_vocab
+from zoo.models.language_model import padded_vocab
 
 
 def mlp_width(hparams: Mapping[str, Any]) -> int:

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from zoo.models.gpt import padded_vocab
+from zoo.models.language_model import padded_vocab
 
 from benchmarks.torch_loops import fastest_threads, torch_update
 

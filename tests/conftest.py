@@ -107,6 +107,7 @@ LONGEST_FIRST = (
     "tests/train/test_multiprocess.py",
     "tests/faults/test_kill.py",
     "tests/front/test_bad_input.py",
+    "tests/front/test_benchmarks.py",
     "tests/front/test_finetune_vision.py",
     "tests/train/test_sharding.py",
     "tests/front/test_finetune.py",
@@ -123,8 +124,8 @@ LONGEST_FIRST = (
     "tests/faults/test_bit_rot.py",
     "tests/models/test_vae.py",
     "tests/models/test_packed_attention.py",
+    "tests/front/test_finetune_defaults.py",
     "tests/models/test_bf16_rows.py",
-    "tests/front/test_benchmarks.py",
 )
 """The files that take longest (2-core CI, 25 s and more), in that order. pytest-xdist hands each
 worker whole files in collection order (`--dist loadfile --no-loadscope-reorder`: without the

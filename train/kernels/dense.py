@@ -8,7 +8,8 @@ speed). Held as the checkpoint holds it, a projection loads with a straight copy
 most), and the contraction over the kernel's last axes costs the same as over its first (XLA
 picks the operand order of the dot). In bfloat16 on a CPU the product of more than `FEW_ROWS`
 rows and its gradients are `zoo.engine.kernels.cpu_dot`'s (XLA:CPU's bfloat16 path); a few rows (a
-decoding step's) are `zoo.engine.kernels.bf16_rows`'s where that kernel runs."""
+decoding step's) are `zoo.engine.kernels.bf16_rows`'s where that kernel runs, else a decoding
+session's float32 copy of the kernel's (`zoo.engine.kernels.widened`) where it made one."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn.dtypes import promote_dtype
 from jax.sharding import PartitionSpec as P
-from zoo.engine.kernels import bf16_rows, cpu_dot
+from zoo.engine.kernels import bf16_rows, cpu_dot, widened
 from zoo.engine.sharding.abstract import partitioned
 
 
@@ -84,12 +85,17 @@ def outputs_first_product(
     if not few:
         contracted = (tuple(x_axes), tuple(kernel_axes))
         return cpu_dot.dot_general(x, kernel, (contracted, ((), ())), out_sharding=out_sharding)
+    # A decoding session's float32 copy of a bfloat16 kernel where zoo's kernel does not run:
+    # the same arithmetic as XLA's bfloat16 product, without widening the kernel at every step.
+    copy = widened.copy_of(kernel) if x.dtype == jnp.bfloat16 else None
     # The kernel first: XLA:CPU would otherwise copy it transposed on every call.
     outputs = kernel.ndim - inputs
     spec = None if out_sharding is None else P(*out_sharding[batch:], *out_sharding[:batch])
     contracted = (tuple(kernel_axes), tuple(x_axes))
-    y = jax.lax.dot_general(kernel, x, (contracted, ((), ())), out_sharding=spec)
-    return jnp.moveaxis(y, tuple(range(outputs)), tuple(range(batch, batch + outputs)))
+    operands = (kernel, x) if copy is None else (copy, x.astype(jnp.float32))
+    y = jax.lax.dot_general(*operands, (contracted, ((), ())), out_sharding=spec)
+    y = jnp.moveaxis(y, tuple(range(outputs)), tuple(range(batch, batch + outputs)))
+    return y if copy is None else y.astype(jnp.bfloat16)
 
 
 FEW_ROWS = 64
