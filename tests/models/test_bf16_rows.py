@@ -129,7 +129,7 @@ def test_each_path_takes_its_own_product(path):
     ("outputs", "inputs"), [((131,), (100,)), ((4, 8), (64,)), ((24,), (2, 48))]
 )
 def test_the_product_is_the_float32_sum_of_the_exact_products(path, rows, outputs, inputs):
-    """Every row tile (15 rows: 8, 4, 2, 1; AVX2's 4, 2, 1) and output remainder; 100 and 96 inputs
+    """Every row tile (15 rows: 8, 4, 2, 1) and output remainder; 100 and 96 inputs
     are not whole vectors (32 or 16 wide); several output (heads x head size) or input axes.
     Float32 rounding of a sum of k terms: under k x 2^-24 of the sum of their magnitudes; then
     bfloat16's rounding."""

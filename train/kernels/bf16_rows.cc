@@ -172,8 +172,10 @@ void Tile(const Isa::X* x, int64_t stride, const uint16_t* w, uint16_t* y, int64
 void Outputs(const Isa::X* x, int64_t stride, const uint16_t* w, uint16_t* y, int64_t rows,
              int64_t n_total, int64_t k, int64_t n0, int64_t n1) {
   int64_t r = 0;
-  if constexpr (Isa::kRegisters >= 32)  // 16 sums held in registers; AVX2 has 16 in all
-    for (; r + 8 <= rows; r += 8) Tile<8, 2>(x, stride, w, y, r, n_total, k, n0, n1);
+  // 8 rows share each weight read (and widened): 16 sums in registers, or 8 where AVX2 has 16
+  // registers in all.
+  constexpr int kWide = Isa::kRegisters >= 32 ? 2 : 1;
+  for (; r + 8 <= rows; r += 8) Tile<8, kWide>(x, stride, w, y, r, n_total, k, n0, n1);
   for (; r + 4 <= rows; r += 4) Tile<4, 2>(x, stride, w, y, r, n_total, k, n0, n1);
   for (; r + 2 <= rows; r += 2) Tile<2, 4>(x, stride, w, y, r, n_total, k, n0, n1);
   for (; r < rows; ++r) Tile<1, 4>(x, stride, w, y, r, n_total, k, n0, n1);

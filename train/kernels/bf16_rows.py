@@ -121,7 +121,7 @@ def product(
     `applies` first). Its gradient is XLA's product's."""
     variant = variant or chosen()
     if variant is None or not load(variant):
-        raise ZooError(f"zoo's bfloat16 kernel {variant or ''} cannot run here (see `applies`)")
+        raise ZooError(f"zoo's bfloat16 kernel ({variant or 'no variant'}) cannot run here")
     batch, outputs = x.shape[: x.ndim - inputs], kernel.shape[: kernel.ndim - inputs]
     x, kernel = _whole(x), _whole(kernel)
     rows, columns = x.reshape(math.prod(batch), -1), kernel.reshape(math.prod(outputs), -1)
