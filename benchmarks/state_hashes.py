@@ -46,6 +46,8 @@ TRAINING = (
     "optimizer.schedule=constant",
     "optimizer.warmup_steps=0",
 )
+"""A few steps of Adam at a rate that moves a tiny model, no norms sampled: the run the
+conformance suite trains every model with (tests/conformance/test_conformance_runs.py)."""
 
 
 def state_hash(state: nnx.State) -> str:

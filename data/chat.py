@@ -50,8 +50,8 @@ from zoo.data.conversations import (
     read_rows,
     split_names,
 )
-from zoo.data.image_examples import OnError
 from zoo.data.files import cache_root, write_atomically
+from zoo.data.image_examples import OnError
 from zoo.data.packing import pack, packed_rows
 from zoo.data.text import LENGTH, TOKENS, BucketPadding, load_tokenizer, tokenizer_file
 

@@ -22,8 +22,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-from zoo.models.language_model import padded_vocab
 from zoo.models.hf_config import transformer_config
+from zoo.models.language_model import padded_vocab
 
 from zoo.plugin import Family, Rule, ZooError, register_family
 

@@ -30,21 +30,11 @@ from zoo.engine.loop.trainer import Trainer
 from zoo.engine.pipeline import batches as pipeline
 
 import zoo
+from benchmarks import state_hashes
 from zoo.inputs import Reads
 from zoo.trained import resolved_hparams
 
-TRAINING = (
-    "trainer.steps=20",
-    "trainer.batch_size=16",
-    "trainer.log_every=20",
-    "logging.norms_every=0",
-    "trainer.steps_per_dispatch=1",
-    "optimizer.name=adam",
-    "optimizer.learning_rate=0.01",
-    "optimizer.schedule=constant",
-    "optimizer.warmup_steps=0",
-    *(f"mesh.{axis}={size}" for axis, size in MESH.items()),
-)
+TRAINING = (*state_hashes.TRAINING, *(f"mesh.{axis}={size}" for axis, size in MESH.items()))
 """A few steps of Adam at a rate that moves a tiny model, on the 2x2x2 mesh; no norms sampled."""
 
 

@@ -11,11 +11,14 @@ import sys
 from types import SimpleNamespace
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from helpers import NO_COMPILE_CACHE, ROOT
 from zoo.engine import registry
 
 from benchmarks import device_check, throughput
+from benchmarks.state_hashes import state_hash
 
 
 def test_benchmark_runs_and_writes_every_figure(tmp_path):
@@ -115,3 +118,14 @@ def test_device_check_peaks_and_refusals(capsys):
         with pytest.raises(SystemExit):
             device_check.parse([option, bad])
         assert f"{option} {bad.split(',')[1]}: choose from" in capsys.readouterr().err
+
+
+def test_state_hashes_see_one_bit_and_nothing_else():
+    """`benchmarks.state_hashes`' hash: the same for equal states (keys included), another for
+    a state one float32 bit away."""
+    weights = jnp.arange(4, dtype=jnp.float32)
+    state = {"w": weights, "key": jax.random.key(0)}
+    same = {"w": weights.copy(), "key": jax.random.key(0)}
+    tiny = np.nextafter(np.float32(0), np.float32(1))
+    moved = {"w": weights.at[0].set(tiny), "key": jax.random.key(0)}
+    assert state_hash(state) == state_hash(same) != state_hash(moved)
