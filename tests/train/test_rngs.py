@@ -13,7 +13,7 @@ from zoo.engine import registry
 from zoo.engine.loop.build import build_model
 from zoo.engine.steps import rngs
 from zoo.engine.steps.rngs import construction_rngs
-from zoo.models import gpt
+from zoo.models import layers
 
 GPT = {
     "vocab_size": 256,
@@ -57,7 +57,7 @@ def test_a_model_builds_as_with_nnx_rngs_in_the_jitted_init(monkeypatch):
     built = jitted_init()
     abstract = nnx.eval_shape(lambda: build_model(entry, GPT, seed=3))
     assert jax.tree.structure(nnx.state(abstract)) == jax.tree.structure(built)
-    monkeypatch.setattr(gpt, "construction_rngs", nnx.Rngs)
+    monkeypatch.setattr(layers, "construction_rngs", nnx.Rngs)  # gpt's layer stack
     monkeypatch.setattr(rngs, "construction_rngs", nnx.Rngs)
     assert_same_bits(built, jitted_init())
     kernels = [built["blocks"][i]["mlp_in"]["kernel"][...] for i in range(GPT["depth"])]
