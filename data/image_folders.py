@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 from zoo.data.image_examples import Augment, Files, Subset, readable
-from zoo.data.image_options import ImageOptions, held_out, image_splits, with_image_options
+from zoo.data.image_options import ImageOptions, held_out, image_splits
 
 from zoo.plugin import Splits, ZooError, register_data
 
@@ -80,7 +80,6 @@ def describe_images(path: str | None = None, **keys) -> dict:
 
 
 @register_data("images", describe=describe_images)
-@with_image_options
 def images(
     # The folder: a subfolder of images per class, or `train/` and `val/` folders of them
     # (required).

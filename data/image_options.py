@@ -2,20 +2,18 @@
 share, defined once in `ImageOptions`, and what they decide: the examples held out for
 evaluation, and how pixels are normalised.
 
-A loader takes them as one parameter, `options: ImageOptions`, and `with_image_options` makes
-them keys of its own, after the loader's: the registry's config schema is read from the
-signature, and the config reference documents each key by the comment of its field here.
+A loader takes them as one parameter, `options: ImageOptions`: the registry makes its fields
+keys of the data set, after the loader's own (`zoo.engine.registry.options_parameters`), and builds the
+options from them, checked, before the loader runs; the config reference documents each key by
+the comment of its field here.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
 import hashlib
-import inspect
-import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -96,32 +94,6 @@ class ImageOptions:
 
 
 _NAMES = tuple(field.name for field in dataclasses.fields(ImageOptions))
-
-
-def with_image_options(load: Callable[..., Splits]) -> Callable[..., Splits]:
-    """`load(own keys..., *, options: ImageOptions)` as a loader whose keys are its own, then
-    `ImageOptions`' fields: its signature is the config schema the registry registers. The
-    options are made (and checked) before `load` runs."""
-    keyword = inspect.Parameter.KEYWORD_ONLY
-    hints, option_hints = typing.get_type_hints(load), typing.get_type_hints(ImageOptions)
-    keys = [
-        p.replace(kind=keyword, annotation=hints[p.name])
-        for p in inspect.signature(load).parameters.values()
-        if p.name != "options"
-    ]
-    keys += [
-        inspect.Parameter(f.name, keyword, default=f.default, annotation=option_hints[f.name])
-        for f in dataclasses.fields(ImageOptions)
-    ]
-
-    @functools.wraps(load)
-    def loader(**given: Any) -> Splits:
-        options = ImageOptions(**{name: given.pop(name) for name in _NAMES if name in given})
-        return load(**given, options=options)
-
-    loader.__signature__ = inspect.Signature(keys, return_annotation=Splits)
-    loader.__annotations__ = {key.name: key.annotation for key in keys} | {"return": Splits}
-    return loader
 
 
 def held_out(labels: np.ndarray, fraction: float) -> tuple[np.ndarray, np.ndarray]:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 import numpy as np
 from zoo.data.image_examples import Augment, Subset, readable
-from zoo.data.image_options import ImageOptions, held_out, image_splits, with_image_options
+from zoo.data.image_options import ImageOptions, held_out, image_splits
 
 from zoo.plugin import Splits, ZooError, register_data
 
@@ -384,7 +384,7 @@ def _loader(fmt: str, suffix: str, what: str):
         "`data=images`. `num_classes` unset: the number of class names (a ClassLabel's, or "
         "those the labels are), or the largest label + 1."
     )
-    return register_data(fmt, describe=_describe(fmt, suffix))(with_image_options(load))
+    return register_data(fmt, describe=_describe(fmt, suffix))(load)
 
 
 arrayrecord = _loader("arrayrecord", ARRAY_RECORD, "ArrayRecord shards")

@@ -8,7 +8,8 @@ the model's config schema: the CLI's `model.<param>=...` overrides, `--cfg job` 
 `zoo.create_model(name, **overrides)` are all derived from the signature, so a hyper-parameter is
 declared exactly once. A model of many options may take them as one typed object instead
 (`__init__(self, options: MyOptions, *, rngs)`, `MyOptions` a dataclass): its fields are then
-the schema, and the model is built from an instance of it (`options_class`).
+the schema, and the model is built from an instance of it (`options_parameters`). A data set's
+loader may do the same with a group of keys it shares with others (`options: ImageOptions`).
 
 Data sets work the same way: a loader function whose keyword parameters are the `data.*` config.
 A data set also states what models must know about it (`info`, e.g. `input_shape` and
@@ -168,10 +169,7 @@ class ModelEntry:
                 f"Model '{self.name}' needs {', '.join(missing)}, which come from its data set: "
                 f"resolve the parameters with a data set first, or set model.{missing[0]}."
             )
-        options = options_class(self.constructor)
-        if options is not None:
-            return self.constructor(options(**params), rngs=rngs)
-        return self.constructor(**params, rngs=rngs)
+        return call_with_options(self.constructor, params, rngs=rngs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,7 +186,7 @@ class DataEntry:
     class_names: tuple[str, ...] | None = None  # label i is class_names[i]; None: the numbers
 
     def splits(self, params: Mapping[str, Any]) -> Splits:
-        return self.load(**_without_name(params))
+        return call_with_options(self.load, _without_name(params))
 
     @property
     def decides(self) -> set[str]:
@@ -423,7 +421,7 @@ def register_model(
     def register(ctor: Callable[..., nnx.Module]) -> Callable[..., nnx.Module]:
         if name in _MODELS:
             raise ZooError(f"A model named '{name}' is already registered; choose another name.")
-        schema = _signature_dataclass(ctor, name, f"{_camel(name)}ModelConfig", options_class(ctor))
+        schema = _signature_dataclass(ctor, name, f"{_camel(name)}ModelConfig")
         _MODELS[name] = ModelEntry(
             name,
             ctor,
@@ -540,16 +538,29 @@ def get_data(name: str) -> DataEntry:
     return _DATASETS[name]
 
 
-def options_class(constructor: Callable[..., Any]) -> type | None:
-    """The dataclass a model's constructor takes its options as, where it takes them as one
-    typed object (`__init__(self, options: MyOptions, *, rngs)`): its fields, each typed and
-    with a default, are then the model's config keys. None for a constructor that takes them
-    as keyword parameters."""
-    params = [p for p in _parameters(constructor) if p.name != "rngs"]
-    if len(params) != 1 or params[0].default is not params[0].empty:
-        return None
-    hint = _hints(constructor).get(params[0].name)
-    return hint if isinstance(hint, type) and dataclasses.is_dataclass(hint) else None
+def options_parameters(fn: Callable[..., Any]) -> dict[str, type]:
+    """The parameters of `fn` (a model's constructor, a data set's loader) that take a group of
+    options as one typed object (`options: DecoderOptions`, `options: ImageOptions`): typed as
+    a dataclass and without a default. Each stands for its dataclass's fields in the config
+    schema, and is built from them by `call_with_options`."""
+    hints = _hints(fn)
+    return {
+        p.name: hints[p.name]
+        for p in _parameters(fn)
+        if p.default is p.empty
+        and isinstance(hints.get(p.name), type)
+        and dataclasses.is_dataclass(hints[p.name])
+    }
+
+
+def call_with_options(fn: Callable[..., Any], keys: Mapping[str, Any], **extra: Any) -> Any:
+    """`fn` called with its config `keys`: those of each options parameter gathered into its
+    dataclass (whose checks run there), the others passed as they are, `extra` besides."""
+    given = dict(keys)
+    for parameter, options in options_parameters(fn).items():
+        names = [f.name for f in dataclasses.fields(options)]
+        given[parameter] = options(**{n: given.pop(n) for n in names if n in given})
+    return fn(**given, **extra)
 
 
 def _parameters(fn: Callable[..., Any]) -> list[inspect.Parameter]:
@@ -563,14 +574,10 @@ def _hints(fn: Callable[..., Any]) -> dict[str, Any]:
     return typing.get_type_hints(fn.__init__ if inspect.isclass(fn) else fn)
 
 
-def _signature_dataclass(
-    fn: Callable[..., Any], name: str, class_name: str, options: type | None = None
-) -> type:
-    """A dataclass of `fn`'s keyword parameters (minus `rngs`), or of the fields of `options`
-    where `fn` takes its options as that dataclass, plus `name` = the registry key."""
-    owner = options or fn
+def _signature_dataclass(fn: Callable[..., Any], name: str, class_name: str) -> type:
+    """A dataclass of `fn`'s config keys (`_keywords`), plus `name` = the registry key."""
     fields: list[tuple[str, Any, Any]] = [("name", str, dataclasses.field(default=name))]
-    for key, hint, default in _options_fields(options) if options else _keywords(fn):
+    for key, hint, default, owner in _keywords(fn):
         if default is inspect.Parameter.empty or hint is None:
             raise ZooError(
                 f"Cannot register '{name}': parameter '{key}' of {owner.__qualname__} needs a "
@@ -584,14 +591,19 @@ def _signature_dataclass(
     return dataclasses.make_dataclass(class_name, fields)
 
 
-def _keywords(fn: Callable[..., Any]) -> list[tuple[str, Any, Any]]:
-    """(name, type hint or None, default or `Parameter.empty`) of `fn`'s config parameters."""
-    hints = _hints(fn)
-    return [
-        (param.name, hints.get(param.name), param.default)
-        for param in _parameters(fn)
-        if param.name != "rngs" and param.kind not in (param.VAR_POSITIONAL, param.VAR_KEYWORD)
-    ]
+def _keywords(fn: Callable[..., Any]) -> list[tuple[str, Any, Any, Any]]:
+    """(name, type hint or None, default or `Parameter.empty`, where it is declared) of `fn`'s
+    config keys: its parameters but `rngs`, each options parameter replaced by its fields."""
+    hints, grouped = _hints(fn), options_parameters(fn)
+    keys = []
+    for param in _parameters(fn):
+        if param.name in grouped:
+            keys += [
+                (*field, grouped[param.name]) for field in _options_fields(grouped[param.name])
+            ]
+        elif param.name != "rngs" and param.kind not in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            keys.append((param.name, hints.get(param.name), param.default, fn))
+    return keys
 
 
 def _options_fields(options: type) -> list[tuple[str, Any, Any]]:

@@ -118,8 +118,8 @@ def test_user_model_gets_a_typed_config_the_cli_accepts():
 
 
 def test_a_model_may_take_its_options_as_one_typed_object():
-    assert registry.options_class(TinyOfOptions) is TinyOptions
-    assert registry.options_class(Tiny) is None
+    assert registry.options_parameters(TinyOfOptions) == {"options": TinyOptions}
+    assert registry.options_parameters(Tiny) == {}
     cfg = zoo.compose(["model=tiny_options", "model.width=8", "model.scale=0.5"])
     assert cfg.model.width == 8 and cfg.model.scale == 0.5
     with pytest.raises(zoo.ZooError, match="model.width=big"):
@@ -128,6 +128,26 @@ def test_a_model_may_take_its_options_as_one_typed_object():
     assert model.layer.kernel.shape == (2, 8) and model.scale == 0.5
     with pytest.raises(zoo.ZooError, match="model.width=0 must be at least 1"):
         zoo.create_model("tiny_options", width=0)
+
+
+def _load_with_options(path: str = "here", *, options: TinyOptions):
+    return path, options
+
+
+if "tiny_options_data" not in zoo.list_datasets():
+    zoo.register_data("tiny_options_data", _load_with_options)
+
+
+def test_a_data_set_may_take_a_group_of_its_keys_as_one_typed_object():
+    entry = registry.get_data("tiny_options_data")
+    keys = [field.name for field in dataclasses.fields(entry.config)]
+    assert keys == ["name", "path", "width", "scale"]  # the loader's own, then the group's
+    assert entry.splits({"name": "tiny_options_data", "path": "x", "width": 3}) == (
+        "x",
+        TinyOptions(width=3, scale=1.0),
+    )
+    with pytest.raises(zoo.ZooError, match="model.width=0 must be at least 1"):
+        entry.splits({"path": "x", "width": 0})
 
 
 def test_model_defaults_apply_and_command_line_overrides_them():
