@@ -20,6 +20,12 @@ key/value cache off, as its default), warmed up the same way. `torch.set_num_thr
 the cores XLA uses (all of this process's; `--single-thread`: one each). Medians of `--repeats`
 rounds.
 
+`--as-cpu avx512f`: both sides as on an x86-64 CPU with AVX-512 F but without AVX-512 BF16 or
+AMX (Intel Skylake-SP, Cascade Lake, Ice Lake), run on a CPU that has them: zoo's kernel forced
+to its `avx512f` variant (`ZOO_NATIVE_KERNELS`), and PyTorch's oneDNN, which multiplies its
+bfloat16 products, held to that CPU's instructions (`ONEDNN_MAX_CPU_ISA=AVX512_CORE`: bfloat16
+widened in software, as there).
+
 `--kernels`: zoo alone (no torch needed), Qwen3-0.6B's architecture at batch 1 and 8 in float32
 and in bfloat16 on each variant of zoo's bfloat16 CPU kernel that the CPU runs
 (`zoo.engine.kernels.bf16_rows`) and on the float32 copies a session takes where none runs
@@ -42,6 +48,8 @@ import numpy as np
 from benchmarks.decoder_costs import make_checkpoint
 from benchmarks.pretrained_loading import CACHE
 
+AS_CPU = {"avx512f": {"ZOO_NATIVE_KERNELS": "avx512f", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}}
+"""`--as-cpu`: the environment each side reads as it starts (set before either is imported)."""
 GPT2_SMALL = {"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257, "n_positions": 1024}
 CASES = (  # (model, dtype, batch)
     ("gpt2-small", "fp32", 1),
@@ -265,8 +273,14 @@ def main() -> None:
         action="store_true",
         help="zoo alone: float32 and bfloat16 on each variant of its bfloat16 CPU kernel",
     )
+    parser.add_argument(
+        "--as-cpu",
+        choices=sorted(AS_CPU),
+        help="both sides held to the instructions of an AVX-512 F CPU without bfloat16 ones",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    os.environ.update(AS_CPU.get(args.as_cpu, {}))
     threads = 1 if args.single_thread else len(os.sched_getaffinity(0))
     if args.single_thread:  # before jax is imported
         flags = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
@@ -280,7 +294,8 @@ def main() -> None:
         "gpt2-small": gpt2_checkpoint(args.cache / "gpt2-small-random"),
         "qwen3-0.6b": make_checkpoint(args.cache / "qwen3-0.6b-random"),
     }
-    results: dict = {"threads": threads, "prompt": args.prompt, "new": args.new, "cases": []}
+    results: dict = {"threads": threads, "prompt": args.prompt, "new": args.new}
+    results |= {"as_cpu": args.as_cpu, "cases": []}
     for name, dtype, batch in CASES:
         if args.only and name != args.only:
             continue

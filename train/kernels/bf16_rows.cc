@@ -31,7 +31,7 @@ namespace {
 // x stays bfloat16; a step multiplies 32 pairs of bfloat16 into 16 float32 sums.
 struct Isa {
   static constexpr int kStep = 32;      // weights (bfloat16) a step reads
-  static constexpr int kRegisters = 32;
+  static constexpr int kOutputs = 5;    // a 4-row tile's outputs: 20 sums, 5 weights, x
   using X = uint16_t;                   // x as the steps read it
   using W = __m512bh;
   using Acc = __m512;
@@ -58,7 +58,6 @@ struct Isa {
 #if defined(ZOO_AVX512F)
 struct Lanes {
   static constexpr int kLanes = 16;
-  static constexpr int kRegisters = 32;
   using V = __m512;
   using I = __m512i;
   static bool Supported() {
@@ -80,7 +79,6 @@ struct Lanes {
 #else
 struct Lanes {
   static constexpr int kLanes = 8;
-  static constexpr int kRegisters = 16;
   using V = __m256;
   using I = __m256i;
   static bool Supported() {
@@ -110,7 +108,9 @@ struct Lanes {
 
 struct Isa {
   static constexpr int kStep = 2 * Lanes::kLanes;
-  static constexpr int kRegisters = Lanes::kRegisters;
+  // A 4-row tile's outputs: 16 sums, 4 weights widened in two halves, x (AVX2's 16 registers
+  // spill some of it, and still measured fastest).
+  static constexpr int kOutputs = 4;
   using X = float;
   using W = Lanes::I;
   using Acc = Lanes::V;
@@ -144,47 +144,64 @@ uint16_t ToBf16(float f) {
   return static_cast<uint16_t>(bits >> 16);
 }
 
+// The steps of rows [r, r + M) by outputs [n, n + NB) over the `left` weights from i: a whole
+// step, or the last, shorter one. The loop over whole steps calls it apart from the last, so that
+// no masked load sits in that loop and the compiler keeps every sum in a register. `ahead`: the
+// next tile's weights, asked for at the same offsets (the hardware's prefetcher, following a
+// tile's several rows of weights, kept a big layer's product waiting on memory a third longer).
+template <int M, int NB>
+__attribute__((always_inline)) inline void Steps(Isa::Acc (&acc)[M][NB], const Isa::X* x,
+                                                 int64_t stride, const uint16_t* w, int64_t k,
+                                                 int64_t r, int64_t n, int64_t i, int64_t left,
+                                                 bool ahead) {
+  if (ahead)
+    for (int b = 0; b < NB; ++b)
+      _mm_prefetch(reinterpret_cast<const char*>(w + (n + NB + b) * k + i), _MM_HINT_T0);
+  Isa::W wv[NB];
+  for (int b = 0; b < NB; ++b) wv[b] = Isa::LoadW(w + (n + b) * k + i, left);
+  for (int m = 0; m < M; ++m) {
+    const Isa::X* xm = x + (r + m) * stride + i;
+    for (int b = 0; b < NB; ++b) acc[m][b] = Isa::Step(acc[m][b], xm, wv[b]);
+  }
+}
+
 // Outputs [n0, n1) of rows [r, r + M) of x prepared as `Isa::PrepareX` lays it (each row
 // `stride` long, zeros past k): each (row, output) sum is taken in the same order whatever M
 // and NB are, so a row's result does not depend on the other rows.
 template <int M, int NB>
 void Tile(const Isa::X* x, int64_t stride, const uint16_t* w, uint16_t* y, int64_t r,
           int64_t n_total, int64_t k, int64_t n0, int64_t n1) {
+  const int64_t whole = k / Isa::kStep * Isa::kStep;
   int64_t n = n0;
   for (; n + NB <= n1; n += NB) {
     Isa::Acc acc[M][NB];
     for (int m = 0; m < M; ++m)
       for (int b = 0; b < NB; ++b) acc[m][b] = Isa::Zero();
-    for (int64_t i = 0; i < k; i += Isa::kStep) {
-      Isa::W wv[NB];
-      for (int b = 0; b < NB; ++b) wv[b] = Isa::LoadW(w + (n + b) * k + i, k - i);
-      for (int m = 0; m < M; ++m) {
-        const Isa::X* xm = x + (r + m) * stride + i;
-        for (int b = 0; b < NB; ++b) acc[m][b] = Isa::Step(acc[m][b], xm, wv[b]);
-      }
-    }
+    const bool ahead = n + 2 * NB <= n_total;
+    for (int64_t i = 0; i < whole; i += Isa::kStep)
+      Steps<M, NB>(acc, x, stride, w, k, r, n, i, Isa::kStep, ahead);
+    if (whole < k) Steps<M, NB>(acc, x, stride, w, k, r, n, whole, k - whole, false);
     for (int m = 0; m < M; ++m)
       for (int b = 0; b < NB; ++b) y[(r + m) * n_total + n + b] = ToBf16(Isa::Sum(acc[m][b]));
   }
   for (; n < n1; ++n) Tile<M, 1>(x, stride, w, y, r, n_total, k, n, n + 1);
 }
 
+// Tiles of 4 rows by 4 or 5 outputs (each weight read, and widened, once for 4 rows; a step's
+// loads per multiply-add fewest within the registers), then of 2 rows, then 1 row by 8: the
+// shapes that took least time among 1 to 8 rows by 1 to 8 outputs, on each variant.
 void Outputs(const Isa::X* x, int64_t stride, const uint16_t* w, uint16_t* y, int64_t rows,
              int64_t n_total, int64_t k, int64_t n0, int64_t n1) {
   int64_t r = 0;
-  // 8 rows share each weight read (and widened): 16 sums in registers, or 8 where AVX2 has 16
-  // registers in all.
-  constexpr int kWide = Isa::kRegisters >= 32 ? 2 : 1;
-  for (; r + 8 <= rows; r += 8) Tile<8, kWide>(x, stride, w, y, r, n_total, k, n0, n1);
-  for (; r + 4 <= rows; r += 4) Tile<4, 2>(x, stride, w, y, r, n_total, k, n0, n1);
+  for (; r + 4 <= rows; r += 4) Tile<4, Isa::kOutputs>(x, stride, w, y, r, n_total, k, n0, n1);
   for (; r + 2 <= rows; r += 2) Tile<2, 4>(x, stride, w, y, r, n_total, k, n0, n1);
-  for (; r < rows; ++r) Tile<1, 4>(x, stride, w, y, r, n_total, k, n0, n1);
+  for (; r < rows; ++r) Tile<1, 8>(x, stride, w, y, r, n_total, k, n0, n1);
 }
 
 // Blocks of outputs taken in turn by the calling thread and the intra-op threads, whichever is
 // free; small enough that a block's weights stay in a core's L2 cache while the row tiles after
 // the first read them again.
-constexpr int64_t kBlock = Isa::kRegisters >= 32 ? 256 : 64;
+constexpr int64_t kBlock = 256;
 
 struct Job {
   std::vector<Isa::X> x;  // prepared, `stride` a row
