@@ -151,6 +151,7 @@ def test_grpo_losses_match_trl(case):
         (lambda: PreferenceOptions(label_smoothing=0.5), ["label_smoothing=0.5", "[0, 0.5)"]),
         (lambda: PreferenceOptions(method="ipo", label_smoothing=0.1), ["method=ipo", "no effect"]),
         (lambda: PreferenceOptions(method="simpo", gamma=-1.0), ["gamma=-1.0"]),
+        (lambda: PreferenceOptions(method="sigmoid", gamma=0.3), ["gamma=0.3", "simpo"]),
         (lambda: GRPOOptions(loss_type="ppo"), ["loss_type='ppo'", "dr_grpo"]),
         (lambda: GRPOOptions(scale_rewards=True), ["scale_rewards=True", "group, batch, none"]),
         (lambda: GRPOOptions(beta=-0.1), ["beta=-0.1", ">= 0"]),

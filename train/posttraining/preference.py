@@ -35,6 +35,8 @@ WITH_REFERENCE = (SIGMOID, IPO, HINGE, ROBUST)
 """The methods that compare the policy with a reference model (the DPO family)."""
 METHODS = (*WITH_REFERENCE, SIMPO, ORPO)
 SMOOTHED = (SIGMOID, ROBUST, SIMPO)
+SIMPO_GAMMA = 0.5
+"""SimPO's target margin where `gamma` is unset (TRL's default `simpo_gamma`)."""
 """The methods that read `label_smoothing`."""
 
 Metrics = dict[str, jax.Array]
@@ -55,8 +57,8 @@ class PreferenceOptions:
     # and `simpo` take the conservative loss (cDPO), `robust` the unbiased one (rDPO).
     label_smoothing: float = 0.0
     # SimPO's target margin between the chosen and the rejected reply's average log-probability
-    # reward (TRL's `simpo_gamma`).
-    gamma: float = 0.5
+    # reward (TRL's `simpo_gamma`); unset: 0.5. Refused by the other methods, which have none.
+    gamma: float | None = None
 
     def __post_init__(self) -> None:
         _check(self)
@@ -148,7 +150,8 @@ def _simpo(
     """SimPO: the sigmoid loss of the margin between the replies' average log-probabilities,
     less the target margin `gamma / beta`."""
     chosen_mean, rejected_mean = chosen.total / _count(chosen), rejected.total / _count(rejected)
-    margin = chosen_mean - rejected_mean - options.gamma / options.beta
+    gamma = SIMPO_GAMMA if options.gamma is None else options.gamma
+    margin = chosen_mean - rejected_mean - gamma / options.beta
     loss = _smoothed_sigmoid(options.beta * margin, options.label_smoothing)
     metrics = _reward_metrics(options.beta * chosen_mean, options.beta * rejected_mean)
     return loss, {**metrics, "logps/chosen": chosen_mean, "logps/rejected": rejected_mean}
@@ -224,6 +227,13 @@ def _check(o: PreferenceOptions) -> None:
         raise ZooError(
             f"label_smoothing={smoothing} has no effect with method={o.method}: only "
             f"{', '.join(SMOOTHED)} smooth their labels; set it to 0."
+        )
+    if o.gamma is None:
+        return
+    if o.method != SIMPO:
+        raise ZooError(
+            f"gamma={o.gamma} has no effect with method={o.method}: only simpo has a target "
+            "margin; leave it unset."
         )
     if not (number(o.gamma) and o.gamma >= 0):
         raise ZooError(f"gamma={o.gamma} must be a number >= 0 (SimPO's target margin).")
