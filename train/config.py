@@ -15,6 +15,7 @@ from typing import Any
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from zoo.engine.errors import ZooError
+from zoo.engine.posttraining import PreferenceOptions
 from zoo.engine.sharding.mesh import DEFAULT_RULES
 
 
@@ -32,6 +33,11 @@ class BestMode(str, enum.Enum):
 class NanPolicy(str, enum.Enum):
     stop = "stop"
     skip = "skip"
+
+
+class Method(str, enum.Enum):
+    sft = "sft"
+    dpo = "dpo"
 
 
 class Precision(str, enum.Enum):
@@ -205,6 +211,11 @@ class FinetuneConfig:
     # in the forward pass; frozen, with the adapters trained in float32. Needs lora_rank > 0.
     # null: the base kernels stay as they are.
     quantize: str | None = None
+    # What the fine-tune learns from: `sft`, the data's own targets (imitation, the model's
+    # loss); `dpo`, preference pairs (data=preference), by the loss of `finetune.dpo`.
+    method: Method = Method.sft
+    # The preference loss of finetune.method=dpo and its settings.
+    dpo: PreferenceOptions = dataclasses.field(default_factory=PreferenceOptions)
 
 
 @dataclasses.dataclass

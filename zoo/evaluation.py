@@ -12,6 +12,7 @@ from flax import nnx
 
 from zoo.engine import pipeline, registry, sharding
 from zoo.engine.loop import evaluate_batches
+from zoo.engine.posttraining import training_objective
 from zoo.engine.steps import eval_key, make_eval_step
 from zoo.inputs import Reads, check_columns, check_loss_traced
 from zoo.trained import Trained, resolved_hparams
@@ -39,7 +40,7 @@ def evaluate(
     check_columns(config, resolved_hparams(config), "eval", data, transform)
     batches = pipeline.eval_batches(data, size, transform=transform)
     graphdef, state = nnx.split((trained.model, None))
-    eval_step = make_eval_step(graphdef, entry.loss)
+    eval_step = make_eval_step(graphdef, training_objective(config.finetune, entry.loss))
     key = eval_key(int(config.seed))
 
     def step(state: Any, batch: Mapping[str, jax.Array]) -> Any:

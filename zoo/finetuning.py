@@ -23,6 +23,7 @@ from zoo.engine import registry, weights
 from zoo.engine.checkpoints import locate
 from zoo.engine.errors import ZooError
 from zoo.engine.loop import RunLog, RunResult, Trainer
+from zoo.engine.posttraining import DPO
 from zoo.engine.weights import Filter
 from zoo.hub import local
 from zoo.inputs import check_data
@@ -34,6 +35,8 @@ from zoo.training import console_logging
 
 CHAT = "chat"
 """The data set that reads conversations given to `finetune` (files or a list)."""
+PREFERENCE = "preference"
+"""The data set that reads preference pairs given to `finetune(..., method="dpo")`."""
 USER_DATA = "user"
 """`data.name` in the config of a run on the caller's own data (`finetune(..., data=Splits)`)."""
 
@@ -47,6 +50,7 @@ PYTHON_NAMES = (
     ("finetune.lora_rank=", "lora_rank="),
     ("finetune.quantize=", "quantize="),
     ("finetune.init_step=", "step="),
+    ("finetune.method=", "method="),
 )
 """How messages written for the command line name `finetune`'s keyword arguments: the
 settings they suggest (`finetune.reinit=[head]`), not the config keys they list."""
@@ -86,6 +90,7 @@ def finetune(
     lora_rank: int = 0,
     lora_layers: str = ".*",
     quantize: str | None = None,
+    method: str = "sft",
     callbacks: Sequence[Any] = (),
 ) -> RunResult:
     """Fine-tune a trained model (or train a fresh one) with the trainer, as one more run.
@@ -118,12 +123,16 @@ def finetune(
       only them and the fresh params; `zoo.merge_lora` folds them in afterwards.
     - `quantize` (`"int8"`, `"int4"` or `"nf4"`, with `lora_rank`): QLoRA, the adapted layers'
       base kernels held quantized and frozen (`finetune.quantize`).
+    - `method`: what the fine-tune learns from: `"sft"`, the data's own targets; `"dpo"`,
+      preference pairs (`data`: files or a list of pairs, read as `data=preference` reads
+      them), by the loss `"finetune.dpo.loss_type=..."` among the overrides names (see
+      "Preference and reward fine-tuning" in the docs).
     - `callbacks`: objects with hooks the run calls (see `zoo.fit`).
 
     Running the same call again with the same workdir resumes it (a finished run returns at
     once), as the CLI does. It prints and writes what the CLI does (`train.log`, `.hydra/`)."""
     with console_logging(), RunLog() as run_log:
-        data, overrides = _conversations(*_named_data(data, overrides))
+        data, overrides = _conversations(*_named_data(data, overrides), method)
         origin = _origin(start, step)
         overrides, base = (*origin.init_from, *overrides), origin.config
         if base is not None and data is None and base.data.name not in registry.list_datasets():
@@ -137,7 +146,7 @@ def finetune(
             _check_image_axes(data, origin.name, base)
         cfg = composed(
             [*_model_args(origin.name, base, data, num_classes, overrides), *overrides],
-            finetune=_settings(origin, reinit, freeze, lora_rank, lora_layers, quantize),
+            finetune=_settings(origin, reinit, freeze, lora_rank, lora_layers, quantize, method),
             train=data.train if user_data else None,
         )
         if replace_head:
@@ -191,6 +200,7 @@ def _settings(
     lora_rank: int,
     lora_layers: str,
     quantize: str | None,
+    method: str,
 ) -> dict[str, Any]:
     """The config's `finetune` section as `finetune`'s keyword arguments set it (a `freeze`
     filter is code, set after composition)."""
@@ -199,6 +209,7 @@ def _settings(
         "freeze": freeze if isinstance(freeze, str) else None,
         "lora_rank": lora_rank,
         "lora_layers": lora_layers,
+        "method": method,
     }
     if origin.workdir is not None:
         settings.update(init_from=origin.workdir, init_step=str(origin.step))
@@ -207,10 +218,13 @@ def _settings(
     return settings
 
 
-def _conversations(data: Any, overrides: tuple[str, ...]) -> tuple[Any, tuple[str, ...]]:
+def _conversations(
+    data: Any, overrides: tuple[str, ...], method: str
+) -> tuple[Any, tuple[str, ...]]:
     """`data` naming conversation files (a path, not a registered data set's name) or holding
     conversations (a list, written to the data cache as JSON Lines): the `chat` data set
-    reading them; any other `data` as it is."""
+    reading them, or `preference` for a preference method's pairs; any other `data` as it
+    is."""
     if isinstance(data, list | tuple):
         path = write_conversations(data)
     elif isinstance(data, os.PathLike) or (
@@ -219,7 +233,8 @@ def _conversations(data: Any, overrides: tuple[str, ...]) -> tuple[Any, tuple[st
         path = data
     else:
         return data, overrides
-    return CHAT, (f"data.path={json.dumps(os.path.abspath(path))}", *overrides)
+    reader = PREFERENCE if method == DPO else CHAT
+    return reader, (f"data.path={json.dumps(os.path.abspath(path))}", *overrides)
 
 
 def _check_image_axes(data: registry.Splits, name: str, base: DictConfig | None) -> None:

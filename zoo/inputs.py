@@ -21,6 +21,7 @@ from zoo.engine import pipeline, registry, sharding
 from zoo.engine.config import MeshConfig, checked_dict
 from zoo.engine.errors import ZooError
 from zoo.engine.loop import abstract_model, check_split
+from zoo.engine.posttraining import DPO, check_method, method_of
 from zoo.trained import resolved_hparams
 
 _TRACE_ERRORS = (TypeError, ValueError, IndexError)
@@ -238,12 +239,22 @@ def check_columns(
             f"{_reason(e)}."
         ) from None
     reads = Reads.of(config, hparams)
+    pairs = method_of(config.finetune) == DPO  # the model reads each pair's two sequences
     for name in entry.columns or ():
         what = f"The {split} data's '{name}' column holds examples"
-        if name == reads.column:
+        if name == reads.column and pairs:
+            check_method(config.finetune, first)
+            reads.check(_sequences(first[name]), f"{what} (pairs: each of its two rows)", True)
+        elif name == reads.column:
             reads.check(first[name], what, examples=True)
         else:
             numeric_batch(first[name], what, f"Model '{entry.name}' reads it as numbers.")
+
+
+def _sequences(pairs: Any) -> np.ndarray:
+    """A batch of pairs [N, 2, ...] as the 2N sequences the model reads."""
+    pairs = np.asarray(pairs)
+    return pairs.reshape(-1, *pairs.shape[2:])
 
 
 def check_data(config: DictConfig, splits: registry.Splits) -> None:

@@ -145,13 +145,13 @@ def test_grpo_losses_match_trl(case):
 @pytest.mark.parametrize(
     ("make", "words"),
     [
-        (lambda: PreferenceOptions(method="dpo"), ["method='dpo'", "sigmoid", "orpo"]),
+        (lambda: PreferenceOptions(loss_type="dpo"), ["loss_type='dpo'", "sigmoid", "orpo"]),
         (lambda: PreferenceOptions(beta=0), ["beta=0", "positive"]),
         (lambda: PreferenceOptions(beta=float("nan")), ["beta=nan"]),
         (lambda: PreferenceOptions(label_smoothing=0.5), ["label_smoothing=0.5", "[0, 0.5)"]),
-        (lambda: PreferenceOptions(method="ipo", label_smoothing=0.1), ["method=ipo", "no effect"]),
-        (lambda: PreferenceOptions(method="simpo", gamma=-1.0), ["gamma=-1.0"]),
-        (lambda: PreferenceOptions(method="sigmoid", gamma=0.3), ["gamma=0.3", "simpo"]),
+        (lambda: PreferenceOptions(loss_type="ipo", label_smoothing=0.1), ["loss_type=ipo", "no effect"]),
+        (lambda: PreferenceOptions(loss_type="simpo", gamma=-1.0), ["gamma=-1.0"]),
+        (lambda: PreferenceOptions(loss_type="sigmoid", gamma=0.3), ["gamma=0.3", "simpo"]),
         (lambda: GRPOOptions(loss_type="ppo"), ["loss_type='ppo'", "dr_grpo"]),
         (lambda: GRPOOptions(scale_rewards=True), ["scale_rewards=True", "group, batch, none"]),
         (lambda: GRPOOptions(beta=-0.1), ["beta=-0.1", ">= 0"]),
@@ -175,7 +175,7 @@ def test_missing_inputs_are_named():
     with pytest.raises(ZooError, match="reference's log-probabilities"):
         preference_loss(PreferenceOptions(), side, side)
     with pytest.raises(ZooError, match="chosen_sequence"):
-        preference_loss(PreferenceOptions(method="orpo"), side, side)
+        preference_loss(PreferenceOptions(loss_type="orpo"), side, side)
     with pytest.raises(ZooError, match="ref_token_logps"):
         grpo_loss(GRPOOptions(beta=0.1), jnp.zeros((2, 3)), jnp.ones((2, 3)), one)
     with pytest.raises(ZooError, match="groups of num_generations=4"):
@@ -193,7 +193,7 @@ def test_what_padding_holds_reaches_neither_loss_nor_gradient():
         return batch_mean(loss, metrics)
 
     def orpo(logps):
-        return jnp.mean(preference(PreferenceOptions(method="orpo"), logps)[0])
+        return jnp.mean(preference(PreferenceOptions(loss_type="orpo"), logps)[0])
 
     real_pairs = jnp.asarray(PREFERENCE["inputs"]["attention_mask"])[:, 1:] > 0
     for loss, logps, real in (

@@ -21,6 +21,7 @@ from zoo.engine.config import Config, resume_step
 from zoo.engine.errors import ZooError
 from zoo.engine.loop.dispatch import check_cadences
 from zoo.engine.pipeline.batches import ExampleSource
+from zoo.engine.posttraining import DPO, method_of, preference_options
 from zoo.engine.sharding.mesh import AxisRules, check_mesh_sizes
 from zoo.engine.weights.lora import check_unstacked
 from zoo.engine.weights.quantize import QTYPES
@@ -159,6 +160,7 @@ def check_finetune(finetune: Any) -> None:
     if finetune.lora_rank < 0:
         raise ZooError(f"finetune.lora_rank={finetune.lora_rank} must be 0 (off) or positive.")
     _check_quantize(finetune)
+    _check_method(finetune)
     step = str(finetune.init_step)
     if resume_step(step) is None and step not in ("latest", "best"):
         raise ZooError(
@@ -188,6 +190,21 @@ def _check_quantize(finetune: Any) -> None:
             f"finetune.quantize={qtype} quantizes the base weights of LoRA adapters (QLoRA), "
             f"but finetune.lora_rank={finetune.lora_rank} adds none: set finetune.lora_rank "
             "to a positive rank (e.g. 16), or finetune.quantize=null."
+        )
+
+
+def _check_method(finetune: Any) -> None:
+    """`finetune.dpo`'s options, and a reference model the run can compute."""
+    if method_of(finetune) != DPO:
+        return
+    options = preference_options(finetune)
+    if options.uses_reference and finetune.lora_rank <= 0:
+        raise ZooError(
+            f"finetune.dpo.loss_type={options.loss_type} compares the policy with a reference "
+            f"model, which finetune.dpo.reference={options.reference} takes from the starting "
+            "model with its LoRA adapters off, but finetune.lora_rank=0 adds none: set "
+            "finetune.lora_rank to a positive rank (e.g. 16), or use a reference-free loss "
+            "(finetune.dpo.loss_type=simpo or orpo) for a full fine-tune."
         )
 
 

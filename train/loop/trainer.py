@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 from flax import nnx
 from omegaconf import DictConfig, OmegaConf
-from zoo.engine import registry
+from zoo.engine import posttraining, registry
 from zoo.engine.checkpoints.manager import Checkpointer
 from zoo.engine.checkpoints.start import RunStart, start_run
 from zoo.engine.errors import ZooError
@@ -168,6 +168,7 @@ class Trainer:
         self.train_data, self.eval_data = pipeline.process_pipelines(
             splits, trainer.batch_size, cfg.seed
         )
+        posttraining.check_method(cfg.finetune, self.eval_data[0])
         return splits
 
     def _set_up_steps(self, entry: registry.ModelEntry, trainable: Filter) -> None:
@@ -177,7 +178,8 @@ class Trainer:
         self.skip_nonfinite = (
             OmegaConf.to_container(trainer, enum_to_str=True)["nan_policy"] == "skip"
         )
-        loss = compute_loss(entry.loss, trainer.precision)
+        objective = posttraining.training_objective(self.cfg.finetune, entry.loss)
+        loss = compute_loss(objective, trainer.precision)
         self.jitted = make_steps(self.graphdef, loss, self.trainable, self.skip_nonfinite)
         self.train_step, self.eval_step = self.jitted.train, self.jitted.eval
         self.dispatcher = Dispatcher(
@@ -473,7 +475,7 @@ class Trainer:
             report = EvalReport(
                 step,
                 key,
-                self.eval_data[0],
+                posttraining.shown_examples(self.cfg.finetune, self.eval_data[0]),
                 reporter,
                 batches,
                 self.tokenizer,

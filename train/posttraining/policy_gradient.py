@@ -29,7 +29,7 @@ STD_EPSILON = 1e-4
 Metrics = dict[str, jax.Array]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class GRPOOptions:
     """How rewards become advantages and advantages a loss, checked when made (a `ZooError`
     naming the option and what would be valid). The defaults are TRL's."""

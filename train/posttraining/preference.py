@@ -35,20 +35,24 @@ WITH_REFERENCE = (SIGMOID, IPO, HINGE, ROBUST)
 """The methods that compare the policy with a reference model (the DPO family)."""
 METHODS = (*WITH_REFERENCE, SIMPO, ORPO)
 SMOOTHED = (SIGMOID, ROBUST, SIMPO)
+"""The methods that read `label_smoothing`."""
 SIMPO_GAMMA = 0.5
 """SimPO's target margin where `gamma` is unset (TRL's default `simpo_gamma`)."""
-"""The methods that read `label_smoothing`."""
+ADAPTERS = "adapters"
+REFERENCES = (ADAPTERS,)
+"""Where a reference model's log-probabilities can come from."""
 
 Metrics = dict[str, jax.Array]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class PreferenceOptions:
     """How a preference loss is computed, checked when made (a `ZooError` naming the option and
-    what would be valid)."""
+    what would be valid); the config's `finetune.dpo` section."""
 
-    # One of METHODS.
-    method: str = SIGMOID
+    # The loss: `sigmoid` (DPO), `ipo`, `hinge`, `robust` (against a reference model), `simpo`
+    # or `orpo` (reference-free).
+    loss_type: str = SIGMOID
     # The strength of the preference: how far from the reference the policy may go (DPO, IPO's
     # tau, hinge, robust), the scale of SimPO's length-normalised reward, or the weight of
     # ORPO's odds-ratio term (its paper's lambda).
@@ -59,6 +63,10 @@ class PreferenceOptions:
     # SimPO's target margin between the chosen and the rejected reply's average log-probability
     # reward (TRL's `simpo_gamma`); unset: 0.5. Refused by the other methods, which have none.
     gamma: float | None = None
+    # Where the reference model's log-probabilities come from (sigmoid, ipo, hinge, robust):
+    # `adapters`, the starting model with the LoRA adapters off (finetune.lora_rank > 0), which
+    # costs no second copy of the weights.
+    reference: str = ADAPTERS
 
     def __post_init__(self) -> None:
         _check(self)
@@ -66,7 +74,7 @@ class PreferenceOptions:
     @property
     def uses_reference(self) -> bool:
         """Whether the method compares the policy with a reference model."""
-        return self.method in WITH_REFERENCE
+        return self.loss_type in WITH_REFERENCE
 
 
 class SequenceLogps(NamedTuple):
@@ -103,15 +111,15 @@ def preference_loss(
     if options.uses_reference:
         if reference is None:
             raise ZooError(
-                f"method={options.method} compares the policy with a reference model: give the "
+                f"loss_type={options.loss_type} compares the policy with a reference model: give the "
                 "reference's log-probabilities of the chosen and rejected replies."
             )
         return _against_reference(options, chosen, rejected, *reference)
-    if options.method == SIMPO:
+    if options.loss_type == SIMPO:
         return _simpo(options, chosen, rejected)
     if chosen_sequence is None:
         raise ZooError(
-            "method=orpo trains the chosen sequences' likelihood too: give the policy's "
+            "loss_type=orpo trains the chosen sequences' likelihood too: give the policy's "
             "log-probabilities of the whole chosen sequences (chosen_sequence)."
         )
     return _orpo(options, chosen, rejected, chosen_sequence)
@@ -129,11 +137,11 @@ def _against_reference(
     beta, smoothing = options.beta, options.label_smoothing
     chosen_ratio, rejected_ratio = chosen.total - ref_chosen, rejected.total - ref_rejected
     delta = chosen_ratio - rejected_ratio
-    if options.method == SIGMOID:
+    if options.loss_type == SIGMOID:
         loss = _smoothed_sigmoid(beta * delta, smoothing)
-    elif options.method == HINGE:
+    elif options.loss_type == HINGE:
         loss = jax.nn.relu(1 - beta * delta)
-    elif options.method == ROBUST:
+    elif options.loss_type == ROBUST:
         clean = -(1 - smoothing) * jax.nn.log_sigmoid(beta * delta)
         flipped = -smoothing * jax.nn.log_sigmoid(-beta * delta)
         loss = (clean - flipped) / (1 - 2 * smoothing)
@@ -214,25 +222,26 @@ def _log1mexp(x: jax.Array) -> jax.Array:
 
 def _check(o: PreferenceOptions) -> None:
     """Refuse a method, strength or smoothing that no preference loss is computed with."""
-    choice("method", o.method, METHODS, "a preference loss")
+    choice("loss_type", o.loss_type, METHODS, "a preference loss")
+    choice("reference", o.reference, REFERENCES, "a source of the reference model")
     if not (number(o.beta) and o.beta > 0):
-        raise ZooError(f"beta={o.beta} must be a positive number (method={o.method}).")
+        raise ZooError(f"beta={o.beta} must be a positive number (loss_type={o.loss_type}).")
     smoothing = o.label_smoothing
     if not (number(smoothing) and 0 <= smoothing < 0.5):
         raise ZooError(
             f"label_smoothing={smoothing} must be in [0, 0.5): the probability that a pair's "
             "preference is the wrong way round."
         )
-    if smoothing and o.method not in SMOOTHED:
+    if smoothing and o.loss_type not in SMOOTHED:
         raise ZooError(
-            f"label_smoothing={smoothing} has no effect with method={o.method}: only "
+            f"label_smoothing={smoothing} has no effect with loss_type={o.loss_type}: only "
             f"{', '.join(SMOOTHED)} smooth their labels; set it to 0."
         )
     if o.gamma is None:
         return
-    if o.method != SIMPO:
+    if o.loss_type != SIMPO:
         raise ZooError(
-            f"gamma={o.gamma} has no effect with method={o.method}: only simpo has a target "
+            f"gamma={o.gamma} has no effect with loss_type={o.loss_type}: only simpo has a target "
             "margin; leave it unset."
         )
     if not (number(o.gamma) and o.gamma >= 0):

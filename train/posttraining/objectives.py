@@ -1,0 +1,155 @@
+"""What the trainer minimises for a post-training method: the loss function of a batch, as a
+model's own loss is (`zoo.engine.registry.LossFn`), made from the run's `finetune` section.
+
+`finetune.method=dpo` trains on preference pairs: each example's `tokens` hold two sequences,
+the prompt with the chosen reply and the prompt with the rejected one (`[batch, 2, length + 1]`,
+as `data=preference` makes them), with their `length`s and the `loss_mask` of the replies'
+tokens. Both sequences of every pair go through the model in one call (as `2 x batch` rows);
+the reference model's log-probabilities, where the loss needs them, come from the same weights
+with the LoRA adapters off (their params set to zero in a copy of the model's graph, which
+holds no second copy of the weights): an adapter then adds exactly zero, so the reference is
+the starting checkpoint bit for bit, and no gradient flows through it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+from zoo.engine.errors import ZooError
+from zoo.engine.posttraining.checks import options_from
+from zoo.engine.posttraining.preference import (
+    ORPO,
+    PreferenceOptions,
+    preference_loss,
+    sequence_logps,
+)
+from zoo.engine.registry import LOSS_MASK, loss_contract
+
+SFT, DPO = "sft", "dpo"
+PAIR = 2
+"""The sequences of a preference example: the chosen one (index 0), then the rejected one."""
+PAIR_COLUMNS = ("tokens", "length", LOSS_MASK)
+REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
+LOGPS = ("logps/chosen", "logps/rejected")
+ORPO_METRICS = ("nll_loss", "log_odds_ratio", "log_odds_chosen")
+
+
+def method_of(finetune: Any) -> str:
+    """`finetune.method` as text (the config holds an enum); `sft` in the config of a run
+    saved before there were methods."""
+    method = finetune.get("method") or SFT
+    return str(getattr(method, "value", method))
+
+
+def preference_options(finetune: Any) -> PreferenceOptions:
+    """The `finetune.dpo` section as checked options; a bad value is refused by its key."""
+    return options_from(PreferenceOptions, finetune.dpo, "finetune.dpo.")
+
+
+def training_objective(finetune: Any, model_loss: Callable) -> Callable:
+    """The loss the run trains and evaluates with: the model's own for `sft`, the preference
+    loss of `finetune.dpo` for `dpo`."""
+    if method_of(finetune) == SFT:
+        return model_loss
+    return preference_objective(preference_options(finetune))
+
+
+def check_method(finetune: Any, batch: Mapping[str, Any]) -> None:
+    """Refuse data whose batches are not what the method trains on, before a model is built:
+    pairs for `dpo`, and no pairs for `sft` (a model's own loss reads sequences)."""
+    tokens = batch.get("tokens")
+    pairs = tokens is not None and tokens.ndim == 3 and tokens.shape[1] == PAIR
+    method = method_of(finetune)
+    if method == DPO and not pairs:
+        raise ZooError(
+            "finetune.method=dpo trains on preference pairs: batches whose 'tokens' hold a "
+            f"prompt with its chosen and with its rejected reply ([batch, {PAIR}, length]), as "
+            "data=preference makes them; this data's batches have "
+            + (f"'tokens' of shape {list(tokens.shape)}." if tokens is not None else "none.")
+            + " Use data=preference, or finetune.method=sft for conversations (data=chat)."
+        )
+    if method == SFT and pairs:
+        raise ZooError(
+            "This data holds preference pairs (a chosen and a rejected reply per prompt), which "
+            "finetune.method=sft cannot train on: set finetune.method=dpo."
+        )
+
+
+def shown_examples(finetune: Any, batch: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The examples of `batch` that a model's eval hook is shown (it continues the first): the
+    chosen sequences of pairs, the batch itself otherwise."""
+    if method_of(finetune) != DPO:
+        return batch
+    return {name: batch[name][:, 0] for name in PAIR_COLUMNS if name in batch}
+
+
+def preference_objective(options: PreferenceOptions) -> Callable:
+    """Per pair: the preference loss of `options` and TRL's metrics (`preference_loss`)."""
+    metrics = (*REWARDS, *LOGPS, *(ORPO_METRICS if options.loss_type == ORPO else ()))
+
+    @loss_contract(columns=PAIR_COLUMNS, metrics=metrics)
+    def loss(model: Any, batch: Mapping[str, jax.Array], rngs: nnx.Rngs):
+        rows = _as_rows(batch["tokens"].astype(jnp.int32))
+        targets = rows.shape[1] - 1
+        real = jnp.arange(targets) < batch["length"][..., None]  # [B, 2, T]
+        replies = real & (batch[LOSS_MASK] > 0)
+        policy = _as_pairs(token_logps(model, rows, rngs))
+        chosen, rejected = (sequence_logps(policy[:, i], replies[:, i]) for i in range(PAIR))
+        reference = None
+        if options.uses_reference:
+            base = _as_pairs(jax.lax.stop_gradient(token_logps(adapters_off(model), rows, rngs)))
+            reference = tuple(sequence_logps(base[:, i], replies[:, i]).total for i in (0, 1))
+        whole = None
+        if options.loss_type == ORPO:
+            # the chosen sequence's prompt and reply; a padding row (no reply) counts nowhere
+            trains = jnp.any(replies[:, 0], axis=-1, keepdims=True)
+            whole = sequence_logps(policy[:, 0], real[:, 0] & trains)
+        return preference_loss(
+            options, chosen, rejected, reference=reference, chosen_sequence=whole
+        )
+
+    return loss
+
+
+def token_logps(model: Any, rows: jax.Array, rngs: nnx.Rngs) -> jax.Array:
+    """The model's log-probability of each next token of `rows` [N, T + 1]: [N, T], in
+    float32 (a one-hot contraction, as the language models' loss takes it, which shards over
+    the vocabulary)."""
+    logits = model(rows[:, :-1], rngs=rngs)
+    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    one_hot = jax.nn.one_hot(rows[:, 1:], log_probs.shape[-1], dtype=log_probs.dtype)
+    return jnp.sum(one_hot * log_probs, axis=-1)
+
+
+def adapters_off(model: nnx.Module) -> nnx.Module:
+    """The reference: a copy of `model`'s graph whose LoRA adapters are zero, in eval mode
+    (no Dropout), sharing every other array with `model` (what it computes is not to be
+    differentiated: the caller stops the gradient)."""
+    graph, adapters, rest = nnx.split(model, nnx.LoRAParam, ...)
+    base = nnx.merge(graph, jax.tree.map(jnp.zeros_like, adapters), rest, copy=True)
+    base.eval()
+    return base
+
+
+def _as_rows(pairs: jax.Array) -> jax.Array:
+    """[B, 2, ...] -> [2B, ...], each pair's rows next to each other (on its device)."""
+    return jnp.reshape(
+        pairs, (-1, *pairs.shape[2:]), out_sharding=P(_lead(pairs), *(None,) * (pairs.ndim - 2))
+    )
+
+
+def _as_pairs(rows: jax.Array) -> jax.Array:
+    """[2B, ...] -> [B, 2, ...]: `_as_rows` undone."""
+    shape = (rows.shape[0] // PAIR, PAIR, *rows.shape[1:])
+    return jnp.reshape(rows, shape, out_sharding=P(_lead(rows), *(None,) * (rows.ndim)))
+
+
+def _lead(x: jax.Array) -> Any:
+    """The mesh axes the leading (batch) dimension of `x` is split over."""
+    spec = jax.typeof(x).sharding.spec
+    return spec[0] if len(spec) else None
