@@ -5,6 +5,7 @@ from zoo.data import (  # noqa: F401  (registers the built-in data sets)
     chat,
     image_folders,
     image_tables,
+    preference,
     text,
     xor,
 )

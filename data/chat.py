@@ -26,25 +26,32 @@ added.
 `data.packing=true` packs the training conversations several to a row instead
 (`zoo.data.packing`), with `segment_ids` and `positions` columns that a decoder reads to keep
 each conversation's attention and positions its own; the held-out ones stay one to a row.
+
+`data=preference` (`zoo.data.preference`) reads, caches, splits and pads its pairs with the
+same parts (`Reader`, `held_out_split`, `trainable_rows`, `ChatPadding`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 from zoo.data.chat_prompts import check_reply_options, held_out_prompts
 from zoo.data.chat_tokens import Encoder, LossOn, RowProblem, check_template_kwargs
 from zoo.data.conversations import (
+    CONVERSATIONS,
     DEFAULT_ROLES,
+    ColumnNames,
     Columns,
     Row,
+    RowKind,
     conversation_files,
     held_out,
     read_rows,
@@ -88,6 +95,24 @@ class Encoded:
         return len(self.wheres)
 
     @classmethod
+    def made(
+        cls,
+        ids: Sequence[np.ndarray],
+        trained: Sequence[np.ndarray],
+        wheres: list[str],
+        problems: list[tuple[str, str]],
+    ) -> Encoded:
+        """The conversations of `ids` and `trained` (one array of each per conversation)."""
+        starts = np.cumsum([0] + [len(i) for i in ids]).astype(np.int64)
+        return cls(
+            np.concatenate([*ids, np.empty(0, np.int32)]).astype(np.int32),
+            np.concatenate([*trained, np.empty(0, np.uint8)]).astype(np.uint8),
+            starts,
+            wheres,
+            problems,
+        )
+
+    @classmethod
     def joined(cls, parts: Sequence[Encoded]) -> Encoded:
         """The conversations of `parts`, one after another."""
         sizes = np.cumsum([0] + [len(p.ids) for p in parts[:-1]])
@@ -98,6 +123,33 @@ class Encoded:
             [w for p in parts for w in p.wheres],
             [problem for p in parts for problem in p.problems],
         )
+
+    def stored(self, prefix: str = "") -> dict[str, np.ndarray]:
+        """The arrays a cache entry holds, named `prefix` + `ids`, ..."""
+        arrays = {
+            "ids": self.ids,
+            "trained": self.trained,
+            "starts": self.starts,
+            "wheres": np.asarray(self.wheres, dtype=str),
+            "problems": np.asarray(json.dumps(self.problems)),
+        }
+        return {prefix + name: array for name, array in arrays.items()}
+
+    @classmethod
+    def loaded(cls, stored: Any, prefix: str = "") -> Encoded:
+        """The conversations a cache entry's arrays (`stored`) hold."""
+        return cls(
+            stored[prefix + "ids"],
+            stored[prefix + "trained"],
+            stored[prefix + "starts"],
+            stored[prefix + "wheres"].tolist(),
+            [tuple(p) for p in json.loads(str(stored[prefix + "problems"]))],
+        )
+
+    def trains(self, row: int, longest: int) -> bool:
+        """Whether a target of conversation `row` within the first `longest` carries loss."""
+        start, end = self.starts[row], self.starts[row + 1]
+        return bool(self.trained[start + 1 : min(end, start + longest + 1)].any())
 
 
 class ChatExamples(ExampleSource):
@@ -142,35 +194,43 @@ class PackedChatExamples(ChatExamples):
 
 class ChatPadding(BucketPadding):
     """Text's bucket padding, with the loss mask (and a packed row's segments and positions)
-    cut as the tokens are."""
+    cut as the tokens are; the rows may have more axes (a preference pair's two sequences), the
+    bucket the smallest that holds the longest of all."""
 
     def __call__(self, batch: Batch) -> Batch:
-        tokens = super().__call__(batch)[TOKENS]
-        cut = tokens.shape[1] - 1
+        tokens, lengths = batch[TOKENS], batch[LENGTH]
+        flat = {TOKENS: tokens.reshape(-1, tokens.shape[-1]), LENGTH: lengths.reshape(-1)}
+        cut = super().__call__(flat)[TOKENS].shape[-1] - 1
         per_target = (c for c in (LOSS_MASK, SEGMENT_IDS, POSITIONS) if c in batch)
-        return {TOKENS: tokens, **{c: batch[c][:, :cut] for c in per_target}}
+        return {TOKENS: tokens[..., : cut + 1], **{c: batch[c][..., :cut] for c in per_target}}
+
+
+def cached_arrays(
+    file: Path, settings: bytes, folder: str, make: Callable[[], dict[str, np.ndarray]]
+) -> dict[str, np.ndarray]:
+    """The arrays made of `file` (by `make`), from the data cache's `folder`, or made into it
+    first; `settings`: the hash of everything else they depend on (the maker's format tag
+    first), the file's path, size and modification time added."""
+    info = file.stat()
+    digest = hashlib.sha256(settings)
+    digest.update(f"{file.resolve()}\0{info.st_size}\0{info.st_mtime_ns}".encode())
+    target = cache_root() / folder / f"{digest.hexdigest()[:32]}.npz"
+    if not target.is_file():
+        write_atomically(target, lambda f: np.savez(f, **make()))
+    with np.load(target) as stored:
+        return {name: stored[name] for name in stored.files}
 
 
 def encoded_file(
     file: Path, encoder: Encoder, settings: bytes, columns: Columns, roles: Sequence[str]
 ) -> Encoded:
     """`file`'s conversations tokenised, from the cache, or tokenised into it first;
-    `settings`: the hash of everything else the entry depends on (`_settings`)."""
-    info = file.stat()
-    digest = hashlib.sha256(FORMAT.encode() + settings)
-    digest.update(f"{file.resolve()}\0{info.st_size}\0{info.st_mtime_ns}".encode())
-    target = cache_root() / "chat" / f"{digest.hexdigest()[:32]}.npz"
-    if not target.is_file():
-        encoded = _encode_rows(read_rows(file, columns, roles), encoder)
-        write_atomically(target, lambda f: np.savez(f, **_stored(encoded)))
-    with np.load(target) as stored:
-        return Encoded(
-            stored["ids"],
-            stored["trained"],
-            stored["starts"],
-            stored["wheres"].tolist(),
-            [tuple(p) for p in json.loads(str(stored["problems"]))],
-        )
+    `settings`: the hash of everything else the entry depends on (`cache_settings`)."""
+
+    def make() -> dict[str, np.ndarray]:
+        return _encode_rows(read_rows(file, columns, roles), encoder).stored()
+
+    return Encoded.loaded(cached_arrays(file, FORMAT.encode() + settings, "chat", make))
 
 
 def _encode_rows(rows: Sequence[Row], encoder: Encoder) -> Encoded:
@@ -187,33 +247,37 @@ def _encode_rows(rows: Sequence[Row], encoder: Encoder) -> Encoded:
         ids.append(row_ids)
         trained.append(row_trained)
         wheres.append(row.where)
-    starts = np.cumsum([0] + [len(i) for i in ids]).astype(np.int64)
-    return Encoded(
-        np.concatenate(ids or [np.empty(0, np.int32)]).astype(np.int32),
-        np.concatenate(trained or [np.empty(0, np.uint8)]).astype(np.uint8),
-        starts,
-        wheres,
-        problems,
-    )
+    return Encoded.made(ids, trained, wheres, problems)
 
 
-def _stored(encoded: Encoded) -> dict[str, np.ndarray]:
-    return {
-        "ids": encoded.ids,
-        "trained": encoded.trained,
-        "starts": encoded.starts,
-        "wheres": np.asarray(encoded.wheres, dtype=str),
-        "problems": np.asarray(json.dumps(encoded.problems)),
-    }
+class Rows(Protocol):
+    """Tokenised rows of files (`Encoded` conversations, or a data set's own examples): each
+    good row's name, each bad row's name and problem."""
+
+    @property
+    def wheres(self) -> list[str]: ...
+
+    @property
+    def problems(self) -> list[tuple[str, str]]: ...
+
+    def __len__(self) -> int: ...
+
+    def trains(self, row: int, longest: int) -> bool: ...
+
+    @classmethod
+    def joined(cls, parts: Sequence[Any]) -> Any: ...
 
 
-def handle_problems(encoded: Encoded, on_error: OnError, where: str) -> None:
-    """`data.on_error` for the rows that are no conversation: warned about, or refused."""
+def handle_problems(
+    encoded: Rows, on_error: OnError, where: str, kind: RowKind = CONVERSATIONS
+) -> None:
+    """`data.on_error` for the rows that are no conversation (`kind.row`): warned about, or
+    refused."""
     bad = encoded.problems
     if bad and on_error == OnError.raise_:
         named = "; ".join(f"{w} {problem}" for w, problem in bad[:SHOWN])
         raise ZooError(
-            f"{len(bad)} of the {len(bad) + len(encoded):,} rows of {where} are no conversation "
+            f"{len(bad)} of the {len(bad) + len(encoded):,} rows of {where} are no {kind.row} "
             f"to train on (data.on_error=raise): {named}{'; ...' if len(bad) > SHOWN else ''}. "
             "Fix or remove them, or let data.on_error=skip leave them out."
         )
@@ -221,43 +285,43 @@ def handle_problems(encoded: Encoded, on_error: OnError, where: str) -> None:
         log.warning("Skipping %s: it %s.", w, problem)
     if bad:
         log.warning(
-            "Skipped %d of the %d rows of %s that are no conversation to train on.",
+            "Skipped %d of the %d rows of %s that are no %s to train on.",
             len(bad),
             len(bad) + len(encoded),
             where,
+            kind.row,
         )
 
 
-def trainable_rows(encoded: Encoded, rows: np.ndarray, longest: int, what: str) -> np.ndarray:
-    """`rows` less those with no target that carries loss within `longest` targets, said."""
-    kept = np.asarray([r for r in rows if _trains(encoded, int(r), longest)], np.int64)
+def trainable_rows(
+    encoded: Rows, rows: np.ndarray, longest: int, what: str, kind: RowKind = CONVERSATIONS
+) -> np.ndarray:
+    """`rows` less those with no target that carries loss within `longest` targets (`trains`),
+    said."""
+    kept = np.asarray([r for r in rows if encoded.trains(int(r), longest)], np.int64)
     cut = np.setdiff1d(rows, kept)
     if len(cut):
         log.warning(
-            "Skipped %d of the %d %s conversations: no token that carries loss is among their "
+            "Skipped %d of the %d %s %ss: no token that carries loss is among their "
             "first %d (the largest of data.buckets + 1); the first of them: %s.",
             len(cut),
             len(rows),
             what,
+            kind.row,
             longest + 1,
             encoded.wheres[cut[0]],
         )
     if not len(kept):
         raise ZooError(
-            f"No {what} conversation has a token that carries loss within its first "
-            f"{longest + 1} tokens: use larger data.buckets (within the model's context), or "
-            "check data.loss_on."
+            f"No {what} {kind.row} has a token that carries loss within its first "
+            f"{longest + 1} tokens: {kind.too_long}."
         )
     return kept
 
 
-def _trains(encoded: Encoded, row: int, longest: int) -> bool:
-    """Whether a target of conversation `row` within the first `longest` carries loss."""
-    start, end = encoded.starts[row], encoded.starts[row + 1]
-    return bool(encoded.trained[start + 1 : min(end, start + longest + 1)].any())
-
-
-def _settings(tokenizer: Path, encoder: Encoder, columns: Columns, roles: Sequence[str]) -> bytes:
+def cache_settings(
+    tokenizer: Path, encoder: Encoder, columns: ColumnNames, roles: Sequence[str]
+) -> bytes:
     """Everything besides the file that a cache entry's ids and masks depend on."""
     described = {
         "template": encoder.template.template,
@@ -273,12 +337,18 @@ def _settings(tokenizer: Path, encoder: Encoder, columns: Columns, roles: Sequen
     return digest.digest()
 
 
-def _encoder(
-    tokenizer: str | None, template: str | None, loss_on: LossOn, template_kwargs: Any
+def load_encoder(
+    tokenizer: str | None,
+    template: str | None,
+    loss_on: LossOn,
+    template_kwargs: Any,
+    kind: RowKind = CONVERSATIONS,
 ) -> tuple[Path, Encoder]:
+    """(the tokenizer's file, the encoder) of `data.tokenizer`, `data.template` and
+    `data.template_kwargs`, each checked."""
     if tokenizer is None and template is None:
         raise ZooError(
-            "data=chat renders conversations with a checkpoint's chat template and tokenizer: "
+            f"{kind.data_set} renders {kind.row}s with a checkpoint's chat template and tokenizer: "
             "start from one (finetune.init_from=DIR or hf://ORG/NAME sets data.tokenizer), or "
             "set data.tokenizer=DIR naming a directory with its tokenizer.json and chat template."
         )
@@ -294,13 +364,19 @@ def _encoder(
     return file, Encoder.load(directory, load_tokenizer(file), loss_on, kwargs)
 
 
-def _check_keys(buckets: Sequence[int], eval_fraction: float, roles: Sequence[str]) -> None:
+def check_keys(
+    buckets: Sequence[int],
+    eval_fraction: float,
+    roles: Sequence[str],
+    kind: RowKind = CONVERSATIONS,
+) -> None:
+    """`data.buckets`, `data.eval_fraction` and `data.roles`."""
     if not buckets or min(buckets) < 1:
         raise ZooError(f"data.buckets={list(buckets)} must be one or more positive lengths.")
     if not 0 < eval_fraction < 1:
         raise ZooError(
             f"data.eval_fraction={eval_fraction} must be between 0 and 1 (exclusive): the share "
-            "of the conversations held out when there is no val/ folder."
+            f"of the {kind.row}s held out when there is no val/ folder."
         )
     if "assistant" not in roles:
         raise ZooError(
@@ -344,14 +420,17 @@ def chat(
 ) -> Splits:
     """Conversations (or prompts and completions) rendered with a checkpoint's chat template,
     with a loss mask over the replies (see the module's doc)."""
-    _check_keys(buckets, eval_fraction, roles)
+    check_keys(buckets, eval_fraction, roles)
     check_reply_options(eval_replies, eval_reply_tokens)
-    file, encoder = _encoder(tokenizer, template, loss_on, template_kwargs)
+    file, encoder = load_encoder(tokenizer, template, loss_on, template_kwargs)
     columns = Columns(messages, prompt, completion)
-    reader = _Reader(path, encoder, _settings(file, encoder, columns, roles), columns, roles)
+    settings = cache_settings(file, encoder, columns, roles)
+    load = functools.partial(
+        encoded_file, encoder=encoder, settings=settings, columns=columns, roles=roles
+    )
     train_files, val_files = conversation_files(path)
-    train, train_rows, test, test_rows = _held_out(
-        reader, train_files, val_files, eval_fraction, on_error
+    train, train_rows, test, test_rows = held_out_split(
+        Reader(path, load), train_files, val_files, eval_fraction, on_error
     )
     longest = max(buckets)
     held = trainable_rows(test, test_rows, longest, "held-out")
@@ -374,38 +453,38 @@ def chat(
     )
 
 
+E = TypeVar("E", bound=Rows)
+
+
 @dataclasses.dataclass(frozen=True)
-class _Reader:
-    """How `chat` reads the files under `path`: each tokenised (or taken from the cache) with
-    `encoder`, `settings` its cache entry's hash of all but the file."""
+class Reader(Generic[E]):
+    """How a data set reads the files under `path`: `load` tokenises each (or takes it from the
+    cache) into `Rows`, which `joined` puts end to end."""
 
     path: str | None  # data.path; `read` is given files found under it
-    encoder: Encoder
-    settings: bytes
-    columns: Columns
-    roles: Sequence[str]
+    load: Callable[[Path], E]
+    kind: RowKind = CONVERSATIONS
 
-    def read(self, files: list[Path], on_error: OnError) -> tuple[Encoded, list[str]]:
-        """The conversations of `files`, end to end, their bad rows handled by `on_error`, and
-        each one's name (file and line: what `held_out` chooses by)."""
-        parts = [
-            encoded_file(f, self.encoder, self.settings, self.columns, self.roles) for f in files
-        ]
-        encoded = Encoded.joined(parts)
-        handle_problems(encoded, on_error, f"data.path={self.path}")
+    def read(self, files: list[Path], on_error: OnError) -> tuple[E, list[str]]:
+        """The rows of `files`, end to end, their bad rows handled by `on_error`, and each one's
+        name (file and line: what `held_out` chooses by)."""
+        parts = [self.load(f) for f in files]
+        encoded = type(parts[0]).joined(parts)
+        handle_problems(encoded, on_error, f"data.path={self.path}", self.kind)
         root = Path(self.path).expanduser()
         return encoded, [n for f, p in zip(files, parts) for n in split_names(p.wheres, f, root)]
 
 
-def _held_out(
-    reader: _Reader,
+def held_out_split(
+    reader: Reader[E],
     train_files: list[Path],
     val_files: list[Path] | None,
     eval_fraction: float,
     on_error: OnError,
-) -> tuple[Encoded, np.ndarray, Encoded, np.ndarray]:
-    """The training conversations and their rows, and the held-out ones and theirs: those of
-    `val_files`, or without them `eval_fraction` of the training files' rows (by name)."""
+) -> tuple[E, np.ndarray, E, np.ndarray]:
+    """The training rows (conversations) and their indices, and the held-out ones and theirs:
+    those of `val_files`, or without them `eval_fraction` of the training files' rows (by
+    name)."""
     train, names = reader.read(train_files, on_error)
     if val_files is None:
         out = held_out(names, eval_fraction)
@@ -414,9 +493,10 @@ def _held_out(
         test, _ = reader.read(val_files, on_error)
         train_rows, test_rows = np.arange(len(train)), np.arange(len(test))
     if not len(train_rows) or not len(test_rows):
+        row = reader.kind.row
         raise ZooError(
             f"data.path={reader.path} leaves {len(train_rows)} training and {len(test_rows)} "
-            "held-out conversations: data=chat needs at least one of each (two conversations or "
+            f"held-out {row}s: {reader.kind.data_set} needs at least one of each (two {row}s or "
             "more)."
         )
     return train, train_rows, test, test_rows

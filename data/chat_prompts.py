@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 from zoo.data.chat_tokens import Encoder
-from zoo.data.conversations import ASSISTANT, Columns, Conversation, read_rows
+from zoo.data.conversations import ASSISTANT, ColumnNames, Conversation, Parse, read_rows
 
 from zoo.plugin import ReplyPrompt, ZooError
 
@@ -31,21 +31,23 @@ def held_out_prompts(
     wheres: Sequence[str],
     files: Sequence[Path],
     encoder: Encoder,
-    columns: Columns,
+    columns: ColumnNames,
     roles: Sequence[str],
     count: int,
     reply_tokens: int,
     longest: int,
+    parse: Parse | None = None,
 ) -> Callable[[], list[ReplyPrompt]]:
     """The prompts of the first `count` of the held-out conversations named `wheres` (in order)
     whose prompt leaves room for a reply within `longest` tokens, made on first call; each reply
-    takes at most `reply_tokens` new tokens, and no more than that room."""
+    takes at most `reply_tokens` new tokens, and no more than that room. `parse`: the conversation
+    of a row (`read_rows`' own unless given), whose reply is the reference."""
     if count == 0:
         return _nothing
 
     @functools.cache
     def prompts() -> list[ReplyPrompt]:
-        conversations = _conversations(wheres, files, columns, roles)
+        conversations = _conversations(wheres, files, columns, roles, parse)
         made = []
         for where in wheres:
             prompt = _prompt(conversations[where], encoder, reply_tokens, longest)
@@ -59,14 +61,19 @@ def held_out_prompts(
 
 
 def _conversations(
-    wheres: Sequence[str], files: Sequence[Path], columns: Columns, roles: Sequence[str]
+    wheres: Sequence[str],
+    files: Sequence[Path],
+    columns: ColumnNames,
+    roles: Sequence[str],
+    parse: Parse | None,
 ) -> dict[str, Conversation]:
     """The conversations named `wheres`, read from the files that hold them."""
     wanted = set(wheres)
     found = {}
     for file in files:
         if any(w.startswith((f"{file}:", f"{file} row ")) for w in wanted):
-            found.update({row.where: row.conversation for row in read_rows(file, columns, roles)})
+            rows = read_rows(file, columns, roles, parse)
+            found.update({row.where: row.conversation for row in rows})
     return {w: found[w] for w in wheres}
 
 

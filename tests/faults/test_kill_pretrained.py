@@ -3,8 +3,9 @@ killed with SIGKILL mid-run and run again ends with the bits and the logged loss
 uninterrupted fine-tune: GPT-2 with every param trained, and Qwen 3 with LoRA adapters on its
 attention and MLP projections over its own kernels, and Qwen 3 with adapters over the nf4 codes of
 its kernels (QLoRA) on conversations packed several to a row (`data.packing`) (the adapters,
-their optimizer state, the codes and the data position are what the resume must restore). The
-packed run logs its packing efficiency to TensorBoard."""
+their optimizer state, the codes and the data position are what the resume must restore), and
+Qwen 2.5 with adapters trained on preference pairs (`finetune.method=dpo`, its reference the
+model with the adapters off). The packed run logs its packing efficiency to TensorBoard."""
 
 from __future__ import annotations
 
@@ -45,7 +46,14 @@ STARTS = {
         "data.buckets=[64]",  # rows of 64 targets, about 3 conversations each
     ),
 }
-PACKED = "qwen3-qlora-packed"
+PACKED, DPO = "qwen3-qlora-packed", "qwen2-dpo-lora"
+STARTS[DPO] = (
+    f"finetune.init_from={FIXTURES / 'qwen25-chat'}",
+    "finetune.lora_rank=4",
+    "finetune.method=dpo",
+    "data=preference",
+    "data.buckets=[128]",
+)
 
 
 @pytest.fixture(scope="module")
@@ -61,11 +69,23 @@ def conversations(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    """60 preference pairs: a prompt, and a reply preferred to the same reply reversed."""
+    path = tmp_path_factory.mktemp("pairs") / "pairs.jsonl"
+    rows = [
+        {"prompt": f"q{i}", "chosen": f"a{i} b{i}", "rejected": f"b{i} a{i}"} for i in range(60)
+    ]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
 @pytest.fixture(scope="module", params=sorted(STARTS))
-def case(request, tmp_path_factory, conversations):
+def case(request, tmp_path_factory, conversations, pairs):
     """(the run's arguments, the final arrays and logged losses of it run uninterrupted, its
     workdir)."""
-    data = (f"data.path={conversations}",) if request.param == PACKED else TEXT
+    files = {PACKED: conversations, DPO: pairs}
+    data = (f"data.path={files[request.param]}",) if request.param in files else TEXT
     args = (*STARTS[request.param], *data, *COMMON)
     workdir = tmp_path_factory.mktemp("uninterrupted")
     status, stderr, _ = run(*args, f"workdir={workdir}")

@@ -5,6 +5,15 @@ seed), which checkpoint a resume takes (`resume`), another run's weights as a fi
 
 from zoo.engine.checkpoints.reader import read_json
 from zoo.engine.checkpoints.resume import precheck
+from zoo.engine.checkpoints.start import starting_state
 from zoo.engine.checkpoints.warm_start import locate, read_first, restore_averaged, restore_model
 
-__all__ = ["locate", "precheck", "read_first", "read_json", "restore_averaged", "restore_model"]
+__all__ = [
+    "locate",
+    "precheck",
+    "read_first",
+    "read_json",
+    "restore_averaged",
+    "restore_model",
+    "starting_state",
+]

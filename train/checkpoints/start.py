@@ -188,7 +188,18 @@ def _unreadable(
     )
 
 
-def _warm_start(run: RunStart) -> Any:
+def starting_state(cfg: DictConfig, graphdef: nnx.GraphDef, state: Any, hparams: Mapping) -> Any:
+    """What a fresh start of the run begins with (steps 3 and 4, whatever the workdir holds):
+    `state`, its params filled from `finetune.init_from` where that is set, in new arrays
+    (`state` is left as it is). For what depends on the starting weights alone, such as a
+    preference fine-tune's reference log-probabilities, resumed runs included."""
+    if cfg.finetune.init_from is None:
+        return state
+    run = RunStart(cfg, {}, graphdef, state, None, {}, None, hparams)
+    return _warm_start(run, say=log.debug)
+
+
+def _warm_start(run: RunStart, say: Callable[..., None] = log.info) -> Any:
     """Step 3: a fresh fine-tune's state, its params and BatchNorm statistics from
     `finetune.init_from`."""
     finetune, name = run.cfg.finetune, run.cfg.model.name
@@ -196,7 +207,7 @@ def _warm_start(run: RunStart) -> Any:
     if weights.is_pretrained(finetune.init_from):
         pretrained = weights.open_pretrained(finetune.init_from, name)
         fresh = weights.fill(model, pretrained, hparams=run.hparams, skip=list(finetune.reinit))
-        log.info(
+        say(
             "Starting from the %s checkpoint in %s%s",
             pretrained.family.name,
             pretrained.directory,
@@ -214,7 +225,7 @@ def _warm_start(run: RunStart) -> Any:
         return warm_start(model, path, list(finetune.reinit), option="finetune.reinit")
 
     step, path, fresh = read_first(finetune.init_from, finetune.init_step, read)
-    log.info(
+    say(
         "Starting from %s (step %d)%s",
         path,
         step,

@@ -21,7 +21,7 @@ from zoo.engine.config import Config, resume_step
 from zoo.engine.errors import ZooError
 from zoo.engine.loop.dispatch import check_cadences
 from zoo.engine.pipeline.batches import ExampleSource
-from zoo.engine.posttraining import DPO, method_of, preference_options
+from zoo.engine.posttraining import ADAPTERS, DPO, method_of, preference_options
 from zoo.engine.sharding.mesh import AxisRules, check_mesh_sizes
 from zoo.engine.weights.lora import check_unstacked
 from zoo.engine.weights.quantize import QTYPES
@@ -198,13 +198,15 @@ def _check_method(finetune: Any) -> None:
     if method_of(finetune) != DPO:
         return
     options = preference_options(finetune)
-    if options.uses_reference and finetune.lora_rank <= 0:
+    if options.uses_reference and options.reference == ADAPTERS and finetune.lora_rank <= 0:
         raise ZooError(
             f"finetune.dpo.loss_type={options.loss_type} compares the policy with a reference "
             f"model, which finetune.dpo.reference={options.reference} takes from the starting "
             "model with its LoRA adapters off, but finetune.lora_rank=0 adds none: set "
-            "finetune.lora_rank to a positive rank (e.g. 16), or use a reference-free loss "
-            "(finetune.dpo.loss_type=simpo or orpo) for a full fine-tune."
+            "finetune.lora_rank to a positive rank (e.g. 16), or for a full fine-tune "
+            "finetune.dpo.reference=precomputed (the starting model's log-probabilities, "
+            "computed once before training) or a reference-free loss "
+            "(finetune.dpo.loss_type=simpo or orpo)."
         )
 
 

@@ -38,6 +38,7 @@ import jax
 from flax import nnx
 from omegaconf import DictConfig, OmegaConf
 from zoo.engine import posttraining, registry
+from zoo.engine.checkpoints import starting_state
 from zoo.engine.checkpoints.manager import Checkpointer
 from zoo.engine.checkpoints.start import RunStart, start_run
 from zoo.engine.errors import ZooError
@@ -162,6 +163,7 @@ class Trainer:
         """The run's data pipelines, and the model's constructor arguments its data decides."""
         cfg, trainer = self.cfg, self.cfg.trainer
         splits, self.hparams = _splits_and_hparams(cfg, entry, data)
+        self.splits = splits
         pipeline.check_host_memory(splits, trainer.batch_size, trainer.steps_per_dispatch)
         self.tokenizer = splits.tokenizer
         self.prompts = splits.prompts or tuple
@@ -192,6 +194,26 @@ class Trainer:
         self.averaged = jax.jit(
             lambda state: ema.averaged(self.graphdef, state, trainable, self.ema_decay)
         )
+
+    def _set_up_reference(self) -> None:
+        """`finetune.dpo.reference=precomputed`: the starting weights' log-probabilities of
+        every pair, joined to the data as a column the loss reads. A resumed run computes them
+        again from the same weights (a second copy of them while it does)."""
+        graphdef, computes = self.graphdef, self.cfg.trainer.precision
+        start = starting_state(self.cfg, graphdef, self.state, self.hparams)
+
+        @jax.jit
+        def logps(state, batch):
+            model, _ = nnx.merge(graphdef, state)
+            model.eval()
+            return posttraining.pair_logps(precision.computing(model, computes), batch)
+
+        batch_size, seed = self.cfg.trainer.batch_size, self.cfg.seed
+        with sharding.activate(self.mesh, self.rules):
+            joined = posttraining.with_reference_logps(
+                self.splits, batch_size, lambda batch: logps(start, self.shard(batch))
+            )
+        self.train_data, self.eval_data = pipeline.process_pipelines(joined, batch_size, seed)
 
     def shard(self, batch: dict[str, Any]) -> dict[str, jax.Array]:
         return sharding.shard_batch(batch, self.mesh, self.rules)
@@ -315,6 +337,8 @@ class Trainer:
             stack.enter_context(rundir.hold(self.workdir, jax.process_index()))
             self.callbacks.record_in(self.workdir, jax.process_index())
             run_log = run_log or stack.enter_context(rundir.RunLog())
+            if posttraining.precomputes_reference(self.cfg.finetune):
+                self._set_up_reference()
             iterator = self.dispatcher.iterate(self.train_data)  # a prefetch thread starts on use
             stack.callback(iterator.close)
             checkpointer = self._checkpointer(saved_config)

@@ -5,6 +5,7 @@ from zoo.engine.pipeline.batches import (
     MASK,
     ExampleSource,
     RandomAccess,
+    WithColumns,
     eval_batches,
     training_rows,
 )
@@ -13,6 +14,7 @@ __all__ = [
     "MASK",
     "ExampleSource",
     "RandomAccess",
+    "WithColumns",
     "eval_batches",
     "training_rows",
 ]

@@ -90,6 +90,25 @@ class _Records:
         return {name: np.stack([np.asarray(r[name]) for r in records]) for name in records[0]}
 
 
+class WithColumns(ExampleSource):
+    """A split with per-example columns joined to it: row r of each of `columns` belongs to
+    example r (values computed from the split itself before training, say)."""
+
+    def __init__(self, data: Mapping[str, np.ndarray] | RandomAccess, columns: Batch, what: str):
+        self._table = _table(data, what)
+        self._columns = {name: np.asarray(value) for name, value in columns.items()}
+        wrong = {n: len(c) for n, c in self._columns.items() if len(c) != len(self._table)}
+        if wrong:
+            raise ZooError(f"The {what} split has {len(self._table)} examples; columns {wrong}.")
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def examples(self, rows: np.ndarray, epochs: np.ndarray | None, seed: int) -> Batch:
+        joined = {name: value[rows] for name, value in self._columns.items()}
+        return {**self._table.take(rows, epochs, seed), **joined}
+
+
 def _table(data: Mapping[str, np.ndarray] | RandomAccess, what: str) -> _Columns | _Records:
     if isinstance(data, ExampleSource):
         return _Records(data, what)

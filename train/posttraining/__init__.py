@@ -10,17 +10,22 @@ from zoo.engine.posttraining.objectives import (
     SFT,
     check_method,
     method_of,
+    pair_logps,
+    precomputes_reference,
     preference_options,
     shown_examples,
     training_objective,
 )
 from zoo.engine.posttraining.policy_gradient import GRPOOptions, group_advantages, grpo_loss
 from zoo.engine.posttraining.preference import (
+    ADAPTERS,
+    PRECOMPUTED,
     PreferenceOptions,
     SequenceLogps,
     preference_loss,
     sequence_logps,
 )
+from zoo.engine.posttraining.reference import with_reference_logps
 from zoo.engine.posttraining.rewards import (
     BUILTIN_REWARDS,
     RewardError,
@@ -36,8 +41,10 @@ from zoo.engine.posttraining.rewards import (
 )
 
 __all__ = [
+    "ADAPTERS",
     "BUILTIN_REWARDS",
     "DPO",
+    "PRECOMPUTED",
     "SFT",
     "GRPOOptions",
     "PreferenceOptions",
@@ -52,6 +59,8 @@ __all__ = [
     "length_penalty",
     "method_of",
     "numeric_match",
+    "pair_logps",
+    "precomputes_reference",
     "preference_loss",
     "preference_options",
     "resolve_reward",
@@ -61,4 +70,5 @@ __all__ = [
     "sequence_logps",
     "shown_examples",
     "training_objective",
+    "with_reference_logps",
 ]

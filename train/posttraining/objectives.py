@@ -24,6 +24,7 @@ from zoo.engine.errors import ZooError
 from zoo.engine.posttraining.checks import options_from
 from zoo.engine.posttraining.preference import (
     ORPO,
+    PRECOMPUTED,
     PreferenceOptions,
     preference_loss,
     sequence_logps,
@@ -34,6 +35,9 @@ SFT, DPO = "sft", "dpo"
 PAIR = 2
 """The sequences of a preference example: the chosen one (index 0), then the rejected one."""
 PAIR_COLUMNS = ("tokens", "length", LOSS_MASK)
+REFERENCE_LOGPS = "reference_logps"
+"""The column of each pair's replies' reference log-probabilities [B, 2], with
+`reference=precomputed` (`zoo.engine.posttraining.reference`)."""
 REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
 LOGPS = ("logps/chosen", "logps/rejected")
 ORPO_METRICS = ("nll_loss", "log_odds_ratio", "log_odds_chosen")
@@ -57,6 +61,14 @@ def training_objective(finetune: Any, model_loss: Callable) -> Callable:
     if method_of(finetune) == SFT:
         return model_loss
     return preference_objective(preference_options(finetune))
+
+
+def precomputes_reference(finetune: Any) -> bool:
+    """Whether the run computes its reference log-probabilities once, before training."""
+    if method_of(finetune) != DPO:
+        return False
+    options = preference_options(finetune)
+    return options.uses_reference and options.reference == PRECOMPUTED
 
 
 def check_method(finetune: Any, batch: Mapping[str, Any]) -> None:
@@ -94,14 +106,13 @@ def preference_objective(options: PreferenceOptions) -> Callable:
 
     @loss_contract(columns=PAIR_COLUMNS, metrics=metrics)
     def loss(model: Any, batch: Mapping[str, jax.Array], rngs: nnx.Rngs):
-        rows = _as_rows(batch["tokens"].astype(jnp.int32))
-        targets = rows.shape[1] - 1
-        real = jnp.arange(targets) < batch["length"][..., None]  # [B, 2, T]
-        replies = real & (batch[LOSS_MASK] > 0)
+        rows, real, replies = _rows_and_masks(batch)
         policy = _as_pairs(token_logps(model, rows, rngs))
         chosen, rejected = (sequence_logps(policy[:, i], replies[:, i]) for i in range(PAIR))
         reference = None
-        if options.uses_reference:
+        if options.uses_reference and options.reference == PRECOMPUTED:
+            reference = (batch[REFERENCE_LOGPS][:, 0], batch[REFERENCE_LOGPS][:, 1])
+        elif options.uses_reference:
             base = _as_pairs(jax.lax.stop_gradient(token_logps(adapters_off(model), rows, rngs)))
             reference = tuple(sequence_logps(base[:, i], replies[:, i]).total for i in (0, 1))
         whole = None
@@ -114,6 +125,22 @@ def preference_objective(options: PreferenceOptions) -> Callable:
         )
 
     return loss
+
+
+def pair_logps(model: Any, batch: Mapping[str, jax.Array]) -> jax.Array:
+    """Each pair's replies' log-probabilities [B, 2] (chosen, rejected) as `model` scores
+    them in eval mode: what `reference=precomputed` computes once with the starting model."""
+    rows, _, replies = _rows_and_masks(batch)
+    logps = _as_pairs(token_logps(model, rows, nnx.Rngs(0)))
+    return jnp.stack([sequence_logps(logps[:, i], replies[:, i]).total for i in range(PAIR)], 1)
+
+
+def _rows_and_masks(batch: Mapping[str, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The pairs' sequences as rows [2B, T + 1]; which of each pair's targets are real, and
+    which of those are a reply's (the loss mask) [B, 2, T]."""
+    rows = _as_rows(batch["tokens"].astype(jnp.int32))
+    real = jnp.arange(rows.shape[1] - 1) < batch["length"][..., None]
+    return rows, real, real & (batch[LOSS_MASK] > 0)
 
 
 def token_logps(model: Any, rows: jax.Array, rngs: nnx.Rngs) -> jax.Array:

@@ -38,8 +38,8 @@ SMOOTHED = (SIGMOID, ROBUST, SIMPO)
 """The methods that read `label_smoothing`."""
 SIMPO_GAMMA = 0.5
 """SimPO's target margin where `gamma` is unset (TRL's default `simpo_gamma`)."""
-ADAPTERS = "adapters"
-REFERENCES = (ADAPTERS,)
+ADAPTERS, PRECOMPUTED = "adapters", "precomputed"
+REFERENCES = (ADAPTERS, PRECOMPUTED)
 """Where a reference model's log-probabilities can come from."""
 
 Metrics = dict[str, jax.Array]
@@ -64,8 +64,10 @@ class PreferenceOptions:
     # reward (TRL's `simpo_gamma`); unset: 0.5. Refused by the other methods, which have none.
     gamma: float | None = None
     # Where the reference model's log-probabilities come from (sigmoid, ipo, hinge, robust):
-    # `adapters`, the starting model with the LoRA adapters off (finetune.lora_rank > 0), which
-    # costs no second copy of the weights.
+    # `adapters`, the starting model with the LoRA adapters off (finetune.lora_rank > 0), at
+    # each step: no second copy of the weights, a second forward pass; `precomputed`, the
+    # starting model's, computed once over the data before training (again when a run
+    # resumes), kept in host memory (8 bytes a pair): no second pass, for any fine-tune.
     reference: str = ADAPTERS
 
     def __post_init__(self) -> None:

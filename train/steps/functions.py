@@ -234,8 +234,11 @@ def make_eval_step(graphdef: nnx.GraphDef, loss_fn: Callable) -> Callable:
         loss, metrics = loss_fn(model, inputs, zoo_rngs.call_rngs(key, 0))
         metrics = dict(metrics)
         weight = batch[MASK] * metrics.pop(WEIGHT, 1.0)
+        # A padding row counts for nothing, even where its loss is NaN (a preference loss of a
+        # pair with no reply's tokens).
         batch_sums = {
-            name: jnp.sum(value * weight) for name, value in {"loss": loss, **metrics}.items()
+            name: jnp.sum(jnp.where(weight > 0, value * weight, 0.0))
+            for name, value in {"loss": loss, **metrics}.items()
         }
         return _add(sums, {**batch_sums, COUNT: jnp.sum(weight)})
 
