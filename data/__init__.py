@@ -6,6 +6,7 @@ from zoo.data import (  # noqa: F401  (registers the built-in data sets)
     image_folders,
     image_tables,
     preference,
+    prompts,
     text,
     xor,
 )

@@ -262,10 +262,14 @@ class Rows(Protocol):
 
     def __len__(self) -> int: ...
 
-    def trains(self, row: int, longest: int) -> bool: ...
-
     @classmethod
     def joined(cls, parts: Sequence[Any]) -> Any: ...
+
+
+class TrainableRows(Rows, Protocol):
+    """Rows whose targets carry loss where they are marked (`Encoded`, a data set's pairs)."""
+
+    def trains(self, row: int, longest: int) -> bool: ...
 
 
 def handle_problems(
@@ -294,7 +298,7 @@ def handle_problems(
 
 
 def trainable_rows(
-    encoded: Rows, rows: np.ndarray, longest: int, what: str, kind: RowKind = CONVERSATIONS
+    encoded: TrainableRows, rows: np.ndarray, longest: int, what: str, kind: RowKind = CONVERSATIONS
 ) -> np.ndarray:
     """`rows` less those with no target that carries loss within `longest` targets (`trains`),
     said."""

@@ -87,14 +87,21 @@ def _prompt(
         cut = conversation.prompt
     else:
         cut = max(i for i, m in enumerate(messages) if m["role"] == ASSISTANT)
-    text = encoder.render(messages[:cut], add_generation_prompt=True)
-    ids = np.asarray(encoder.tokenizer.encode(text, add_special_tokens=False).ids, np.int32)
+    text, ids = prompt_ids(encoder, messages[:cut])
     room = min(reply_tokens, longest - len(ids))
     if room < 1:
         return None
     reference = "".join(_text(m.get("content")) for m in messages[cut:])
-    stops = (encoder.tokenizer.token_to_id(t) for t in encoder.end_of_turn)
-    return ReplyPrompt(ids, text, reference, tuple(i for i in stops if i is not None), room)
+    return ReplyPrompt(ids, text, reference, encoder.stop_ids, room)
+
+
+def prompt_ids(encoder: Encoder, messages: Sequence[dict[str, Any]]) -> tuple[str, np.ndarray]:
+    """What a model reads before its reply to `messages`: the template's text with the opening
+    of the assistant's turn, and its ids (int32; no special tokens added: the template writes
+    them). A template's refusal is its `ZooError`."""
+    text = encoder.render(list(messages), add_generation_prompt=True)
+    ids = np.asarray(encoder.tokenizer.encode(text, add_special_tokens=False).ids, np.int32)
+    return text, ids
 
 
 def _text(content: Any) -> str:

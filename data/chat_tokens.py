@@ -77,6 +77,12 @@ class Encoder:
             dict(template_kwargs or {}),
         )
 
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """The ids of the tokens that end a reply, at which a model's writing stops."""
+        ids = (self.tokenizer.token_to_id(text) for text in self.end_of_turn)
+        return tuple(i for i in ids if i is not None)
+
     def encode(self, conversation: Conversation) -> tuple[np.ndarray, np.ndarray]:
         """(token ids, int32; 1 for each token that carries loss, uint8)."""
         messages = list(conversation.messages)

@@ -135,11 +135,19 @@ Parse = Callable[[Any, Any, Sequence[str]], Any]
 
 
 def read_rows(
-    file: Path, columns: ColumnNames, roles: Sequence[str], parse: Parse | None = None
+    file: Path,
+    columns: ColumnNames,
+    roles: Sequence[str],
+    parse: Parse | None = None,
+    every_column: bool = False,
 ) -> list[Row]:
     """Every row of `file`, checked (by `parse`, `conversation` unless given); a `ZooError` for
-    a file that holds none of the columns."""
-    records = list(_parquet_records(file, columns) if file.suffix == PARQUET else _lines(file))
+    a file that holds none of the columns. A Parquet file's other columns are read only with
+    `every_column` (a JSON Lines row holds all of its own)."""
+    if file.suffix == PARQUET:
+        records = list(_parquet_records(file, columns, every_column))
+    else:
+        records = list(_lines(file))
     wanted = set(columns.names)
     if records and not any(isinstance(r, Mapping) and wanted & r.keys() for _, r in records):
         found = sorted({k for _, r in records if isinstance(r, Mapping) for k in r})
@@ -167,13 +175,15 @@ def _lines(file: Path) -> Iterator[tuple[str, Any]]:
                 yield f"{file}:{number}", _NotJson(str(e))
 
 
-def _parquet_records(file: Path, columns: ColumnNames) -> Iterator[tuple[str, Any]]:
+def _parquet_records(
+    file: Path, columns: ColumnNames, every_column: bool
+) -> Iterator[tuple[str, Any]]:
     import pyarrow.parquet as pq
 
     try:
         names = pq.read_schema(file).names
         wanted = [c for c in columns.names if c in names]
-        records = pq.read_table(file, columns=wanted).to_pylist()
+        records = pq.read_table(file, columns=names if every_column else wanted).to_pylist()
     except OSError as e:
         raise ZooError(f"{file} is not a Parquet file that can be read: {e}.") from None
     if not wanted:

@@ -58,6 +58,7 @@ from zoo.models.language_model import (
 )
 from zoo.models.layers import layer_stack
 from zoo.models.rope import Rope, Rotation, rotation
+from zoo.models.sampling_loop import sample_completions
 
 from zoo.plugin import TransposedLinear, partitioned, register_model
 
@@ -67,6 +68,7 @@ from zoo.plugin import TransposedLinear, partitioned, register_model
     loss=language_model_loss,
     default_data="text",
     on_eval=sample_on_eval,
+    sample=sample_completions,
     trainer=LANGUAGE_MODEL_TRAINER,  # gpt's schedule and optimizer
     optimizer=LANGUAGE_MODEL_OPTIMIZER,
     tiny=(

@@ -46,6 +46,7 @@ from zoo.models.language_model import (
     padded_vocab,
 )
 from zoo.models.layers import dense, layer_norm, layer_stack, learned
+from zoo.models.sampling_loop import sample_completions
 from zoo.models.transformer import Block, BlockOptions, tokens_spec
 
 from zoo.plugin import ZooError, logical_spec, register_model
@@ -63,6 +64,7 @@ _remat_block = nnx.remat(_apply_block)
     loss=language_model_loss,
     default_data="text",
     on_eval=sample_on_eval,
+    sample=sample_completions,
     trainer=LANGUAGE_MODEL_TRAINER,
     optimizer=LANGUAGE_MODEL_OPTIMIZER,
     tiny=(

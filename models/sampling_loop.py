@@ -26,7 +26,7 @@ import collections
 import dataclasses
 import functools
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -255,6 +255,25 @@ def session_for(model: Any, prompts: Sequence[np.ndarray], max_new_tokens: int) 
     bucket = prompt_bucket(max(longest, 1), model.context_length)
     slots = max(64, 1 << (bucket + max_new_tokens - 1).bit_length())
     return Session(model, len(prompts), slots)
+
+
+def sample_completions(
+    model: Any,
+    prompts: Sequence[np.ndarray],
+    max_new_tokens: int,
+    sampling: Mapping[str, float],
+    key: jax.Array,
+    eos: Sequence[int],
+) -> list[tuple[list[int], bool]]:
+    """The language models' `sample` (`zoo.engine.registry.Sample`): each prompt's new ids,
+    drawn in one session, the id of `eos` that ended it last, and whether one did."""
+    session = session_for(model, prompts, max_new_tokens)
+    ends = frozenset(eos)
+    written: list[list[int]] = [[] for _ in prompts]
+    for step in session.stream(prompts, max_new_tokens, Sampling(**sampling), key, ends):
+        for token in step:
+            written[token.row].append(token.token)
+    return [(new, bool(new) and new[-1] in ends) for new in written]
 
 
 def _left_padded(prompts, batch_size: int, bucket: int) -> tuple[np.ndarray, np.ndarray]:

@@ -15,7 +15,7 @@ from typing import Any
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from zoo.engine.errors import ZooError
-from zoo.engine.posttraining import PreferenceOptions
+from zoo.engine.posttraining import GRPOOptions, PreferenceOptions
 from zoo.engine.sharding.mesh import DEFAULT_RULES
 
 
@@ -38,6 +38,7 @@ class NanPolicy(str, enum.Enum):
 class Method(str, enum.Enum):
     sft = "sft"
     dpo = "dpo"
+    grpo = "grpo"
 
 
 class Precision(str, enum.Enum):
@@ -212,10 +213,13 @@ class FinetuneConfig:
     # null: the base kernels stay as they are.
     quantize: str | None = None
     # What the fine-tune learns from: `sft`, the data's own targets (imitation, the model's
-    # loss); `dpo`, preference pairs (data=preference), by the loss of `finetune.dpo`.
+    # loss); `dpo`, preference pairs (data=preference), by the loss of `finetune.dpo`; `grpo`,
+    # rewards of completions it samples of prompts (data=prompts), as `finetune.grpo` says.
     method: Method = Method.sft
     # The preference loss of finetune.method=dpo and its settings.
     dpo: PreferenceOptions = dataclasses.field(default_factory=PreferenceOptions)
+    # The sampling, rewards and loss of finetune.method=grpo.
+    grpo: GRPOOptions = dataclasses.field(default_factory=GRPOOptions)
 
 
 @dataclasses.dataclass

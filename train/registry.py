@@ -70,6 +70,13 @@ OnEval = Callable[[nnx.Module, Any], None]
 `zoo.engine.report.reporter.EvalReport` (the step, a key of its own, the first eval batch, every eval batch
 on demand, and ways to write text and images to TensorBoard and a line to the console)."""
 
+Sample = Callable[..., list[tuple[list[int], bool]]]
+"""`sample(model, prompts, max_new_tokens, sampling, key, eos) -> [(new ids, ended), ...]`: a
+language model's completion of each prompt (an array of token ids), drawn with `key` as
+`sampling` says (`temperature`, `top_k`, `top_p`), ended by an id of `eos` (the last of the
+new ids; `ended` True) or at `max_new_tokens` (`ended` False). What reward fine-tuning samples with
+(`finetune.method=grpo`); the model as the trainer holds it (LoRA adapters in place)."""
+
 DATA_FACTS = ("input_shape", "num_classes")
 """What a data set may tell models in its `info`."""
 
@@ -117,6 +124,12 @@ class Splits:
     prompts: Callable[[], Sequence[Any]] | None = None
     """Held-out prompts a chat model's eval hook replies to (`zoo.engine.report.reporter.ReplyPrompt`s),
     made when first asked for; None: data with no replies (text, images)."""
+    records: Mapping[str, Sequence[Mapping[str, Any]]] | None = None
+    """Per split ("train", "eval"), each example's other columns (host-side, any JSON values),
+    which reward functions read: a batch's `row` column indexes them; None: no such columns."""
+    end_of_turn: Sequence[int] = ()
+    """The token ids that end a reply (a chat template's end-of-turn tokens), at which sampled
+    completions stop; (): none (they run to their length)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +146,7 @@ class ModelEntry:
     data: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     on_eval: OnEval | None = None
     tiny: tuple[str, ...] = ()
+    sample: Sample | None = None
 
     @property
     def columns(self) -> tuple[str, ...] | None:
@@ -407,6 +421,7 @@ def register_model(
     data: Mapping[str, Any] | None = None,
     on_eval: OnEval | None = None,
     tiny: Sequence[str] = (),
+    sample: Sample | None = None,
 ) -> Any:
     """Register an NNX module constructor under `name`; usable as a class decorator.
 
@@ -415,7 +430,8 @@ def register_model(
     line still overrides them. `on_eval(model, report)` runs after every eval (see `OnEval`).
     `tiny`: command-line overrides that make the model and its data small enough to build and
     train in a second (`("model.depth=1", "model.dim=16")`); zoo's conformance suite runs
-    every registered model, a plugin's too, with them.
+    every registered model, a plugin's too, with them. `sample`: how a language model
+    completes prompts for reward fine-tuning (see `Sample`).
     """
 
     def register(ctor: Callable[..., nnx.Module]) -> Callable[..., nnx.Module]:
@@ -433,6 +449,7 @@ def register_model(
             dict(data or {}),
             on_eval,
             tuple(tiny),
+            sample,
         )
         return ctor
 

@@ -23,7 +23,7 @@ from zoo.engine import registry, weights
 from zoo.engine.checkpoints import locate
 from zoo.engine.errors import ZooError
 from zoo.engine.loop import RunLog, RunResult, Trainer
-from zoo.engine.posttraining import DPO
+from zoo.engine.posttraining import DPO, GRPO, python_name
 from zoo.engine.weights import Filter
 from zoo.hub import local
 from zoo.inputs import check_data
@@ -35,8 +35,9 @@ from zoo.training import console_logging
 
 CHAT = "chat"
 """The data set that reads conversations given to `finetune` (files or a list)."""
-PREFERENCE = "preference"
-"""The data set that reads preference pairs given to `finetune(..., method="dpo")`."""
+PREFERENCE, PROMPTS = "preference", "prompts"
+"""The data sets that read the preference pairs and the prompts given to `finetune(...,
+method="dpo")` and `finetune(..., method="grpo")`."""
 USER_DATA = "user"
 """`data.name` in the config of a run on the caller's own data (`finetune(..., data=Splits)`)."""
 
@@ -90,7 +91,8 @@ def finetune(
     lora_rank: int = 0,
     lora_layers: str = ".*",
     quantize: str | None = None,
-    method: str = "sft",
+    method: str | None = None,
+    rewards: Sequence[Callable[..., Sequence[Any]]] = (),
     callbacks: Sequence[Any] = (),
 ) -> RunResult:
     """Fine-tune a trained model (or train a fresh one) with the trainer, as one more run.
@@ -123,16 +125,23 @@ def finetune(
       only them and the fresh params; `zoo.merge_lora` folds them in afterwards.
     - `quantize` (`"int8"`, `"int4"` or `"nf4"`, with `lora_rank`): QLoRA, the adapted layers'
       base kernels held quantized and frozen (`finetune.quantize`).
-    - `method`: what the fine-tune learns from: `"sft"`, the data's own targets; `"dpo"`,
-      preference pairs (`data`: files or a list of pairs, read as `data=preference` reads
-      them), by the loss `"finetune.dpo.loss_type=..."` among the overrides names (see
-      "Preference and reward fine-tuning" in the docs).
+    - `method`: what the fine-tune learns from (`finetune.method`): `"sft"` (the default),
+      the data's own targets; `"dpo"`, preference pairs (`data`: files or a list of pairs,
+      read as `data=preference` reads them), by the loss `"finetune.dpo.loss_type=..."`
+      among the overrides names; `"grpo"`, the rewards of completions the model samples of
+      prompts (`data`: files or a list of rows, read as `data=prompts` reads them).
+    - `rewards`: `grpo`'s reward functions given as Python callables,
+      `fn(prompts, completions, **columns) -> list[float | None]`, besides those
+      `"finetune.grpo.rewards=[...]"` names (see "Preference and reward fine-tuning").
     - `callbacks`: objects with hooks the run calls (see `zoo.fit`).
 
     Running the same call again with the same workdir resumes it (a finished run returns at
     once), as the CLI does. It prints and writes what the CLI does (`train.log`, `.hydra/`)."""
     with console_logging(), RunLog() as run_log:
-        data, overrides = _conversations(*_named_data(data, overrides), method)
+        named = [o.partition("=")[2] for o in overrides if o.startswith("finetune.method=")]
+        data, overrides = _conversations(
+            *_named_data(data, overrides), method or next(reversed(named), None)
+        )
         origin = _origin(start, step)
         overrides, base = (*origin.init_from, *overrides), origin.config
         if base is not None and data is None and base.data.name not in registry.list_datasets():
@@ -157,7 +166,16 @@ def finetune(
             check_data(cfg, data)
             cfg = _on_user_data(cfg, data)
         frozen = None if freeze is None or isinstance(freeze, str) else freeze
-        trainer = Trainer(cfg, data=data if user_data else None, freeze=frozen, callbacks=callbacks)
+        if rewards:
+            given = [python_name(function) for function in rewards]
+            cfg.finetune.grpo.rewards = [*cfg.finetune.grpo.rewards, *given]
+        trainer = Trainer(
+            cfg,
+            data=data if user_data else None,
+            freeze=frozen,
+            callbacks=callbacks,
+            rewards=rewards,
+        )
         return trainer.fit(overrides=list(overrides), run_log=run_log)
 
 
@@ -200,7 +218,7 @@ def _settings(
     lora_rank: int,
     lora_layers: str,
     quantize: str | None,
-    method: str,
+    method: str | None,
 ) -> dict[str, Any]:
     """The config's `finetune` section as `finetune`'s keyword arguments set it (a `freeze`
     filter is code, set after composition)."""
@@ -209,8 +227,9 @@ def _settings(
         "freeze": freeze if isinstance(freeze, str) else None,
         "lora_rank": lora_rank,
         "lora_layers": lora_layers,
-        "method": method,
     }
+    if method is not None:
+        settings["method"] = method
     if origin.workdir is not None:
         settings.update(init_from=origin.workdir, init_step=str(origin.step))
     if quantize is not None:
@@ -233,7 +252,7 @@ def _conversations(
         path = data
     else:
         return data, overrides
-    reader = PREFERENCE if method == DPO else CHAT
+    reader = {DPO: PREFERENCE, GRPO: PROMPTS}.get(method, CHAT)
     return reader, (f"data.path={json.dumps(os.path.abspath(path))}", *overrides)
 
 

@@ -5,7 +5,8 @@ attention and MLP projections over its own kernels, and Qwen 3 with adapters ove
 its kernels (QLoRA) on conversations packed several to a row (`data.packing`) (the adapters,
 their optimizer state, the codes and the data position are what the resume must restore), and
 Qwen 2.5 with adapters trained on preference pairs (`finetune.method=dpo`, its reference the
-model with the adapters off). The packed run logs its packing efficiency to TensorBoard."""
+model with the adapters off), and Qwen 2.5 with adapters over nf4 codes trained on the rewards
+of completions it samples (`finetune.method=grpo`). The packed run logs its packing efficiency to TensorBoard."""
 
 from __future__ import annotations
 
@@ -18,10 +19,10 @@ from fault_tools import assert_same_arrays, final_arrays, logged_step, run, star
 from helpers import ROOT, read_events, scalar_steps
 
 FIXTURES = ROOT / "tests" / "fixtures" / "pretrained"
-STEPS, KILL_AFTER = 80, 20
+STEPS, KILL_AFTER = 40, 20
 TEXT = (f"data.path={FIXTURES / 'tiny.txt'}", "data.window=16")
 COMMON = (
-    "trainer.batch_size=8",  # 35 batches an epoch of text: the run crosses epoch boundaries
+    "trainer.batch_size=8",  # 35 batches an epoch of text: the resumed run crosses into the next
     f"trainer.steps={STEPS}",
     "trainer.log_every=5",
     "trainer.checkpoint_every=10",
@@ -46,13 +47,24 @@ STARTS = {
         "data.buckets=[64]",  # rows of 64 targets, about 3 conversations each
     ),
 }
-PACKED, DPO = "qwen3-qlora-packed", "qwen2-dpo-lora"
+PACKED, DPO, GRPO = "qwen3-qlora-packed", "qwen2-dpo-lora", "qwen2-grpo-qlora"
 STARTS[DPO] = (
     f"finetune.init_from={FIXTURES / 'qwen25-chat'}",
     "finetune.lora_rank=4",
     "finetune.method=dpo",
     "data=preference",
     "data.buckets=[128]",
+)
+STARTS[GRPO] = (
+    f"finetune.init_from={FIXTURES / 'qwen25-chat'}",
+    "finetune.lora_rank=4",
+    "finetune.quantize=nf4",
+    "finetune.method=grpo",
+    "finetune.grpo.rewards=[tests.fixtures.posttraining.toy_rewards:vowels]",
+    "finetune.grpo.num_generations=4",
+    "finetune.grpo.max_completion_length=4",
+    "data=prompts",
+    "data.eval_replies=0",
 )
 
 
@@ -80,11 +92,20 @@ def pairs(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    """60 prompts, whose completions are rewarded for their vowels (each step samples them
+    with the policy the step before left, from a key of its step)."""
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"Say {i}."}) + "\n" for i in range(60)))
+    return path
+
+
 @pytest.fixture(scope="module", params=sorted(STARTS))
-def case(request, tmp_path_factory, conversations, pairs):
+def case(request, tmp_path_factory, conversations, pairs, prompts):
     """(the run's arguments, the final arrays and logged losses of it run uninterrupted, its
     workdir)."""
-    files = {PACKED: conversations, DPO: pairs}
+    files = {PACKED: conversations, DPO: pairs, GRPO: prompts}
     data = (f"data.path={files[request.param]}",) if request.param in files else TEXT
     args = (*STARTS[request.param], *data, *COMMON)
     workdir = tmp_path_factory.mktemp("uninterrupted")

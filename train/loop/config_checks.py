@@ -21,7 +21,14 @@ from zoo.engine.config import Config, resume_step
 from zoo.engine.errors import ZooError
 from zoo.engine.loop.dispatch import check_cadences
 from zoo.engine.pipeline.batches import ExampleSource
-from zoo.engine.posttraining import ADAPTERS, DPO, method_of, preference_options
+from zoo.engine.posttraining import (
+    ADAPTERS,
+    DPO,
+    GRPO,
+    grpo_options,
+    method_of,
+    preference_options,
+)
 from zoo.engine.sharding.mesh import AxisRules, check_mesh_sizes
 from zoo.engine.weights.lora import check_unstacked
 from zoo.engine.weights.quantize import QTYPES
@@ -47,6 +54,7 @@ def validate(cfg: DictConfig) -> None:
     AxisRules.from_mapping(cfg.mesh.rules)
     check_optimizer(cfg.optimizer, cfg.trainer.steps)
     check_finetune(cfg.finetune)
+    check_grpo_trainer(cfg.trainer, cfg.finetune)
     check_unstacked(cfg.finetune, cfg.model)
     check_distributed(cfg.distributed)
 
@@ -194,7 +202,10 @@ def _check_quantize(finetune: Any) -> None:
 
 
 def _check_method(finetune: Any) -> None:
-    """`finetune.dpo`'s options, and a reference model the run can compute."""
+    """`finetune.dpo`'s or `finetune.grpo`'s options, and a reference model the run can
+    compute."""
+    if method_of(finetune) == GRPO:
+        _check_grpo(finetune)
     if method_of(finetune) != DPO:
         return
     options = preference_options(finetune)
@@ -207,6 +218,37 @@ def _check_method(finetune: Any) -> None:
             "finetune.dpo.reference=precomputed (the starting model's log-probabilities, "
             "computed once before training) or a reference-free loss "
             "(finetune.dpo.loss_type=simpo or orpo)."
+        )
+
+
+def _check_grpo(finetune: Any) -> None:
+    """`finetune.grpo`'s options, and a reference for its KL penalty."""
+    options = grpo_options(finetune)
+    if options.beta and finetune.lora_rank <= 0:
+        raise ZooError(
+            f"finetune.grpo.beta={options.beta} penalises the KL to the reference model, which "
+            "is the starting model with its LoRA adapters off, but finetune.lora_rank=0 adds "
+            "none: set finetune.lora_rank to a positive rank, or finetune.grpo.beta=0."
+        )
+
+
+def check_grpo_trainer(trainer: Any, finetune: Any) -> None:
+    """The cadences a GRPO run can keep: one step per dispatch (each step's batch is sampled
+    by the policy the step before left), checkpoints between batches of completions."""
+    if method_of(finetune) != GRPO:
+        return
+    if trainer.steps_per_dispatch != 1:
+        raise ZooError(
+            f"trainer.steps_per_dispatch={trainer.steps_per_dispatch}: finetune.method=grpo "
+            "samples each step's completions with the policy the step before left, so it "
+            "dispatches one step at a time: use trainer.steps_per_dispatch=1."
+        )
+    iterations = grpo_options(finetune).num_iterations
+    if trainer.checkpoint_every % iterations:
+        raise ZooError(
+            f"trainer.checkpoint_every={trainer.checkpoint_every} must be a multiple of "
+            f"finetune.grpo.num_iterations={iterations}: a checkpoint falls between batches of "
+            "completions, so that a resumed run samples the next one."
         )
 
 

@@ -49,6 +49,7 @@ from zoo.engine.loop.callbacks import Callbacks
 from zoo.engine.loop.config_checks import check_data, check_packing
 from zoo.engine.loop.dispatch import Dispatcher
 from zoo.engine.loop.early_stop import EarlyStop
+from zoo.engine.loop.rollout_batches import RolloutBatches
 from zoo.engine.loop.signals import StopRequests
 from zoo.engine.pipeline import batches as pipeline
 from zoo.engine.report import memory
@@ -118,6 +119,7 @@ class Trainer:
         data: registry.Splits | None = None,
         freeze: Filter | None = None,
         callbacks: Sequence[Any] = (),
+        rewards: Sequence[Callable[..., Sequence[Any]]] = (),
     ):
         self.cfg, trainer = cfg, cfg.trainer
         self.callbacks = Callbacks(callbacks)
@@ -150,6 +152,7 @@ class Trainer:
         # Split once; from here on `self.state` is the single owner of the arrays.
         self.graphdef, self.state = nnx.split((built.model, built.optimizer))
         self._set_up_steps(entry, trainable)
+        self.rollout_batches = self._set_up_rollouts(entry, splits, rewards)
         self.class_names = splits.class_names or (
             registry.get_data(cfg.data.name).class_names
             if cfg.data.name in registry.list_datasets()
@@ -195,6 +198,31 @@ class Trainer:
             lambda state: ema.averaged(self.graphdef, state, trainable, self.ema_decay)
         )
 
+    def _set_up_rollouts(
+        self, entry: registry.ModelEntry, splits: registry.Splits, given: Sequence[Callable]
+    ) -> RolloutBatches | None:
+        """`finetune.method=grpo`: how each step's batch is sampled (None for the others)."""
+        if posttraining.method_of(self.cfg.finetune) != posttraining.GRPO:
+            return None
+        options = posttraining.grpo_options(self.cfg.finetune)
+        functions = posttraining.reward_functions(options, given)
+        if entry.sample is None:
+            raise ZooError(
+                f"finetune.method=grpo samples completions, which model '{entry.name}' cannot "
+                "write: use a language model (gpt, decoder)."
+            )
+        rollouts = posttraining.Rollouts(
+            options,
+            functions,
+            posttraining.reward_names(functions),
+            entry.sample,
+            splits.tokenizer,
+            splits.records or {},
+            tuple(splits.end_of_turn),
+        )
+        computes = self.cfg.trainer.precision
+        return RolloutBatches(rollouts, self.graphdef, computes, self.shard, self.cfg.seed)
+
     def _set_up_reference(self) -> None:
         """`finetune.dpo.reference=precomputed`: the starting weights' log-probabilities of
         every pair, joined to the data as a column the loss reads. A resumed run computes them
@@ -223,13 +251,20 @@ class Trainer:
         params (`optimizer.ema_decay`) in place of the trained ones."""
         with sharding.activate(self.mesh, self.rules):
             state = self.averaged(self.state) if ema else self.state
+            batches = self.eval_data
+            if self.rollout_batches is not None:  # completions sampled by the policy evaluated
+                step = self.progress.step if hasattr(self, "progress") else 0
+                batches = list(self.rollout_batches.evaluation(state, self.eval_data, step))
         return evaluate_batches(
-            self.eval_step, state, self.eval_data, self.mesh, self.rules, self.eval_key
+            self.eval_step, state, batches, self.mesh, self.rules, self.eval_key
         )
 
     def eval_metric_names(self) -> list[str]:
         with sharding.activate(self.mesh, self.rules):
-            batch = self.shard(self.eval_data[0])
+            batch = self.eval_data[0]
+            if self.rollout_batches is not None:
+                batch = self.rollout_batches.placeholder(batch)
+            batch = self.shard(batch)
             shapes = jax.eval_shape(self.eval_step, self.state, {}, batch, self.eval_key)
         return sorted(name for name in shapes if name != COUNT)
 
@@ -286,7 +321,7 @@ class Trainer:
                 with sharding.activate(self.mesh, self.rules):
                     # 1. The next K batches: the iterator's position always matches `step`.
                     with cadence.windows.clock.waiting_for_data():
-                        batches = next(cadence.iterator)
+                        batches = self._next_batches(cadence.iterator, step)
                     # 2. The K jitted train steps, dispatched: the host does not wait for them.
                     if step == first and not self.cfg.trainer.debug:  # log its compiled memory
                         args = (self.state, sums, batches, self.step_key)
@@ -317,6 +352,13 @@ class Trainer:
                 if cadence.ended_early:
                     break
         cadence.finish()
+
+    def _next_batches(self, iterator: Any, step: int) -> Any:
+        """The input of the dispatch ending at `step`: the next batches of the data, or for
+        `finetune.method=grpo` the batch of completions the policy samples now."""
+        if self.rollout_batches is None:
+            return next(iterator)
+        return self.rollout_batches.training(self.state, iterator, step)
 
     @contextlib.contextmanager
     def _open(
@@ -365,7 +407,10 @@ class Trainer:
     def _start(self, checkpointer: Checkpointer, iterator, saved_config) -> Metrics:
         """Restore (or start) the run; the zero window sums of its train step."""
         with sharding.activate(self.mesh, self.rules):
-            example = self.shard(pipeline.peek(self.train_data))
+            example = pipeline.peek(self.train_data)
+            if self.rollout_batches is not None:
+                example = self.rollout_batches.placeholder(example)
+            example = self.shard(example)
             zeros = zero_metrics(self.train_step, self.state, {}, example, self.step_key)
             how = RunStart(
                 self.cfg,
@@ -483,11 +528,13 @@ class Trainer:
         (samples, images), if it registered one."""
         metrics = self.evaluate()
         reporter.eval(step, metrics)
+        if self.rollout_batches is not None:
+            reporter.text("completions", self.rollout_batches.table, step)
         if self.ema_decay is not None:
             averaged = self.evaluate(ema=True)
             reporter.scalars("val_ema", step, averaged)
             log.info("Eval (EMA weights) @ step %d: %s", step, format_metrics(averaged))
-        if self.on_eval is not None:
+        if self.on_eval is not None and self.rollout_batches is None:  # grpo: its completions
             model, _ = nnx.merge(self.graphdef, self.state)  # shares the arrays; read only
             model.eval()
             model = precision.computing(model, self.cfg.trainer.precision)  # as the eval

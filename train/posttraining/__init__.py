@@ -7,13 +7,16 @@ that score sampled completions (`rewards`); and what the trainer minimises for e
 
 from zoo.engine.posttraining.objectives import (
     DPO,
+    GRPO,
     SFT,
     check_method,
+    grpo_options,
     method_of,
     pair_logps,
     precomputes_reference,
     preference_options,
     shown_examples,
+    token_logps,
     training_objective,
 )
 from zoo.engine.posttraining.policy_gradient import GRPOOptions, group_advantages, grpo_loss
@@ -39,23 +42,35 @@ from zoo.engine.posttraining.rewards import (
     reward_names,
     score,
 )
+from zoo.engine.posttraining.rollouts import (
+    OLD_LOGPS,
+    Rollouts,
+    Sampled,
+    python_name,
+    reward_functions,
+)
 
 __all__ = [
     "ADAPTERS",
     "BUILTIN_REWARDS",
     "DPO",
+    "GRPO",
+    "OLD_LOGPS",
     "PRECOMPUTED",
     "SFT",
     "GRPOOptions",
     "PreferenceOptions",
     "RewardError",
     "RewardFunction",
+    "Rollouts",
+    "Sampled",
     "SequenceLogps",
     "check_method",
     "exact_match",
     "format_match",
     "group_advantages",
     "grpo_loss",
+    "grpo_options",
     "length_penalty",
     "method_of",
     "numeric_match",
@@ -63,12 +78,15 @@ __all__ = [
     "precomputes_reference",
     "preference_loss",
     "preference_options",
+    "python_name",
     "resolve_reward",
+    "reward_functions",
     "reward_metrics",
     "reward_names",
     "score",
     "sequence_logps",
     "shown_examples",
+    "token_logps",
     "training_objective",
     "with_reference_logps",
 ]

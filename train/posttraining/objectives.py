@@ -22,6 +22,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 from zoo.engine.errors import ZooError
 from zoo.engine.posttraining.checks import options_from
+from zoo.engine.posttraining.policy_gradient import GRPOOptions, grpo_loss
 from zoo.engine.posttraining.preference import (
     ORPO,
     PRECOMPUTED,
@@ -29,9 +30,10 @@ from zoo.engine.posttraining.preference import (
     preference_loss,
     sequence_logps,
 )
+from zoo.engine.posttraining.rollouts import ADVANTAGES, COMPLETION_MASK, LOGGED, OLD_LOGPS, ROW
 from zoo.engine.registry import LOSS_MASK, loss_contract
 
-SFT, DPO = "sft", "dpo"
+SFT, DPO, GRPO = "sft", "dpo", "grpo"
 PAIR = 2
 """The sequences of a preference example: the chosen one (index 0), then the rejected one."""
 PAIR_COLUMNS = ("tokens", "length", LOSS_MASK)
@@ -55,11 +57,20 @@ def preference_options(finetune: Any) -> PreferenceOptions:
     return options_from(PreferenceOptions, finetune.dpo, "finetune.dpo.")
 
 
+def grpo_options(finetune: Any) -> GRPOOptions:
+    """The `finetune.grpo` section as checked options; a bad value is refused by its key."""
+    return options_from(GRPOOptions, finetune.grpo, "finetune.grpo.")
+
+
 def training_objective(finetune: Any, model_loss: Callable) -> Callable:
     """The loss the run trains and evaluates with: the model's own for `sft`, the preference
-    loss of `finetune.dpo` for `dpo`."""
-    if method_of(finetune) == SFT:
+    loss of `finetune.dpo` for `dpo`, the clipped policy-ratio loss of `finetune.grpo` over
+    sampled completions for `grpo`."""
+    method = method_of(finetune)
+    if method == SFT:
         return model_loss
+    if method == GRPO:
+        return policy_objective(grpo_options(finetune))
     return preference_objective(preference_options(finetune))
 
 
@@ -77,6 +88,20 @@ def check_method(finetune: Any, batch: Mapping[str, Any]) -> None:
     tokens = batch.get("tokens")
     pairs = tokens is not None and tokens.ndim == 3 and tokens.shape[1] == PAIR
     method = method_of(finetune)
+    prompts = ROW in batch
+    if method == GRPO and not prompts:
+        raise ZooError(
+            "finetune.method=grpo samples completions of prompts and rewards them: it reads "
+            "prompts with the columns reward functions read (their 'row'), as data=prompts "
+            f"makes them; this data's batches have {sorted(batch)}. Use data=prompts."
+        )
+    if method != GRPO and prompts:
+        raise ZooError(
+            f"This data holds prompts for reward fine-tuning, which finetune.method={method} "
+            "cannot train on: set finetune.method=grpo (with finetune.grpo.rewards)."
+        )
+    if method == GRPO:
+        return
     if method == DPO and not pairs:
         raise ZooError(
             "finetune.method=dpo trains on preference pairs: batches whose 'tokens' hold a "
@@ -143,14 +168,54 @@ def _rows_and_masks(batch: Mapping[str, jax.Array]) -> tuple[jax.Array, jax.Arra
     return rows, real, real & (batch[LOSS_MASK] > 0)
 
 
-def token_logps(model: Any, rows: jax.Array, rngs: nnx.Rngs) -> jax.Array:
+def policy_objective(options: GRPOOptions) -> Callable:
+    """Per completion: GRPO's loss (`grpo_loss`) of a batch that `Rollouts` made, with the
+    policy's entropy over the completion's tokens and what the batch carries to report."""
+    metrics = ("entropy", "clip_ratio/low", "clip_ratio/high", "clip_ratio/region")
+    metrics += ("kl",) if options.beta else ()
+
+    @loss_contract(columns=("tokens", "length", COMPLETION_MASK, ADVANTAGES), metrics=metrics)
+    def loss(model: Any, batch: Mapping[str, jax.Array], rngs: nnx.Rngs):
+        rows = batch["tokens"].astype(jnp.int32)
+        real = jnp.arange(rows.shape[1] - 1) < batch["length"][:, None]
+        mask = real & (batch[COMPLETION_MASK] > 0)
+        logps, entropy = token_logps(model, rows, rngs, entropy=True)
+        reference = None
+        if options.beta:
+            reference = jax.lax.stop_gradient(token_logps(adapters_off(model), rows, rngs))
+        losses, metrics = grpo_loss(
+            options,
+            logps,
+            mask,
+            batch[ADVANTAGES],
+            old_token_logps=batch.get(OLD_LOGPS),
+            ref_token_logps=reference,
+        )
+        counted = mask.astype(entropy.dtype)
+        metrics["entropy"] = jax.lax.stop_gradient(
+            jnp.sum(entropy * counted, -1) / jnp.maximum(jnp.sum(counted, -1), 1.0)
+        )
+        logged = {name[len(LOGGED) :]: batch[name] for name in batch if name.startswith(LOGGED)}
+        return losses, {**metrics, **logged}
+
+    return loss
+
+
+def token_logps(
+    model: Any, rows: jax.Array, rngs: nnx.Rngs, entropy: bool = False
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """The model's log-probability of each next token of `rows` [N, T + 1]: [N, T], in
     float32 (a one-hot contraction, as the language models' loss takes it, which shards over
-    the vocabulary)."""
+    the vocabulary); with `entropy`, also the entropy of each next-token distribution [N, T]
+    (reported, not trained)."""
     logits = model(rows[:, :-1], rngs=rngs)
     log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     one_hot = jax.nn.one_hot(rows[:, 1:], log_probs.shape[-1], dtype=log_probs.dtype)
-    return jnp.sum(one_hot * log_probs, axis=-1)
+    chosen = jnp.sum(one_hot * log_probs, axis=-1)
+    if not entropy:
+        return chosen
+    probs = jnp.exp(log_probs)  # a masked padded row: exp(-1e30) = 0, 0 * -1e30 = 0
+    return chosen, jax.lax.stop_gradient(-jnp.sum(probs * log_probs, axis=-1))
 
 
 def adapters_off(model: nnx.Module) -> nnx.Module:

@@ -23,6 +23,7 @@ TOKEN_WEIGHTED = (DAPO, BNPO)
 """The aggregations that average over all the batch's tokens: their per-example losses come
 with each example's number of tokens as its weight (`zoo.engine.registry.WEIGHT`)."""
 SCALE_REWARDS = ("group", "batch", "none")
+ON_ERROR = ("raise", "skip")
 STD_EPSILON = 1e-4
 """Added to the rewards' standard deviation before dividing by it, as TRL does."""
 
@@ -54,6 +55,30 @@ class GRPOOptions:
     # What the rewards' deviations from their group's mean are divided by: `group` (the
     # group's standard deviation), `batch` (the batch's) or `none` (nothing: Dr. GRPO).
     scale_rewards: str = "group"
+    # The reward functions: a built-in's name (exact_match, numeric_match, format,
+    # length_penalty) or `module:function`, a function importable from the Python path;
+    # zoo.finetune(rewards=[...]) takes Python callables as well.
+    rewards: list[str] = dataclasses.field(default_factory=list)
+    # Each function's weight in a completion's reward (one per function); null: 1 each.
+    reward_weights: list[float] | None = None
+    # length_penalty: the tokens below max_completion_length over which its punishment grows
+    # from 0 to -1.
+    length_cache: int = 0
+    # A reward function that raises, or returns what is not one finite number (or None) per
+    # completion: `raise` stops the run (its last checkpoint kept); `skip` warns and leaves
+    # that function's rewards of the batch unscored.
+    on_error: str = "raise"
+    # How the completions are sampled: softmax(logits / temperature), > 0, ...
+    temperature: float = 1.0
+    # ... restricted to the likeliest tokens whose probabilities sum to top_p (1: all) ...
+    top_p: float = 1.0
+    # ... and to the top_k likeliest (0: all).
+    top_k: int = 0
+    # Updates per batch of completions, each against the log-probabilities of the policy that
+    # sampled them (TRL's num_iterations); trainer.checkpoint_every must be a multiple.
+    num_iterations: int = 1
+    # Train nothing on a completion cut at max_completion_length (DAPO's overlong filtering).
+    mask_truncated_completions: bool = False
 
     def __post_init__(self) -> None:
         _check(self)
@@ -225,9 +250,38 @@ def _check(o: GRPOOptions) -> None:
         raise ZooError(
             f"use_bias_correction_kl={o.use_bias_correction_kl!r} must be true or false."
         )
+    _check_sampling(o)
     for key, value, least, why in (
         ("max_completion_length", o.max_completion_length, 1, "the most tokens a completion has"),
         ("num_generations", o.num_generations, 2, "a group compares its completions"),
+        ("num_iterations", o.num_iterations, 1, "updates per batch of completions"),
+        ("length_cache", o.length_cache, 0, "length_penalty's ramp, in tokens"),
+        ("top_k", o.top_k, 0, "0: every token"),
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ZooError(f"{key}={value} must be a whole number >= {least} ({why}).")
+
+
+def _check_sampling(o: GRPOOptions) -> None:
+    """The sampling of completions, and what a bad reward does."""
+    choice("on_error", o.on_error, ON_ERROR, "what a bad reward does")
+    if not number(o.temperature) or o.temperature <= 0:
+        raise ZooError(
+            f"temperature={o.temperature} must be a number > 0: a group's completions must "
+            "differ for their rewards to teach anything."
+        )
+    if not number(o.top_p) or not 0 < o.top_p <= 1:
+        raise ZooError(f"top_p={o.top_p} must be in (0, 1] (1: every token).")
+    if o.length_cache > o.max_completion_length:
+        raise ZooError(
+            f"length_cache={o.length_cache} must be at most max_completion_length="
+            f"{o.max_completion_length}."
+        )
+    weights = o.reward_weights
+    if weights is not None and (
+        len(weights) != len(o.rewards) or not all(number(w) for w in weights)
+    ):
+        raise ZooError(
+            f"reward_weights={list(weights)} must be one number per reward function "
+            f"(rewards={list(o.rewards)}), or null for 1 each."
+        )

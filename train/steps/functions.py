@@ -198,6 +198,22 @@ def make_train_step(
         ).astype(jnp.float32)
         return new_state, new_sums
 
+    def metric_names(state, sums, batch: Mapping[str, jax.Array], key: jax.Array) -> list[str]:
+        """The names of the sums `train_step` returns, from a trace of the loss alone: every
+        sum is a float32 scalar, so the names are all `zero_metrics` needs. A trace of the
+        whole step (its backward pass and update too) for them was a second one in every run:
+        the step's first call, given the zero sums in place of `{}`, traces it again."""
+
+        def names(state, batch, key):
+            model, optimizer = nnx.merge(graphdef, state)
+            train_mode(model, trainable.frozen_norms)
+            _, metrics = loss_fn(model, batch, zoo_rngs.call_rngs(key, optimizer.step[...]))
+            return {name: jnp.zeros(()) for name in metrics if name != WEIGHT}
+
+        measured = jax.eval_shape(names, state, batch, key)
+        return ["loss", *measured, COUNT, NONFINITE, FIRST_NONFINITE]
+
+    train_step.metric_names = metric_names
     return train_step
 
 
@@ -254,7 +270,11 @@ def _resharded(state, specs):
 
 
 def zero_metrics(step_fn: Callable, *args: Any) -> Metrics:
-    """Zeros shaped like the metric sums that `step_fn(*args)` returns last."""
+    """Zeros shaped like the metric sums that `step_fn(*args)` returns last (a train step of
+    `make_train_step` says their names itself, see its `metric_names`)."""
+    names = getattr(step_fn, "metric_names", None)
+    if names is not None:
+        return {name: jnp.zeros((), jnp.float32) for name in names(*args)}
     shapes = jax.eval_shape(step_fn, *args)
     sums = shapes[-1] if isinstance(shapes, tuple) else shapes
     return {name: jnp.zeros(s.shape, s.dtype) for name, s in sums.items()}

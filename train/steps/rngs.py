@@ -11,7 +11,7 @@ import numpy as np
 from flax import nnx
 
 # Fixed ids: changing one changes every run's bits. New ones are appended, never inserted.
-_PARAMS, _DROPOUT, _DEFAULT, _STEP, _EVAL, _NOISE, _ON_EVAL, _ADAPTERS = range(8)
+_PARAMS, _DROPOUT, _DEFAULT, _STEP, _EVAL, _NOISE, _ON_EVAL, _ADAPTERS, _ROLLOUT = range(9)
 
 
 def root_key(seed: int) -> jax.Array:
@@ -69,6 +69,13 @@ def eval_key(seed: int) -> jax.Array:
 def on_eval_key(seed: int, step: int) -> jax.Array:
     """The key a model's eval hook draws from after the eval at `step` (samples, images)."""
     return jax.random.fold_in(jax.random.fold_in(root_key(seed), _ON_EVAL), step)
+
+
+def rollout_key(seed: int, step: int, batch: int = 0) -> jax.Array:
+    """The key completions are sampled with at `step`: `batch` 0 for the step's training
+    batch, i + 1 for eval batch i; a resumed run samples what it did."""
+    base = jax.random.fold_in(root_key(seed), _ROLLOUT)
+    return jax.random.fold_in(jax.random.fold_in(base, step), batch)
 
 
 def call_rngs(base: jax.Array, step: jax.Array | int) -> nnx.Rngs:

@@ -1,0 +1,199 @@
+"""Reward fine-tuning (`finetune.method=grpo`) of a tiny chat checkpoint (Qwen 2.5's, its real
+chat template) on prompts read by `data=prompts`: each step samples a group of completions per
+prompt with the policy the step before left, scores them with reward functions (a Python
+callable, or `module:function` from the command line), and trains on their group-normalised
+advantages. A verifier the policy can satisfy (the share of vowels it writes) raises the
+held-out mean reward from its start to a stated threshold; TensorBoard gets the rewards, the
+completions' lengths, entropy and clip fractions, and a table of sampled completions at each
+eval. A reward function that raises is named with the prompt's row, and the run stops with its
+checkpoints intact, or goes on as `finetune.grpo.on_error=skip` says."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import ROOT, read_events, run_cli, scalar_steps
+
+import zoo
+from zoo.plugin import ZooError
+
+CHECKPOINT = ROOT / "tests" / "fixtures" / "pretrained" / "qwen25-chat"
+REWARDS = "tests.fixtures.posttraining.toy_rewards"
+START, THRESHOLD = 0.2, 0.4
+"""The first step's mean reward is below START (random replies: about 0.13); 30 steps must
+raise the held-out mean reward to THRESHOLD."""
+SAMPLING = (
+    "trainer.batch_size=8",  # prompts; 8 completions each
+    "finetune.grpo.num_generations=8",
+    "finetune.grpo.max_completion_length=4",
+    "data.eval_fraction=0.2",
+    "data.eval_replies=0",
+    "logging.norms_every=0",
+)
+
+
+def vowels(prompts, completions, **columns):
+    return [sum(c in "aeiouAEIOU" for c in text) / max(len(text), 1) for text in completions]
+
+
+@pytest.fixture(scope="module")
+def prompt_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    rows = [{"prompt": f"Write a word ({i}).", "answer": str(i)} for i in range(40)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def learned(tmp_path_factory, prompt_file):
+    """30 steps of GRPO, every param trained, rewarded by `vowels` given from Python."""
+    workdir = tmp_path_factory.mktemp("grpo") / "run"
+    return zoo.finetune(
+        CHECKPOINT,
+        *SAMPLING,
+        "trainer.steps=30",
+        "trainer.log_every=1",
+        "trainer.eval_every=15",
+        "optimizer.learning_rate=1e-2",
+        f"workdir={workdir}",
+        data=prompt_file,
+        method="grpo",
+        rewards=[vowels],
+    )
+
+
+def test_grpo_raises_the_held_out_reward(learned):
+    first = scalar_steps(read_events(learned.workdir), "train/reward")[1]
+    assert first < START, first
+    assert learned.eval_metrics["reward"] >= THRESHOLD, learned.eval_metrics
+    assert learned.config.finetune.grpo.rewards == ["python:test_finetune_grpo.vowels"]
+
+
+def test_tensorboard_shows_what_reward_runs_watch(learned):
+    events = read_events(learned.workdir)
+    tags = set(events.Tags()["scalars"])
+    watched = (
+        "reward",
+        "reward_std",
+        "rewards/vowels/mean",
+        "rewards/vowels/std",
+        "advantages/std",
+        "entropy",
+        "clip_ratio/region",
+        "completions/mean_length",
+        "completions/min_length",
+        "completions/max_length",
+        "completions/clipped_ratio",
+    )
+    for name in watched:
+        assert f"train/{name}" in tags and f"val/{name}" in tags, name
+    assert "completions/text_summary" in events.Tags()["tensors"]
+    table = events.Tensors("completions/text_summary")[-1].tensor_proto.string_val[0].decode()
+    assert "| prompt | completion | vowels |" in table and "Write a word" in table
+
+
+def test_a_reward_function_that_raises_stops_the_run_naming_it(prompt_file, tmp_path):
+    workdir = tmp_path / "run"
+    done = run_cli(
+        f"finetune.init_from={CHECKPOINT}",
+        "finetune.method=grpo",
+        f"finetune.grpo.rewards=[{REWARDS}:vowels,{REWARDS}:fails_at_step_4]",
+        "data=prompts",
+        f"data.path={prompt_file}",
+        *SAMPLING,
+        "trainer.steps=8",
+        "trainer.checkpoint_every=1",
+        "trainer.eval_every=0",
+        f"workdir={workdir}",
+    )
+    assert done.returncode != 0
+    error = done.stderr.rpartition("error: ")[2]
+    assert "Reward function 'fails_at_step_4' raised ValueError: no verdict today" in error
+    assert "toy_rewards.py:" in error and "prompts.jsonl:" in error, error
+    kept = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+    assert kept == [1, 2, 3]  # the steps before the failure, readable
+    assert zoo.load(workdir).step == 3
+
+
+def test_a_bad_reward_is_skipped_when_asked(prompt_file, tmp_path):
+    workdir = tmp_path / "run"
+    done = zoo.finetune(
+        CHECKPOINT,
+        *SAMPLING,
+        "trainer.steps=2",
+        "trainer.eval_every=2",
+        f"finetune.grpo.rewards=[{REWARDS}:vowels,{REWARDS}:one_short]",
+        "finetune.grpo.on_error=skip",
+        f"workdir={workdir}",
+        data=prompt_file,
+        method="grpo",
+    )
+    assert done.step == 2
+    log = (workdir / "train.log").read_text()
+    assert "one_short" in log and "returned 63 values for 64 completions" in log, log
+
+
+@pytest.mark.parametrize(
+    ("overrides", "kwargs", "named"),
+    [
+        ((), {}, ["finetune.grpo.rewards", "exact_match"]),
+        (("finetune.grpo.rewards=[exactly]",), {}, ["exactly", "numeric_match"]),
+        (
+            ("finetune.grpo.rewards=[exact_match]", "finetune.grpo.beta=0.1"),
+            {},
+            ["finetune.grpo.beta=0.1", "finetune.lora_rank"],
+        ),
+        (
+            ("finetune.grpo.rewards=[exact_match]", "trainer.steps_per_dispatch=2"),
+            {},
+            ["trainer.steps_per_dispatch=2"],
+        ),
+        (
+            (
+                "finetune.grpo.rewards=[exact_match]",
+                "finetune.grpo.num_iterations=3",
+                "trainer.checkpoint_every=4",
+            ),
+            {},
+            ["trainer.checkpoint_every", "num_iterations=3"],
+        ),
+        (("finetune.grpo.temperature=0",), {}, ["finetune.grpo.temperature=0"]),
+    ],
+    ids=["no-rewards", "unknown-reward", "kl-without-adapters", "dispatch", "iterations", "greedy"],
+)
+def test_bad_settings_are_refused_before_anything_is_written(
+    prompt_file, tmp_path, overrides, kwargs, named
+):
+    workdir = tmp_path / "run"
+    with pytest.raises(ZooError) as refused:
+        zoo.finetune(
+            CHECKPOINT,
+            *SAMPLING,
+            "trainer.steps=2",
+            *overrides,
+            f"workdir={workdir}",
+            data=prompt_file,
+            method="grpo",
+            **kwargs,
+        )
+    for text in named:
+        assert text in str(refused.value), str(refused.value)
+    assert not workdir.exists()
+
+
+def test_conversations_are_refused_by_grpo(tmp_path):
+    chat = tmp_path / "chat.jsonl"
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    chat.write_text("".join(json.dumps({"messages": turns}) + "\n" for _ in range(10)))
+    with pytest.raises(ZooError, match="samples completions of prompts"):
+        zoo.finetune(
+            CHECKPOINT,
+            *SAMPLING[:1],
+            "trainer.steps=2",
+            "data=chat",
+            f"data.path={chat}",
+            "finetune.grpo.rewards=[exact_match]",
+            f"workdir={tmp_path / 'run'}",
+            method="grpo",
+        )
