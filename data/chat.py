@@ -58,7 +58,7 @@ from zoo.data.conversations import (
     split_names,
 )
 from zoo.data.files import cache_root, write_atomically
-from zoo.data.image_examples import OnError
+from zoo.data.image_examples import RAISE, OnError
 from zoo.data.packing import pack, packed_rows
 from zoo.data.text import LENGTH, TOKENS, BucketPadding, load_tokenizer, tokenizer_file
 
@@ -278,7 +278,7 @@ def handle_problems(
     """`data.on_error` for the rows that are no conversation (`kind.row`): warned about, or
     refused."""
     bad = encoded.problems
-    if bad and on_error == OnError.raise_:
+    if bad and on_error == RAISE:
         named = "; ".join(f"{w} {problem}" for w, problem in bad[:SHOWN])
         raise ZooError(
             f"{len(bad)} of the {len(bad) + len(encoded):,} rows of {where} are no {kind.row} "

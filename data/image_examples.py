@@ -59,9 +59,11 @@ class Augment(str, enum.Enum):
     strong = "strong"
 
 
-class OnError(str, enum.Enum):
-    skip = "skip"
-    raise_ = "raise"
+OnError = enum.Enum("OnError", {"skip": "skip", "raise": "raise"}, type=str)
+"""A bad row or file: `skip` it with a warning, or `raise`: stop, naming them all. Made by the
+functional API, so that the config's `data.on_error=raise` names a member (`raise` is no
+identifier for a class body)."""
+RAISE = OnError["raise"]
 
 
 # ---- One image: decoded, then the view a model sees ----
@@ -213,7 +215,7 @@ def _readable(payload: bytes | np.ndarray | str, decode: bool) -> bool:
 
 def readable(payloads: Payloads, on_error: OnError, where: str) -> list[int]:
     """The indices of the images that can be used, by `on_error` (see the module's doc)."""
-    decode = on_error == OnError.raise_
+    decode = on_error == RAISE
     bad = [i for i in range(len(payloads)) if not _readable(payloads.read(i), decode)]
     if bad and decode:
         names = ", ".join(payloads.name(i) for i in bad[:10])

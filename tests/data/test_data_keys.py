@@ -75,3 +75,10 @@ def test_a_model_is_never_sized_from_a_bad_value(
     overrides = [f"model={model}", f"data={name}", f"data.path={path}", f"data.{key}={value}"]
     (job,) = plan([*overrides, f"workdir={tmp_path / 'run'}"], multirun=False)
     refused(job.error, key, value)
+
+
+@pytest.mark.parametrize("name", ["chat", "preference", "prompts", "images", "parquet"])
+def test_on_error_raise_is_a_value_the_command_line_takes(name):
+    """`raise` is a Python keyword, yet `data.on_error=raise` is one of the key's values."""
+    cfg = zoo.compose([f"data={name}", "data.on_error=raise"])
+    assert cfg.data.on_error == "raise"
