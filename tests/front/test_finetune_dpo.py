@@ -108,12 +108,13 @@ def test_tensorboard_shows_what_preference_runs_watch(learned):
     assert any(tag.startswith("replies/") for tag in events.Tags()["tensors"])
 
 
-def test_a_full_fine_tune_from_the_command_line_precomputes_its_reference(pair_file, tmp_path):
+@pytest.mark.parametrize("reference", ["precomputed", "copy"])
+def test_a_full_fine_tune_from_the_command_line_has_a_reference(pair_file, tmp_path, reference):
     workdir = tmp_path / "run"
     done = run_cli(
         f"finetune.init_from={CHECKPOINT}",
         "finetune.method=dpo",
-        "finetune.dpo.reference=precomputed",
+        f"finetune.dpo.reference={reference}",
         "finetune.dpo.loss_type=ipo",
         "data=preference",
         f"data.path={pair_file}",
@@ -173,9 +174,9 @@ MESH = ("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
         ((), {"method": "dpo"}, ["finetune.lora_rank", "finetune.dpo.reference=precomputed"]),
         (("finetune.dpo.beta=0",), {"method": "dpo", "lora_rank": 4}, ["finetune.dpo.beta=0"]),
         (
-            ("finetune.dpo.reference=copy",),
+            ("finetune.dpo.reference=frozen",),
             {"method": "dpo", "lora_rank": 4},
-            ["finetune.dpo.reference='copy'", "adapters, precomputed"],
+            ["finetune.dpo.reference='frozen'", "adapters, precomputed, copy"],
         ),
         (("data=preference",), {}, ["method=dpo"]),
     ],

@@ -25,7 +25,7 @@ from zoo.engine.registry import Splits, get_data
 import zoo
 
 PLUGIN_ENV = {"ZOO_PLUGINS": "stateful_model", "PYTHONPATH": str(ROOT / "tests")}
-STEPS, EVERY = 160, 20
+STEPS, EVERY = 80, 10
 
 XOR = ("model=xor", f"trainer.steps={STEPS}", "trainer.log_every=1", "trainer.steps_per_dispatch=1")
 STATEFUL = (f"model={stateful_model.NAME}", f"trainer.steps={STEPS}", "trainer.log_every=1")

@@ -23,11 +23,13 @@ from zoo.engine.loop.dispatch import check_cadences
 from zoo.engine.pipeline.batches import ExampleSource
 from zoo.engine.posttraining import (
     ADAPTERS,
+    COPY,
     DPO,
     GRPO,
     grpo_options,
     method_of,
     preference_options,
+    reference_source,
 )
 from zoo.engine.sharding.mesh import AxisRules, check_mesh_sizes
 from zoo.engine.weights.lora import check_unstacked
@@ -55,6 +57,7 @@ def validate(cfg: DictConfig) -> None:
     check_optimizer(cfg.optimizer, cfg.trainer.steps)
     check_finetune(cfg.finetune)
     check_grpo_trainer(cfg.trainer, cfg.finetune)
+    check_reference_copy(cfg.trainer, cfg.finetune)
     check_unstacked(cfg.finetune, cfg.model)
     check_distributed(cfg.distributed)
 
@@ -229,6 +232,18 @@ def _check_grpo(finetune: Any) -> None:
             f"finetune.grpo.beta={options.beta} penalises the KL to the reference model, which "
             "is the starting model with its LoRA adapters off, but finetune.lora_rank=0 adds "
             "none: set finetune.lora_rank to a positive rank, or finetune.grpo.beta=0."
+        )
+
+
+def check_reference_copy(trainer: Any, finetune: Any) -> None:
+    """`finetune.dpo.reference=copy` computes each batch's reference before its step: one
+    step per dispatch."""
+    if reference_source(finetune) == COPY and trainer.steps_per_dispatch != 1:
+        raise ZooError(
+            f"trainer.steps_per_dispatch={trainer.steps_per_dispatch}: with "
+            "finetune.dpo.reference=copy the frozen copy scores each batch before its step, "
+            "one step per dispatch: use trainer.steps_per_dispatch=1, or "
+            "finetune.dpo.reference=precomputed."
         )
 
 

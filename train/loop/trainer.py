@@ -29,12 +29,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from omegaconf import DictConfig, OmegaConf
 from zoo.engine import posttraining, registry
@@ -153,6 +156,7 @@ class Trainer:
         self.graphdef, self.state = nnx.split((built.model, built.optimizer))
         self._set_up_steps(entry, trainable)
         self.rollout_batches = self._set_up_rollouts(entry, splits, rewards)
+        self.reference: Callable | None = None  # finetune.dpo.reference=copy: see `_open`
         self.class_names = splits.class_names or (
             registry.get_data(cfg.data.name).class_names
             if cfg.data.name in registry.list_datasets()
@@ -223,25 +227,42 @@ class Trainer:
         computes = self.cfg.trainer.precision
         return RolloutBatches(rollouts, self.graphdef, computes, self.shard, self.cfg.seed)
 
-    def _set_up_reference(self) -> None:
-        """`finetune.dpo.reference=precomputed`: the starting weights' log-probabilities of
-        every pair, joined to the data as a column the loss reads. A resumed run computes them
-        again from the same weights (a second copy of them while it does)."""
-        graphdef, computes = self.graphdef, self.cfg.trainer.precision
-        start = starting_state(self.cfg, graphdef, self.state, self.hparams)
+    def _set_up_reference(self, source: str) -> None:
+        """The reference log-probabilities the loss reads as a column, from the starting
+        weights (a resumed run takes them again from `finetune.init_from`): `precomputed`,
+        every pair's once, joined to the data; `copy`, each batch's, from a frozen copy of the
+        weights kept on the devices (`with_reference`)."""
+        start = starting_state(self.cfg, self.graphdef, self.state, self.hparams)
+        graph, weights = nnx.split(nnx.merge(self.graphdef, start)[0])  # no optimizer state
+        computes = self.cfg.trainer.precision
 
         @jax.jit
-        def logps(state, batch):
-            model, _ = nnx.merge(graphdef, state)
+        def logps(weights, batch):
+            model = nnx.merge(graph, weights)
             model.eval()
             return posttraining.pair_logps(precision.computing(model, computes), batch)
 
+        if source == posttraining.COPY:  # arrays of its own: the train step donates the state's
+            with sharding.activate(self.mesh, self.rules):
+                frozen = jax.tree.map(jnp.copy, weights)
+            self.reference = functools.partial(logps, frozen)
+            return
         batch_size, seed = self.cfg.trainer.batch_size, self.cfg.seed
         with sharding.activate(self.mesh, self.rules):
             joined = posttraining.with_reference_logps(
-                self.splits, batch_size, lambda batch: logps(start, self.shard(batch))
+                self.splits, batch_size, lambda batch: logps(weights, self.shard(batch))
             )
         self.train_data, self.eval_data = pipeline.process_pipelines(joined, batch_size, seed)
+
+    def with_reference(self, batch: Mapping[str, Any]) -> Mapping[str, Any]:
+        """`batch` with the frozen copy's log-probabilities of its pairs, where the run keeps
+        one (`finetune.dpo.reference=copy`; a host batch's on the host)."""
+        if self.reference is None:
+            return batch
+        on_host = isinstance(batch["tokens"], np.ndarray)
+        logps = self.reference(self.shard(batch) if on_host else batch)
+        column = np.asarray(jax.device_get(logps)) if on_host else logps
+        return {**batch, posttraining.REFERENCE_LOGPS: column}
 
     def shard(self, batch: dict[str, Any]) -> dict[str, jax.Array]:
         return sharding.shard_batch(batch, self.mesh, self.rules)
@@ -251,7 +272,7 @@ class Trainer:
         params (`optimizer.ema_decay`) in place of the trained ones."""
         with sharding.activate(self.mesh, self.rules):
             state = self.averaged(self.state) if ema else self.state
-            batches = self.eval_data
+            batches = map(self.with_reference, self.eval_data)
             if self.rollout_batches is not None:  # completions sampled by the policy evaluated
                 step = self.progress.step if hasattr(self, "progress") else 0
                 batches = list(self.rollout_batches.evaluation(state, self.eval_data, step))
@@ -262,6 +283,9 @@ class Trainer:
     def eval_metric_names(self) -> list[str]:
         with sharding.activate(self.mesh, self.rules):
             batch = self.eval_data[0]
+            if posttraining.reference_source(self.cfg.finetune) is not None:  # names alone
+                pairs = np.zeros((len(batch["tokens"]), 2), np.float32)
+                batch = {**batch, posttraining.REFERENCE_LOGPS: pairs}
             if self.rollout_batches is not None:
                 batch = self.rollout_batches.placeholder(batch)
             batch = self.shard(batch)
@@ -357,7 +381,7 @@ class Trainer:
         """The input of the dispatch ending at `step`: the next batches of the data, or for
         `finetune.method=grpo` the batch of completions the policy samples now."""
         if self.rollout_batches is None:
-            return next(iterator)
+            return self.with_reference(next(iterator))
         return self.rollout_batches.training(self.state, iterator, step)
 
     @contextlib.contextmanager
@@ -379,8 +403,9 @@ class Trainer:
             stack.enter_context(rundir.hold(self.workdir, jax.process_index()))
             self.callbacks.record_in(self.workdir, jax.process_index())
             run_log = run_log or stack.enter_context(rundir.RunLog())
-            if posttraining.precomputes_reference(self.cfg.finetune):
-                self._set_up_reference()
+            source = posttraining.reference_source(self.cfg.finetune)
+            if source is not None:
+                self._set_up_reference(source)
             iterator = self.dispatcher.iterate(self.train_data)  # a prefetch thread starts on use
             stack.callback(iterator.close)
             checkpointer = self._checkpointer(saved_config)
@@ -407,7 +432,7 @@ class Trainer:
     def _start(self, checkpointer: Checkpointer, iterator, saved_config) -> Metrics:
         """Restore (or start) the run; the zero window sums of its train step."""
         with sharding.activate(self.mesh, self.rules):
-            example = pipeline.peek(self.train_data)
+            example = self.with_reference(pipeline.peek(self.train_data))
             if self.rollout_batches is not None:
                 example = self.rollout_batches.placeholder(example)
             example = self.shard(example)

@@ -24,6 +24,8 @@ from zoo.engine.errors import ZooError
 from zoo.engine.posttraining.checks import options_from
 from zoo.engine.posttraining.policy_gradient import GRPOOptions, grpo_loss
 from zoo.engine.posttraining.preference import (
+    ADAPTERS,
+    COPY,
     ORPO,
     PRECOMPUTED,
     PreferenceOptions,
@@ -39,7 +41,8 @@ PAIR = 2
 PAIR_COLUMNS = ("tokens", "length", LOSS_MASK)
 REFERENCE_LOGPS = "reference_logps"
 """The column of each pair's replies' reference log-probabilities [B, 2], with
-`reference=precomputed` (`zoo.engine.posttraining.reference`)."""
+`reference=precomputed` (`zoo.engine.posttraining.reference`) or `copy` (the trainer computes
+it for each batch with a frozen copy of the starting weights)."""
 REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
 LOGPS = ("logps/chosen", "logps/rejected")
 ORPO_METRICS = ("nll_loss", "log_odds_ratio", "log_odds_chosen")
@@ -74,12 +77,16 @@ def training_objective(finetune: Any, model_loss: Callable) -> Callable:
     return preference_objective(preference_options(finetune))
 
 
-def precomputes_reference(finetune: Any) -> bool:
-    """Whether the run computes its reference log-probabilities once, before training."""
+def reference_source(finetune: Any) -> str | None:
+    """Where the run's reference log-probabilities come from, when the trainer gives them to
+    the loss as a column (`precomputed`, `copy`); None: no reference, or the loss's own
+    (`adapters`)."""
     if method_of(finetune) != DPO:
-        return False
+        return None
     options = preference_options(finetune)
-    return options.uses_reference and options.reference == PRECOMPUTED
+    if options.uses_reference and options.reference in (PRECOMPUTED, COPY):
+        return options.reference
+    return None
 
 
 def check_method(finetune: Any, batch: Mapping[str, Any]) -> None:
@@ -135,7 +142,7 @@ def preference_objective(options: PreferenceOptions) -> Callable:
         policy = _as_pairs(token_logps(model, rows, rngs))
         chosen, rejected = (sequence_logps(policy[:, i], replies[:, i]) for i in range(PAIR))
         reference = None
-        if options.uses_reference and options.reference == PRECOMPUTED:
+        if options.uses_reference and options.reference != ADAPTERS:  # given as a column
             reference = (batch[REFERENCE_LOGPS][:, 0], batch[REFERENCE_LOGPS][:, 1])
         elif options.uses_reference:
             base = _as_pairs(jax.lax.stop_gradient(token_logps(adapters_off(model), rows, rngs)))

@@ -38,8 +38,8 @@ SMOOTHED = (SIGMOID, ROBUST, SIMPO)
 """The methods that read `label_smoothing`."""
 SIMPO_GAMMA = 0.5
 """SimPO's target margin where `gamma` is unset (TRL's default `simpo_gamma`)."""
-ADAPTERS, PRECOMPUTED = "adapters", "precomputed"
-REFERENCES = (ADAPTERS, PRECOMPUTED)
+ADAPTERS, PRECOMPUTED, COPY = "adapters", "precomputed", "copy"
+REFERENCES = (ADAPTERS, PRECOMPUTED, COPY)
 """Where a reference model's log-probabilities can come from."""
 
 Metrics = dict[str, jax.Array]
@@ -67,7 +67,9 @@ class PreferenceOptions:
     # `adapters`, the starting model with the LoRA adapters off (finetune.lora_rank > 0), at
     # each step: no second copy of the weights, a second forward pass; `precomputed`, the
     # starting model's, computed once over the data before training (again when a run
-    # resumes), kept in host memory (8 bytes a pair): no second pass, for any fine-tune.
+    # resumes), kept in host memory (8 bytes a pair): no second pass, for any fine-tune;
+    # `copy`, a frozen copy of the starting model's weights on the devices, a second forward
+    # pass at each step, for any fine-tune.
     reference: str = ADAPTERS
 
     def __post_init__(self) -> None:
