@@ -219,8 +219,8 @@ def _check_method(finetune: Any) -> None:
             "model with its LoRA adapters off, but finetune.lora_rank=0 adds none: set "
             "finetune.lora_rank to a positive rank (e.g. 16), or for a full fine-tune "
             "finetune.dpo.reference=precomputed (the starting model's log-probabilities, "
-            "computed once before training) or a reference-free loss "
-            "(finetune.dpo.loss_type=simpo or orpo)."
+            "computed once before training) or copy (a frozen copy of its weights), or a "
+            "reference-free loss (finetune.dpo.loss_type=simpo or orpo)."
         )
 
 
