@@ -23,9 +23,11 @@ in a batch writes what it writes alone.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import logging
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -36,7 +38,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 from zoo.models.kv_cache import Slots
 
-from zoo.plugin import ZooError, reading_widened, unsplit_batch, widened_copies
+from zoo.plugin import ZooError, logical_spec, reading_widened, unsplit_batch, widened_copies
 
 log = logging.getLogger("zoo.generation")
 """Where each compilation is said (DEBUG: a run's console shows INFO)."""
@@ -123,15 +125,16 @@ class Session:
     and one decode step. Call it where the model's mesh is active; the batch is not split over
     the mesh (the heads are, on `tensor`)."""
 
-    def __init__(self, model: Any, batch_size: int, slots: int):
+    def __init__(self, model: Any, batch_size: int, slots: int, split: bool = False):
         require_language_model(model)
         self.model, self.batch_size, self.slots = model, batch_size, slots
+        self.split = split
         graphdef, state = nnx.split(model)
         leaves, treedef = jax.tree.flatten(state)
         self._structure = _Structure((graphdef, treedef))
         # With float32 copies where zoo's bfloat16 CPU kernel does not run (else Nones).
         self._weights = (leaves, widened_copies(leaves))
-        with unsplit_batch():
+        with self._rows():
             self._cache = model.empty_cache(batch_size, slots)
 
     def stream(
@@ -149,14 +152,14 @@ class Session:
         rows, bucket = self._checked(prompts, max_new_tokens, sampling)
         tokens, first = _left_padded(prompts, self.batch_size, bucket)
         key = jax.random.key(seed) if isinstance(seed, int) else seed
-        with unsplit_batch():
+        with self._rows():
             keys = _row_keys(key, self.batch_size)
         calls = (self._structure, self._weights, first, keys, sampling.values(), sampling.filters)
         return self._steps(rows, tokens, max_new_tokens, calls, frozenset(eos), stop)
 
     def _steps(self, rows, tokens, max_new_tokens, calls, eos, stop) -> Iterator[list[Token]]:
         structure, weights, first, keys, controls, filters = calls
-        with unsplit_batch():  # entered per call: the caller's context is its own between steps
+        with self._rows():  # entered per call: the caller's context is its own between steps
             token, logprob, self._cache = _prefill(
                 structure, weights, self._cache, tokens, first, keys, controls, filters
             )
@@ -166,7 +169,7 @@ class Session:
             current = (token, logprob)
             if step + 1 < max_new_tokens:  # dispatched before the host waits for `current`
                 index = np.int32(tokens.shape[1] + step)
-                with unsplit_batch():
+                with self._rows():
                     token, logprob, self._cache = _decode(
                         structure, weights, self._cache, token, index, first, keys, step + 1,
                         controls, filters,
@@ -180,6 +183,11 @@ class Session:
             yield out
             if not going:
                 return
+
+    def _rows(self) -> contextlib.AbstractContextManager:
+        """How the batch's rows lie on the mesh: over its batch axes where the session is
+        `split` (a batch they divide), else whole on every device."""
+        return contextlib.nullcontext() if self.split else unsplit_batch()
 
     def generate(
         self,
@@ -248,13 +256,15 @@ def prompt_bucket(length: int, context_length: int) -> int:
     return min(max(SMALLEST_BUCKET, 1 << (length - 1).bit_length()), context_length)
 
 
-def session_for(model: Any, prompts: Sequence[np.ndarray], max_new_tokens: int) -> Session:
+def session_for(
+    model: Any, prompts: Sequence[np.ndarray], max_new_tokens: int, split: bool = False
+) -> Session:
     """A session that fits these prompts: a row each, and a cache of a power of two slots
     (from 64) that holds the longest prompt's bucket and the new tokens."""
     longest = max((len(p) for p in prompts), default=1)
     bucket = prompt_bucket(max(longest, 1), model.context_length)
     slots = max(64, 1 << (bucket + max_new_tokens - 1).bit_length())
-    return Session(model, len(prompts), slots)
+    return Session(model, len(prompts), slots, split)
 
 
 def sample_completions(
@@ -266,14 +276,24 @@ def sample_completions(
     eos: Sequence[int],
 ) -> list[tuple[list[int], bool]]:
     """The language models' `sample` (`zoo.engine.registry.Sample`): each prompt's new ids,
-    drawn in one session, the id of `eos` that ended it last, and whether one did."""
-    session = session_for(model, prompts, max_new_tokens)
+    drawn in one session, the id of `eos` that ended it last, and whether one did. The rows
+    are split over the mesh's batch axes where those divide them (a training batch of
+    completions), as a training step's are."""
+    split = len(prompts) % _batch_shards() == 0
+    session = session_for(model, prompts, max_new_tokens, split)
     ends = frozenset(eos)
     written: list[list[int]] = [[] for _ in prompts]
     for step in session.stream(prompts, max_new_tokens, Sampling(**sampling), key, ends):
         for token in step:
             written[token.row].append(token.token)
     return [(new, bool(new) and new[-1] in ends) for new in written]
+
+
+def _batch_shards() -> int:
+    """The devices the active mesh splits a batch's rows over."""
+    axes = logical_spec("batch")[0] or ()
+    mesh = jax.sharding.get_abstract_mesh()
+    return math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
 
 
 def _left_padded(prompts, batch_size: int, bucket: int) -> tuple[np.ndarray, np.ndarray]:

@@ -76,20 +76,23 @@ def test_a_ragged_batch_equals_each_prompt_alone_and_transformers(name, caplog):
     assert collections.Counter(said) == {"compiling the prefill": 4, "compiling the decode step": 2}
 
 
+@pytest.mark.parametrize("rows", ["whole", "split"])
 @pytest.mark.parametrize("name", FAMILIES)
-def test_a_ragged_batch_on_the_mesh_equals_transformers(name):
-    """Heads split over `tensor` (key/value heads too where they divide), the batch whole."""
+def test_a_ragged_batch_on_the_mesh_equals_transformers(name, rows):
+    """Heads split over `tensor` (key/value heads too where they divide); the batch whole, or
+    its rows split over the batch axes (`data`, `fsdp`: a session of reward fine-tuning's
+    completions)."""
     model, _ = loaded(FIXTURES / name, MESH)
     prompts, expected = prompts_of(name)
     with on_mesh(MESH), jax.default_matmul_precision("highest"):
-        session = Session(model, ROWS, SLOTS)
+        session = Session(model, ROWS, SLOTS, split=rows == "split")
         batch = session.generate(prompts, len(expected[0]), GREEDY)
     assert [row.tokens for row in batch] == expected
     kv_heads = getattr(model, "num_kv_heads", getattr(model, "num_heads", 0))
-    split = "tensor" if kv_heads % MESH["tensor"] == 0 else None  # one key/value head: whole
+    heads = "tensor" if kv_heads % MESH["tensor"] == 0 else None  # one key/value head: whole
     for keys, values in session._cache:
-        assert keys.sharding.spec[2] == values.sharding.spec[2] == split
-        assert keys.sharding.spec[0] is None  # the batch whole
+        assert keys.sharding.spec[2] == values.sharding.spec[2] == heads
+        assert keys.sharding.spec[0] == (("data", "fsdp") if rows == "split" else None)
 
 
 @pytest.mark.parametrize(("name", "windows"), [("mistral-window", 5), ("gemma3-tiny", 4)])
