@@ -17,7 +17,7 @@ import pytest
 from helpers import NO_COMPILE_CACHE, ROOT
 from zoo.engine import registry
 
-from benchmarks import device_check, throughput
+from benchmarks import device_check, grpo_step, throughput
 from benchmarks.state_hashes import state_hash
 
 
@@ -64,6 +64,38 @@ def test_throughput_measures_zoo_alone_without_torch(tmp_path, monkeypatch):
     block = 2 * 2 * 32 + 4 * 32 * 32 + (32 * 128 + 128) + (128 * 32 + 32)
     params = 256 * 32 + block + 2 * 32
     assert report["flops_per_token"] == 6 * params + 12 * 1 * 16 * 32
+
+
+def test_grpo_step_splits_a_step_and_sets_its_sampling_beside_decoding(tmp_path):
+    """`--tiny`: one timed GRPO step of the tiny Qwen3 chat fixture, its phases, its sampling
+    rate beside a decoding `Session`'s on the same batch, its peak memory."""
+    out = tmp_path / "grpo_step.json"
+    argv = ["--tiny", "--repeats", "1", "--completion-tokens", "8", "--json", str(out)]
+    report = grpo_step.main(argv)
+    assert json.loads(out.read_text()) == report
+    assert (report["prompts"], report["generations"], report["lora_rank"]) == (2, 4, 16)
+    seconds, (measured,) = report["seconds"], report["rounds"]
+    assert all(seconds[phase] == measured[phase] > 0 for phase in grpo_step.PHASES)
+    assert seconds["step"] == pytest.approx(sum(seconds[p] for p in grpo_step.PHASES))
+    assert sum(report["share"].values()) == pytest.approx(1)
+    assert 0 < report["tokens_written"] <= 2 * 4 * 8
+    rate = report["tokens_written"] / seconds["rollout"]
+    assert report["rollout_tokens_per_s"] == pytest.approx(rate)
+    assert set(report["decode"]) == {
+        "prefill_tokens_per_s",
+        "decode_tokens_per_s",
+        "call_tokens_per_s",
+    }
+    assert all(value > 0 for value in report["decode"].values())
+    assert report["rollout_x_decode"] == pytest.approx(
+        rate / report["decode"]["decode_tokens_per_s"]
+    )
+    bucket = 128  # data=prompts' smallest bucket holds the prompts
+    assert len(report["prompt_tokens"]) == 2 and max(report["prompt_tokens"]) <= bucket
+    assert report["train_width"] == bucket + 8
+    for peak in report["memory"].values():
+        assert peak["rss_peak_bytes"] > 0 and peak["device_peak_bytes"] is None  # XLA:CPU
+    assert "| rollout / decode |" in grpo_step.table(report)
 
 
 def test_device_check_runs_every_section_on_small_shapes(tmp_path, monkeypatch):
