@@ -22,9 +22,9 @@ from conformance.checks import MESH, ONE_DEVICE, on_mesh
 from pretrained_checks import FIXTURES, loaded
 from zoo.data.text import load_tokenizer
 from zoo.models import sampling_loop
+from zoo.models.kv_cache import Slots
 from zoo.models.sampling_loop import COMPILATIONS, Sampling, Session
 from zoo.models.text_completion import Codec, Request, complete, stream
-from zoo.models.kv_cache import Slots
 
 FAMILIES = ("llama-tiny", "qwen2-tiny", "qwen3-tiny", "mistral-window", "gemma3-tiny", "gpt2-tiny")
 REFERENCE = json.loads((FIXTURES / "generation.json").read_text())

@@ -97,7 +97,13 @@ def test_the_wheel_adds_one_top_level_name(wheel):
     names = {Path(name).parts[0] for name in zipfile.ZipFile(wheel).namelist()}
     assert {name for name in names if not name.endswith(".dist-info")} == {"zoo"}
     files = set(zipfile.ZipFile(wheel).namelist())
-    assert {"zoo/engine/loop/trainer.py", "zoo/engine/kernels/bf16_rows.cc", "zoo/models/gpt.py", "zoo/data/text.py", "zoo/train.py"} <= files
+    assert {
+        "zoo/engine/loop/trainer.py",
+        "zoo/engine/kernels/bf16_rows.cc",
+        "zoo/models/gpt.py",
+        "zoo/data/text.py",
+        "zoo/train.py",
+    } <= files
 
 
 INSTALLED_AS = {"zoo": "zoo", "models": "zoo/models", "data": "zoo/data", "train": "zoo/engine"}
@@ -191,7 +197,9 @@ sys.exit(1 if failed else 0)
 
 def test_every_module_imports_on_its_own_first(installed):
     modules = [m for m in project_modules(installed) if not m.endswith("__main__")]
-    assert len(modules) > 40 and "zoo.engine.loop.trainer" in modules and "zoo.models.gpt" in modules
+    assert (
+        len(modules) > 40 and "zoo.engine.loop.trainer" in modules and "zoo.models.gpt" in modules
+    )
     script = FIRST_IMPORTS.format(third_party=THIRD_PARTY, modules=modules)
     result = run([sys.executable, "-c", script], cwd=installed, PYTHONPATH=str(installed))
     assert result.returncode == 0, result.stdout + result.stderr

@@ -149,7 +149,10 @@ def test_grpo_losses_match_trl(case):
         (lambda: PreferenceOptions(beta=0), ["beta=0", "positive"]),
         (lambda: PreferenceOptions(beta=float("nan")), ["beta=nan"]),
         (lambda: PreferenceOptions(label_smoothing=0.5), ["label_smoothing=0.5", "[0, 0.5)"]),
-        (lambda: PreferenceOptions(loss_type="ipo", label_smoothing=0.1), ["loss_type=ipo", "no effect"]),
+        (
+            lambda: PreferenceOptions(loss_type="ipo", label_smoothing=0.1),
+            ["loss_type=ipo", "no effect"],
+        ),
         (lambda: PreferenceOptions(loss_type="simpo", gamma=-1.0), ["gamma=-1.0"]),
         (lambda: PreferenceOptions(loss_type="sigmoid", gamma=0.3), ["gamma=0.3", "simpo"]),
         (lambda: GRPOOptions(loss_type="ppo"), ["loss_type='ppo'", "dr_grpo"]),
