@@ -27,6 +27,8 @@ added.
 (`zoo.data.packing`), with `segment_ids` and `positions` columns that a decoder reads to keep
 each conversation's attention and positions its own; the held-out ones stay one to a row.
 
+The keys that `data=preference` and `data=prompts` share with it (the tokenizer and template,
+roles, buckets, held-out share, bad rows, eval replies) are `zoo.data.chat_options.ChatOptions`.
 `data=preference` (`zoo.data.preference`) reads, caches, splits and pads its pairs with the
 same parts (`Reader`, `held_out_split`, `trainable_rows`, `ChatPadding`).
 """
@@ -43,11 +45,11 @@ from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
-from zoo.data.chat_prompts import check_reply_options, held_out_prompts
-from zoo.data.chat_tokens import Encoder, LossOn, RowProblem, check_template_kwargs
+from zoo.data.chat_options import ChatOptions
+from zoo.data.chat_prompts import held_out_prompts
+from zoo.data.chat_tokens import Encoder, LossOn, RowProblem
 from zoo.data.conversations import (
     CONVERSATIONS,
-    DEFAULT_ROLES,
     ColumnNames,
     Columns,
     Row,
@@ -60,7 +62,7 @@ from zoo.data.conversations import (
 from zoo.data.files import cache_root, write_atomically
 from zoo.data.image_examples import RAISE, OnError
 from zoo.data.packing import pack, packed_rows
-from zoo.data.text import LENGTH, TOKENS, BucketPadding, load_tokenizer, tokenizer_file
+from zoo.data.text import LENGTH, TOKENS, BucketPadding
 
 from zoo.plugin import (
     LOSS_MASK,
@@ -341,117 +343,49 @@ def cache_settings(
     return digest.digest()
 
 
-def load_encoder(
-    tokenizer: str | None,
-    template: str | None,
-    loss_on: LossOn,
-    template_kwargs: Any,
-    kind: RowKind = CONVERSATIONS,
-) -> tuple[Path, Encoder]:
-    """(the tokenizer's file, the encoder) of `data.tokenizer`, `data.template` and
-    `data.template_kwargs`, each checked."""
-    if tokenizer is None and template is None:
-        raise ZooError(
-            f"{kind.data_set} renders {kind.row}s with a checkpoint's chat template and tokenizer: "
-            "start from one (finetune.init_from=DIR or hf://ORG/NAME sets data.tokenizer), or "
-            "set data.tokenizer=DIR naming a directory with its tokenizer.json and chat template."
-        )
-    file = tokenizer_file(tokenizer if tokenizer is not None else template)
-    directory = Path(template).expanduser() if template is not None else file.parent
-    if not directory.is_dir():
-        raise ZooError(
-            f"data.template={template} is not a directory: name the checkpoint directory whose "
-            "chat_template.jinja (or tokenizer_config.json's chat_template) renders the "
-            "conversations, or leave it unset for the tokenizer's directory."
-        )
-    kwargs = check_template_kwargs(template_kwargs)
-    return file, Encoder.load(directory, load_tokenizer(file), loss_on, kwargs)
-
-
-def check_keys(
-    buckets: Sequence[int],
-    eval_fraction: float,
-    roles: Sequence[str],
-    kind: RowKind = CONVERSATIONS,
-) -> None:
-    """`data.buckets`, `data.eval_fraction` and `data.roles`."""
-    if not buckets or min(buckets) < 1:
-        raise ZooError(f"data.buckets={list(buckets)} must be one or more positive lengths.")
-    if not 0 < eval_fraction < 1:
-        raise ZooError(
-            f"data.eval_fraction={eval_fraction} must be between 0 and 1 (exclusive): the share "
-            f"of the {kind.row}s held out when there is no val/ folder."
-        )
-    if "assistant" not in roles:
-        raise ZooError(
-            f"data.roles={list(roles)} must include 'assistant', the role whose replies are "
-            "trained."
-        )
-
-
 @register_data("chat")
 def chat(
     # A JSON Lines (`.jsonl`, `.json`) or Parquet file of conversations, a folder of them, or a
     # folder with `train/` and `val/` folders of them (required).
     path: str | None = None,
-    # The checkpoint's `tokenizer.json` or its directory (`finetune.init_from` sets it).
-    tokenizer: str | None = None,
-    # The directory whose chat template renders the conversations; null: the tokenizer's.
-    template: str | None = None,
     messages: str = "messages",  # the column of conversations: lists of {role, content}
     prompt: str = "prompt",  # the column of prompts: text (a user's message) or messages
     completion: str = "completion",  # the column of completions: text (the reply) or messages
-    # The roles a message may have; another is a bad row.
-    roles: list[str] = list(DEFAULT_ROLES),  # noqa: B006  (a config default, never mutated)
     # Tokens that carry loss: `assistant` (every reply), `completion` (the last reply), `all`.
     loss_on: LossOn = LossOn.assistant,
-    # Lengths a batch is padded to (the smallest that holds its longest conversation); longer
-    # ones are cut to the largest.
-    buckets: list[int] = [128, 256, 512, 1024],  # noqa: B006  (a config default, never mutated)
-    # Share of the conversations held out for evaluation when there is no `val/` folder.
-    eval_fraction: float = 0.1,
-    # A row that is no conversation: `skip` it with a warning, or `raise`: stop, naming them all.
-    on_error: OnError = OnError.skip,
-    # Variables the chat template reads besides the messages (e.g. {enable_thinking: false}).
-    template_kwargs: Any = None,
-    # Held-out prompts whose replies each eval writes to TensorBoard's text tab (0: none).
-    eval_replies: int = 3,
-    # The most new tokens a reply written at an eval takes.
-    eval_reply_tokens: int = 64,
     # Training rows of several conversations end to end (the largest bucket long), attention and
     # positions kept within each (a decoder only): less padding, more tokens per step.
     packing: bool = False,
+    *,
+    options: ChatOptions,
 ) -> Splits:
     """Conversations (or prompts and completions) rendered with a checkpoint's chat template,
     with a loss mask over the replies (see the module's doc)."""
-    check_keys(buckets, eval_fraction, roles)
-    check_reply_options(eval_replies, eval_reply_tokens)
-    file, encoder = load_encoder(tokenizer, template, loss_on, template_kwargs)
+    file, encoder = options.encoder(loss_on)
     columns = Columns(messages, prompt, completion)
+    roles = options.roles
     settings = cache_settings(file, encoder, columns, roles)
     load = functools.partial(
         encoded_file, encoder=encoder, settings=settings, columns=columns, roles=roles
     )
     train_files, val_files = conversation_files(path)
     train, train_rows, test, test_rows = held_out_split(
-        Reader(path, load), train_files, val_files, eval_fraction, on_error
+        Reader(path, load), train_files, val_files, options
     )
-    longest = max(buckets)
+    longest = max(options.buckets)
     held = trainable_rows(test, test_rows, longest, "held-out")
     trained = trainable_rows(train, train_rows, longest, "training")
     return Splits(
         train=(PackedChatExamples if packing else ChatExamples)(train, trained, longest),
         eval=ChatExamples(test, held, longest),
-        transform=ChatPadding(list(buckets)),
+        transform=ChatPadding(list(options.buckets)),
         tokenizer=encoder.tokenizer,
         prompts=held_out_prompts(
             [test.wheres[r] for r in held],
             val_files or train_files,
             encoder,
             columns,
-            roles,
-            eval_replies,
-            eval_reply_tokens,
+            options,
             longest,
         ),
     )
@@ -483,18 +417,17 @@ def held_out_split(
     reader: Reader[E],
     train_files: list[Path],
     val_files: list[Path] | None,
-    eval_fraction: float,
-    on_error: OnError,
+    options: ChatOptions,
 ) -> tuple[E, np.ndarray, E, np.ndarray]:
     """The training rows (conversations) and their indices, and the held-out ones and theirs:
-    those of `val_files`, or without them `eval_fraction` of the training files' rows (by
-    name)."""
-    train, names = reader.read(train_files, on_error)
+    those of `val_files`, or without them `data.eval_fraction` of the training files' rows (by
+    name); bad rows handled by `data.on_error`."""
+    train, names = reader.read(train_files, options.on_error)
     if val_files is None:
-        out = held_out(names, eval_fraction)
+        out = held_out(names, options.eval_fraction)
         test, train_rows, test_rows = train, np.flatnonzero(~out), np.flatnonzero(out)
     else:
-        test, _ = reader.read(val_files, on_error)
+        test, _ = reader.read(val_files, options.on_error)
         train_rows, test_rows = np.arange(len(train)), np.arange(len(test))
     if not len(train_rows) or not len(test_rows):
         row = reader.kind.row

@@ -16,10 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from zoo.data.chat_options import ChatOptions
 from zoo.data.chat_tokens import Encoder
 from zoo.data.conversations import ASSISTANT, ColumnNames, Conversation, Parse, read_rows
 
-from zoo.plugin import ReplyPrompt, ZooError
+from zoo.plugin import ReplyPrompt
 
 
 @functools.cache
@@ -32,22 +33,22 @@ def held_out_prompts(
     files: Sequence[Path],
     encoder: Encoder,
     columns: ColumnNames,
-    roles: Sequence[str],
-    count: int,
-    reply_tokens: int,
+    options: ChatOptions,
     longest: int,
     parse: Parse | None = None,
 ) -> Callable[[], list[ReplyPrompt]]:
-    """The prompts of the first `count` of the held-out conversations named `wheres` (in order)
-    whose prompt leaves room for a reply within `longest` tokens, made on first call; each reply
-    takes at most `reply_tokens` new tokens, and no more than that room. `parse`: the conversation
-    of a row (`read_rows`' own unless given), whose reply is the reference."""
+    """The prompts of the first `data.eval_replies` of the held-out conversations named `wheres`
+    (in order) whose prompt leaves room for a reply within `longest` tokens, made on first call;
+    each reply takes at most `data.eval_reply_tokens` new tokens, and no more than that room.
+    `parse`: the conversation of a row (`read_rows`' own unless given), whose reply is the
+    reference."""
+    count, reply_tokens = options.eval_replies, options.eval_reply_tokens
     if count == 0:
         return _nothing
 
     @functools.cache
     def prompts() -> list[ReplyPrompt]:
-        conversations = _conversations(wheres, files, columns, roles, parse)
+        conversations = _conversations(wheres, files, columns, options.roles, parse)
         made = []
         for where in wheres:
             prompt = _prompt(conversations[where], encoder, reply_tokens, longest)
@@ -109,17 +110,3 @@ def _text(content: Any) -> str:
     if isinstance(content, str):
         return content
     return "" if content is None else json.dumps(content, ensure_ascii=False)
-
-
-def check_reply_options(count: int, reply_tokens: int) -> None:
-    """`data.eval_replies` and `data.eval_reply_tokens`: counts."""
-    if count < 0:
-        raise ZooError(
-            f"data.eval_replies={count} must be 0 (no replies at evals) or the number of "
-            "held-out prompts whose replies each eval writes."
-        )
-    if reply_tokens < 1:
-        raise ZooError(
-            f"data.eval_reply_tokens={reply_tokens} must be at least 1: the most new tokens "
-            "a reply written at an eval takes."
-        )

@@ -48,16 +48,14 @@ from zoo.data.chat import (
     Reader,
     cache_settings,
     cached_arrays,
-    check_keys,
     held_out_split,
-    load_encoder,
     trainable_rows,
 )
-from zoo.data.chat_prompts import check_reply_options, held_out_prompts
+from zoo.data.chat_options import ChatOptions
+from zoo.data.chat_prompts import held_out_prompts
 from zoo.data.chat_tokens import Encoder, LossOn, RowProblem
 from zoo.data.conversations import (
     ASSISTANT,
-    DEFAULT_ROLES,
     BadRow,
     Conversation,
     Row,
@@ -67,7 +65,6 @@ from zoo.data.conversations import (
     part,
     read_rows,
 )
-from zoo.data.image_examples import OnError
 from zoo.data.text import LENGTH, TOKENS
 
 from zoo.plugin import LOSS_MASK, Batch, ExampleSource, Splits, register_data
@@ -271,61 +268,41 @@ def preference(
     # A JSON Lines (`.jsonl`, `.json`) or Parquet file of preference pairs, a folder of them, or
     # a folder with `train/` and `val/` folders of them (required).
     path: str | None = None,
-    # The checkpoint's `tokenizer.json` or its directory (`finetune.init_from` sets it).
-    tokenizer: str | None = None,
-    # The directory whose chat template renders the pairs; null: the tokenizer's.
-    template: str | None = None,
     # The column of prompts: text (a user's message) or messages; a row without one: the
     # messages its chosen and rejected conversations open with alike.
     prompt: str = "prompt",
     chosen: str = "chosen",  # the column of preferred replies: text or messages
     rejected: str = "rejected",  # the column of dispreferred replies: text or messages
-    # The roles a message may have; another is a bad row.
-    roles: list[str] = list(DEFAULT_ROLES),  # noqa: B006  (a config default, never mutated)
-    # Lengths a batch is padded to (the smallest that holds its longest sequence); longer pairs
-    # are cut to the largest.
-    buckets: list[int] = [128, 256, 512, 1024],  # noqa: B006  (a config default, never mutated)
-    # Share of the pairs held out for evaluation when there is no `val/` folder.
-    eval_fraction: float = 0.1,
-    # A row that is no pair: `skip` it with a warning, or `raise`: stop, naming them all.
-    on_error: OnError = OnError.skip,
-    # Variables the chat template reads besides the messages (e.g. {enable_thinking: false}).
-    template_kwargs: Any = None,
-    # Held-out prompts whose replies each eval writes to TensorBoard's text tab (0: none).
-    eval_replies: int = 3,
-    # The most new tokens a reply written at an eval takes.
-    eval_reply_tokens: int = 64,
+    *,
+    options: ChatOptions,
 ) -> Splits:
     """Preference pairs rendered with a checkpoint's chat template, each a chosen and a rejected
     sequence with a loss mask over its reply (see the module's doc); one pair to a row."""
-    check_keys(buckets, eval_fraction, roles, PAIRS)
-    check_reply_options(eval_replies, eval_reply_tokens)
-    file, encoder = load_encoder(tokenizer, template, LossOn.completion, template_kwargs, PAIRS)
+    file, encoder = options.encoder(LossOn.completion, PAIRS)
     columns = PreferenceColumns(prompt, chosen, rejected)
+    roles = options.roles
     settings = cache_settings(file, encoder, columns, roles)
     load = functools.partial(
         encoded_pairs, encoder=encoder, settings=settings, columns=columns, roles=roles
     )
     train_files, val_files = conversation_files(path, PAIRS)
     train, train_rows, test, test_rows = held_out_split(
-        Reader(path, load, PAIRS), train_files, val_files, eval_fraction, on_error
+        Reader(path, load, PAIRS), train_files, val_files, options
     )
-    longest = max(buckets)
+    longest = max(options.buckets)
     held = trainable_rows(test, test_rows, longest, "held-out", PAIRS)
     trained = trainable_rows(train, train_rows, longest, "training", PAIRS)
     return Splits(
         train=PairExamples(train, trained, longest),
         eval=PairExamples(test, held, longest),
-        transform=ChatPadding(list(buckets)),
+        transform=ChatPadding(list(options.buckets)),
         tokenizer=encoder.tokenizer,
         prompts=held_out_prompts(
             [test.wheres[r] for r in held],
             val_files or train_files,
             encoder,
             columns,
-            roles,
-            eval_replies,
-            eval_reply_tokens,
+            options,
             longest,
             parse=_chosen,
         ),

@@ -40,15 +40,13 @@ from zoo.data.chat import (
     Reader,
     cache_settings,
     cached_arrays,
-    check_keys,
     held_out_split,
-    load_encoder,
 )
-from zoo.data.chat_prompts import check_reply_options, held_out_prompts, prompt_ids
+from zoo.data.chat_options import ChatOptions
+from zoo.data.chat_prompts import held_out_prompts, prompt_ids
 from zoo.data.chat_tokens import Encoder, LossOn
 from zoo.data.conversations import (
     ASSISTANT,
-    DEFAULT_ROLES,
     BadRow,
     Conversation,
     Row,
@@ -58,7 +56,6 @@ from zoo.data.conversations import (
     part,
     read_rows,
 )
-from zoo.data.image_examples import OnError
 from zoo.data.text import LENGTH, TOKENS
 
 from zoo.plugin import Batch, ExampleSource, Splits, ZooError, register_data
@@ -253,34 +250,16 @@ def prompts(
     # A JSON Lines (`.jsonl`, `.json`) or Parquet file of prompts, a folder of them, or a folder
     # with `train/` and `val/` folders of them (required).
     path: str | None = None,
-    # The checkpoint's `tokenizer.json` or its directory (`finetune.init_from` sets it).
-    tokenizer: str | None = None,
-    # The directory whose chat template renders the prompts; null: the tokenizer's.
-    template: str | None = None,
     prompt: str = "prompt",  # the column of prompts: text (a user's message) or messages
-    # The roles a message may have; another is a bad row.
-    roles: list[str] = list(DEFAULT_ROLES),  # noqa: B006  (a config default, never mutated)
-    # Lengths a batch of prompts is padded to (the smallest that holds its longest prompt); a
-    # longer prompt is a bad row.
-    buckets: list[int] = [128, 256, 512, 1024],  # noqa: B006  (a config default, never mutated)
-    # Share of the prompts held out for evaluation when there is no `val/` folder.
-    eval_fraction: float = 0.1,
-    # A row that is no prompt: `skip` it with a warning, or `raise`: stop, naming them all.
-    on_error: OnError = OnError.skip,
-    # Variables the chat template reads besides the messages (e.g. {enable_thinking: false}).
-    template_kwargs: Any = None,
-    # Held-out prompts whose replies each eval writes to TensorBoard's text tab (0: none).
-    eval_replies: int = 3,
-    # The most new tokens a reply written at an eval takes.
-    eval_reply_tokens: int = 64,
+    *,
+    options: ChatOptions,
 ) -> Splits:
     """Prompts rendered with a checkpoint's chat template and the opening of the assistant's
     turn, each with its row's other columns for reward functions (see the module's doc)."""
-    check_keys(buckets, eval_fraction, roles, PROMPTS)
-    check_reply_options(eval_replies, eval_reply_tokens)
-    file, encoder = load_encoder(tokenizer, template, LossOn.completion, template_kwargs, PROMPTS)
+    file, encoder = options.encoder(LossOn.completion, PROMPTS)
     columns = PromptColumns(prompt)
-    longest = max(buckets)
+    roles = options.roles
+    longest = max(options.buckets)
     load = functools.partial(
         encoded_prompts,
         encoder=encoder,
@@ -291,24 +270,23 @@ def prompts(
     )
     train_files, val_files = conversation_files(path, PROMPTS)
     train, train_rows, test, test_rows = held_out_split(
-        Reader(path, load, PROMPTS), train_files, val_files, eval_fraction, on_error
+        Reader(path, load, PROMPTS), train_files, val_files, options
     )
     train_split = PromptExamples(train, train_rows, longest)
     eval_split = PromptExamples(test, test_rows, longest)
     return Splits(
         train=train_split,
         eval=eval_split,
-        transform=PromptPadding(buckets),
+        transform=PromptPadding(options.buckets),
         tokenizer=encoder.tokenizer,
         prompts=held_out_prompts(
             [test.wheres[r] for r in test_rows],
             val_files or train_files,
             encoder,
             columns,
-            roles,
-            eval_replies,
-            eval_reply_tokens,
-            longest + eval_reply_tokens,  # every prompt fits the largest bucket: a full reply
+            options,
+            longest
+            + options.eval_reply_tokens,  # every prompt fits the largest bucket: a full reply
             parse=as_conversation,
         ),
         records={"train": train_split.records(), "eval": eval_split.records()},

@@ -17,12 +17,13 @@ import pyarrow.parquet as pq
 import pytest
 from flax import nnx
 from helpers import ROOT
-from zoo.data.chat import chat
 from zoo.data.chat_tokens import Encoder
 from zoo.data.conversations import DEFAULT_ROLES, Columns, conversation
 from zoo.data.text import load_tokenizer
 from zoo.engine.errors import ZooError
 from zoo.models.language_model import language_model_loss
+
+import zoo
 
 TEMPLATES = ROOT / "tests" / "fixtures" / "chat_templates"
 TOKENIZER = ROOT / "tests" / "fixtures" / "pretrained" / "qwen3-tiny" / "tokenizer.json"
@@ -186,8 +187,10 @@ def test_loss_on_the_last_reply_or_everything(name, loss_on, replies, checkpoint
 @pytest.mark.parametrize("name", ["qwen2.5-instruct", "chatml-generation"])
 def test_a_prompt_and_completion_trains_the_completion(name, checkpoints, tmp_path):
     rows = [{"prompt": "2+2?", "completion": "4"}] * 3
-    splits = chat(
-        path=str(write_jsonl(tmp_path / "pairs.jsonl", rows)), tokenizer=str(checkpoints[name])
+    splits = zoo.load_data(
+        "chat",
+        path=str(write_jsonl(tmp_path / "pairs.jsonl", rows)),
+        tokenizer=str(checkpoints[name]),
     )
     ids, trained = row(splits)
     encoder = Encoder.load(checkpoints[name], splits.tokenizer, "assistant")
@@ -225,7 +228,7 @@ def with_bad_rows(tmp_path) -> Path:
 
 def test_bad_rows_are_named_and_skipped(with_bad_rows, checkpoints, caplog):
     with caplog.at_level(logging.WARNING, logger="zoo"):
-        splits = chat(path=str(with_bad_rows), tokenizer=str(checkpoints["qwen3"]))
+        splits = zoo.load_data("chat", path=str(with_bad_rows), tokenizer=str(checkpoints["qwen3"]))
     warned = [r.getMessage() for r in caplog.records]
     for line, reason in REASONS:
         assert sum(f"Skipping {with_bad_rows}:{line}: it {reason}" in w for w in warned) == 1
@@ -235,7 +238,9 @@ def test_bad_rows_are_named_and_skipped(with_bad_rows, checkpoints, caplog):
 
 def test_bad_rows_are_refused_by_name(with_bad_rows, checkpoints):
     with pytest.raises(ZooError) as refused:
-        chat(path=str(with_bad_rows), tokenizer=str(checkpoints["qwen3"]), on_error="raise")
+        zoo.load_data(
+            "chat", path=str(with_bad_rows), tokenizer=str(checkpoints["qwen3"]), on_error="raise"
+        )
     message = str(refused.value)
     assert "6 of the 13 rows" in message and "data.on_error=raise" in message
     assert all(f"{with_bad_rows}:{line} {reason}" in message for line, reason in REASONS)
@@ -245,8 +250,10 @@ def test_a_file_without_the_columns_is_refused_and_columns_are_named(tmp_path, c
     rows = [{"conversations": r["messages"]} for r in conversations(4)]
     file = write_jsonl(tmp_path / "other.jsonl", rows)
     with pytest.raises(ZooError, match=r"holds no column data=chat reads.*'conversations'"):
-        chat(path=str(file), tokenizer=str(checkpoints["qwen3"]))
-    named = chat(path=str(file), tokenizer=str(checkpoints["qwen3"]), messages="conversations")
+        zoo.load_data("chat", path=str(file), tokenizer=str(checkpoints["qwen3"]))
+    named = zoo.load_data(
+        "chat", path=str(file), tokenizer=str(checkpoints["qwen3"]), messages="conversations"
+    )
     assert len(named.train) + len(named.eval) == 4
 
 
@@ -259,8 +266,8 @@ def test_parquet_folders_and_jsonl_give_the_same_tokens(tmp_path, checkpoints):
     single = write_jsonl(tmp_path / "all.jsonl", rows)
     tokenizer = str(checkpoints["llama-3.1-instruct"])
     from_folder, from_file = (
-        chat(path=str(folder), tokenizer=tokenizer),
-        chat(path=str(single), tokenizer=tokenizer),
+        zoo.load_data("chat", path=str(folder), tokenizer=tokenizer),
+        zoo.load_data("chat", path=str(single), tokenizer=tokenizer),
     )
 
     def all_rows(splits):
@@ -277,16 +284,16 @@ def test_parquet_folders_and_jsonl_give_the_same_tokens(tmp_path, checkpoints):
 def test_held_out_rows_and_val_folders(tmp_path, checkpoints):
     tokenizer = str(checkpoints["qwen3"])
     file = write_jsonl(tmp_path / "c.jsonl", conversations(40))
-    splits = chat(path=str(file), tokenizer=tokenizer, eval_fraction=0.25)
+    splits = zoo.load_data("chat", path=str(file), tokenizer=tokenizer, eval_fraction=0.25)
     held = {splits.eval.encoded.wheres[r] for r in splits.eval.rows}
     trained = {splits.train.encoded.wheres[r] for r in splits.train.rows}
     assert not held & trained and len(held | trained) == 40 and 3 <= len(held) <= 18
-    again = chat(path=str(file), tokenizer=tokenizer, eval_fraction=0.25)
+    again = zoo.load_data("chat", path=str(file), tokenizer=tokenizer, eval_fraction=0.25)
     assert {again.eval.encoded.wheres[r] for r in again.eval.rows} == held
     for split, count in (("train", 5), ("val", 2)):
         (tmp_path / "split" / split).mkdir(parents=True)
         write_jsonl(tmp_path / "split" / split / "x.jsonl", conversations(count))
-    splits = chat(path=str(tmp_path / "split"), tokenizer=tokenizer)
+    splits = zoo.load_data("chat", path=str(tmp_path / "split"), tokenizer=tokenizer)
     assert (len(splits.train), len(splits.eval)) == (5, 2)
 
 
@@ -294,7 +301,7 @@ def test_the_split_is_the_same_wherever_the_data_lies(tmp_path, checkpoints, mon
     tokenizer = str(checkpoints["qwen3"])
 
     def held_lines(path: str) -> set[str]:
-        splits = chat(path=path, tokenizer=tokenizer, eval_fraction=0.25)
+        splits = zoo.load_data("chat", path=path, tokenizer=tokenizer, eval_fraction=0.25)
         return {splits.eval.encoded.wheres[r].rsplit(":", 1)[1] for r in splits.eval.rows}
 
     (tmp_path / "a").mkdir()
@@ -313,22 +320,24 @@ def test_the_split_is_the_same_wherever_the_data_lies(tmp_path, checkpoints, mon
 def test_tokenised_once_and_cached(tmp_path, checkpoints, cache, monkeypatch):
     file = write_jsonl(tmp_path / "c.jsonl", conversations(5))
     tokenizer = str(checkpoints["qwen3"])
-    first = chat(path=str(file), tokenizer=tokenizer)
+    first = zoo.load_data("chat", path=str(file), tokenizer=tokenizer)
     assert len(list((cache / "chat").glob("*.npz"))) == 1
 
     def never(*_):
         raise AssertionError("rendered again")
 
     monkeypatch.setattr(Encoder, "encode", never)
-    again = chat(path=str(file), tokenizer=tokenizer)
+    again = zoo.load_data("chat", path=str(file), tokenizer=tokenizer)
     np.testing.assert_array_equal(again.train.encoded.ids, first.train.encoded.ids)
     with pytest.raises(AssertionError, match="rendered again"):  # another loss_on: a new entry
-        chat(path=str(file), tokenizer=tokenizer, loss_on="all")
+        zoo.load_data("chat", path=str(file), tokenizer=tokenizer, loss_on="all")
 
 
 def test_batches_are_padded_to_a_bucket_with_the_mask(tmp_path, checkpoints):
     file = write_jsonl(tmp_path / "c.jsonl", conversations(8))
-    splits = chat(path=str(file), tokenizer=str(checkpoints["qwen3"]), buckets=[16, 64, 128])
+    splits = zoo.load_data(
+        "chat", path=str(file), tokenizer=str(checkpoints["qwen3"]), buckets=[16, 64, 128]
+    )
     batch = splits.train.examples(np.arange(2), None, 0)
     shaped = {**batch, **splits.transform(batch)}
     assert shaped["tokens"].shape == (2, 65) and shaped["loss_mask"].shape == (2, 64)
@@ -353,7 +362,9 @@ def test_replies_cut_off_by_the_longest_bucket_are_skipped(tmp_path, checkpoints
     # The split draws by "c.jsonl:<line>": line 1 is held out, the long row (line 7) trains.
     file = write_jsonl(tmp_path / "c.jsonl", conversations(6) + rows)
     with caplog.at_level(logging.WARNING, logger="zoo"):
-        splits = chat(path=str(file), tokenizer=str(checkpoints["qwen3"]), buckets=[64])
+        splits = zoo.load_data(
+            "chat", path=str(file), tokenizer=str(checkpoints["qwen3"]), buckets=[64]
+        )
     assert len(splits.train) + len(splits.eval) == 6
     assert any(
         "no token that carries loss is among their first 65" in r.getMessage()
@@ -394,6 +405,9 @@ def test_bad_parquet_rows_are_named_by_row(tmp_path, checkpoints):
     rows = [*conversations(4), {"messages": [{"role": "", "content": "x"}]}, *conversations(2)]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "c.parquet")
     with pytest.raises(ZooError, match=r"c\.parquet row 4 has 'messages'\[0\] without a role"):
-        chat(
-            path=str(tmp_path / "c.parquet"), tokenizer=str(checkpoints["qwen3"]), on_error="raise"
+        zoo.load_data(
+            "chat",
+            path=str(tmp_path / "c.parquet"),
+            tokenizer=str(checkpoints["qwen3"]),
+            on_error="raise",
         )

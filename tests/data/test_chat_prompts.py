@@ -9,10 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers import ROOT
-from zoo.data.chat import chat
 from zoo.data.chat_template import ChatTemplate, end_of_turn_ids
 from zoo.data.text import load_tokenizer
 from zoo.engine.errors import ZooError
+
+import zoo
 
 CHECKPOINT = ROOT / "tests" / "fixtures" / "pretrained" / "qwen3-chat"
 TWO_TURNS = [
@@ -57,7 +58,9 @@ def rendered(messages: list, **kwargs) -> str:
 
 
 def test_the_prompts_are_the_held_out_conversations_before_their_last_reply(data):
-    splits = chat(path=str(data), tokenizer=str(CHECKPOINT), buckets=[64, 128], eval_replies=3)
+    splits = zoo.load_data(
+        "chat", path=str(data), tokenizer=str(CHECKPOINT), buckets=[64, 128], eval_replies=3
+    )
     prompts = splits.prompts()
     tokenizer = load_tokenizer(CHECKPOINT / "tokenizer.json")
     user = {"role": "user", "content": "Name a prime above 5."}
@@ -78,7 +81,9 @@ def test_the_prompts_are_the_held_out_conversations_before_their_last_reply(data
 
 def test_the_count_and_the_reply_length_are_options(data):
     def prompts(**options):
-        return chat(path=str(data), tokenizer=str(CHECKPOINT), buckets=[128], **options).prompts()
+        return zoo.load_data(
+            "chat", path=str(data), tokenizer=str(CHECKPOINT), buckets=[128], **options
+        ).prompts()
 
     assert prompts(eval_replies=0) == []
     (one,) = prompts(eval_replies=1, eval_reply_tokens=5)
@@ -94,8 +99,8 @@ def test_template_kwargs_reach_the_template_and_the_cache_key(data, cache):
     # of a conversation of two can be found.
     options = {"path": str(data), "tokenizer": str(CHECKPOINT), "loss_on": "completion"}
     off = {"enable_thinking": False}
-    default = chat(**options, eval_replies=1)
-    thinking_off = chat(**options, eval_replies=1, template_kwargs=off)
+    default = zoo.load_data("chat", **options, eval_replies=1)
+    thinking_off = zoo.load_data("chat", **options, eval_replies=1, template_kwargs=off)
     (prompt,), (prompt_off,) = default.prompts(), thinking_off.prompts()
     assert prompt_off.text == rendered(TWO_TURNS[:3], **off) != prompt.text
     assert prompt_off.text.endswith("<think>\n\n</think>\n\n")
@@ -117,4 +122,4 @@ def test_template_kwargs_reach_the_template_and_the_cache_key(data, cache):
 )
 def test_bad_options_are_refused_by_name(data, options, match):
     with pytest.raises(ZooError, match=match):
-        chat(path=str(data), tokenizer=str(CHECKPOINT), **options)
+        zoo.load_data("chat", path=str(data), tokenizer=str(CHECKPOINT), **options)

@@ -11,7 +11,6 @@ import math
 import numpy as np
 import pytest
 from helpers import ROOT, overriding
-from zoo.data.chat import chat
 from zoo.data.packing import first_fit, pack
 from zoo.engine.errors import ZooError
 from zoo.engine.loop.trainer import Trainer
@@ -83,7 +82,7 @@ def conversations(tmp_path):
 
 def test_every_training_conversation_is_packed_once(conversations):
     kwargs = {"path": str(conversations), "tokenizer": str(CHECKPOINT), "buckets": [128, 512]}
-    plain, packed = chat(**kwargs), chat(**kwargs, packing=True)
+    plain, packed = zoo.load_data("chat", **kwargs), zoo.load_data("chat", **kwargs, packing=True)
     assert len(packed.train) < len(plain.train) / 3
     assert len(packed.eval) == len(plain.eval)  # held out as it is: evaluated one to a row
     batch = packed.train.examples(np.arange(len(packed.train)), None, 0)
@@ -112,7 +111,7 @@ def test_every_training_conversation_is_packed_once(conversations):
     assert len(packed.train) <= math.ceil(real / 512) + 1
     shaped = packed.transform(batch)
     assert shaped["tokens"].shape[1] - 1 == shaped["segment_ids"].shape[1] == 512
-    again = chat(**kwargs, packing=True).train.packs  # the same rows on every run
+    again = zoo.load_data("chat", **kwargs, packing=True).train.packs  # the same rows on every run
     assert [p.tolist() for p in again] == [p.tolist() for p in packed.train.packs]
 
 

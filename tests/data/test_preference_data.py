@@ -15,12 +15,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from helpers import ROOT
-from zoo.data.chat import chat
 from zoo.data.chat_tokens import Encoder
-from zoo.data.preference import preference
 from zoo.data.text import load_tokenizer
 from zoo.engine.errors import ZooError
 from zoo.engine.pipeline import batches as pipeline
+
+import zoo
 
 CHECKPOINT = ROOT / "tests" / "fixtures" / "pretrained" / "qwen25-chat"
 END = "<|im_end|>"
@@ -111,7 +111,7 @@ def test_each_format_renders_the_prompt_with_each_reply(tmp_path, encoder):
     write_jsonl(folder / "a.jsonl", [TEXT, CONVERSATIONAL, {**IMPLICIT, "source": "ignored"}])
     pq.write_table(pa.Table.from_pylist([CONVERSATIONAL, CONVERSATIONAL]), folder / "b.parquet")
     pq.write_table(pa.Table.from_pylist([IMPLICIT, IMPLICIT]), folder / "c.parquet")
-    pairs = pairs_by_name(preference(path=str(folder), tokenizer=str(CHECKPOINT)))
+    pairs = pairs_by_name(zoo.load_data("preference", path=str(folder), tokenizer=str(CHECKPOINT)))
     assert len(pairs) == 7
     for where, (prompt, replies) in EXPECTED.items():
         asked = len(ids_of(encoder, encoder.render(prompt, add_generation_prompt=True)))
@@ -135,7 +135,9 @@ ON = {"tokenizer": str(CHECKPOINT), "buckets": [256]}
 
 def test_the_masks_are_chats_on_the_last_reply(tmp_path):
     rows = [TEXT, CONVERSATIONAL, IMPLICIT, *texts(5)]
-    splits = preference(path=str(write_jsonl(tmp_path / "p" / "pairs.jsonl", rows)), **ON)
+    splits = zoo.load_data(
+        "preference", path=str(write_jsonl(tmp_path / "p" / "pairs.jsonl", rows)), **ON
+    )
     pairs = {
         line: example
         for source in (splits.train, splits.eval)
@@ -148,7 +150,8 @@ def test_the_masks_are_chats_on_the_last_reply(tmp_path):
             else {"prompt": r["prompt"], "completion": r[reply]}
             for r in rows
         ]
-        conversations = chat(
+        conversations = zoo.load_data(
+            "chat",
             path=str(write_jsonl(tmp_path / reply / "pairs.jsonl", as_chat)),
             loss_on="completion",
             **ON,
@@ -228,7 +231,7 @@ def reasons(file: str) -> list[str]:
 
 def test_bad_rows_are_named_and_skipped(with_bad_rows, caplog):
     with caplog.at_level(logging.WARNING, logger="zoo"):
-        splits = preference(**with_bad_rows)
+        splits = zoo.load_data("preference", **with_bad_rows)
     warned = [r.getMessage() for r in caplog.records]
     for reason in reasons(with_bad_rows["path"]):
         where, said = reason.split(" ", 1)
@@ -239,7 +242,7 @@ def test_bad_rows_are_named_and_skipped(with_bad_rows, caplog):
 
 def test_bad_rows_are_refused_by_name(with_bad_rows):
     with pytest.raises(ZooError) as refused:
-        preference(**with_bad_rows, on_error="raise")
+        zoo.load_data("preference", **with_bad_rows, on_error="raise")
     message = str(refused.value)
     assert "9 of the 16 rows" in message and "no preference pair to train on" in message
     assert all(reason in message for reason in reasons(with_bad_rows["path"]))
@@ -254,7 +257,9 @@ def test_batches_are_padded_to_the_bucket_of_either_sides_longest(tmp_path, capl
     write_jsonl(tmp_path / "val" / "held.jsonl", [short, longer])
     write_jsonl(tmp_path / "train" / "p.jsonl", [short, cut, {**TEXT, "prompt": "word " * 60}])
     with caplog.at_level(logging.WARNING, logger="zoo"):
-        splits = preference(path=str(tmp_path), tokenizer=str(CHECKPOINT), buckets=[160, 96, 256])
+        splits = zoo.load_data(
+            "preference", path=str(tmp_path), tokenizer=str(CHECKPOINT), buckets=[160, 96, 256]
+        )
     assert "Skipped 1 of the 3 training preference pairs" in caplog.text
     assert f"{tmp_path / 'train' / 'p.jsonl'}:3" in caplog.text
     # One pair a batch: each is padded to its own bucket.
@@ -280,13 +285,16 @@ def test_batches_are_padded_to_the_bucket_of_either_sides_longest(tmp_path, capl
 
 def test_held_out_rows_by_name_as_chat_holds_them_out(tmp_path):
     file = write_jsonl(tmp_path / "a" / "p.jsonl", texts(40))
-    splits = preference(path=str(file), tokenizer=str(CHECKPOINT), eval_fraction=0.25)
+    splits = zoo.load_data(
+        "preference", path=str(file), tokenizer=str(CHECKPOINT), eval_fraction=0.25
+    )
     held = {splits.eval.pairs.wheres[r] for r in splits.eval.rows}
     trained = {splits.train.pairs.wheres[r] for r in splits.train.rows}
     assert not held & trained and len(held | trained) == 40 and 3 <= len(held) <= 18
     # A row's name (the file's and its line) draws its side: data=chat's on the same name.
     rows = [{"prompt": r["prompt"], "completion": r["chosen"]} for r in texts(40)]
-    chats = chat(
+    chats = zoo.load_data(
+        "chat",
         path=str(write_jsonl(tmp_path / "b" / "p.jsonl", rows)),
         tokenizer=str(CHECKPOINT),
         eval_fraction=0.25,
@@ -294,15 +302,19 @@ def test_held_out_rows_by_name_as_chat_holds_them_out(tmp_path):
     assert {name(w) for w in held} == {name(chats.eval.encoded.wheres[r]) for r in chats.eval.rows}
     write_jsonl(tmp_path / "split" / "train" / "x.jsonl", texts(5))
     write_jsonl(tmp_path / "split" / "val" / "x.jsonl", texts(2))
-    splits = preference(path=str(tmp_path / "split"), tokenizer=str(CHECKPOINT))
+    splits = zoo.load_data("preference", path=str(tmp_path / "split"), tokenizer=str(CHECKPOINT))
     assert (len(splits.train), len(splits.eval)) == (5, 2)
 
 
 def test_held_out_prompts_are_asked_and_answered_with_the_chosen_reply(tmp_path, encoder):
     write_jsonl(tmp_path / "train" / "p.jsonl", texts(3))
     write_jsonl(tmp_path / "val" / "p.jsonl", [CONVERSATIONAL, IMPLICIT, TEXT])
-    splits = preference(
-        path=str(tmp_path), tokenizer=str(CHECKPOINT), eval_replies=2, eval_reply_tokens=5
+    splits = zoo.load_data(
+        "preference",
+        path=str(tmp_path),
+        tokenizer=str(CHECKPOINT),
+        eval_replies=2,
+        eval_reply_tokens=5,
     )
     prompts = splits.prompts()
     assert [p.reference for p in prompts] == ["Seven.", "See you."]
@@ -313,17 +325,17 @@ def test_held_out_prompts_are_asked_and_answered_with_the_chosen_reply(tmp_path,
 
 def test_tokenised_once_into_the_cache(tmp_path, cache, monkeypatch):
     file = write_jsonl(tmp_path / "p.jsonl", [TEXT, IMPLICIT, *texts(3)])
-    first = preference(path=str(file), tokenizer=str(CHECKPOINT))
+    first = zoo.load_data("preference", path=str(file), tokenizer=str(CHECKPOINT))
     assert len(list((cache / "preference").glob("*.npz"))) == 1
 
     def never(*_):
         raise AssertionError("rendered again")
 
     monkeypatch.setattr(Encoder, "encode", never)
-    again = preference(path=str(file), tokenizer=str(CHECKPOINT))
+    again = zoo.load_data("preference", path=str(file), tokenizer=str(CHECKPOINT))
     for side in ("chosen", "rejected"):
         np.testing.assert_array_equal(
             getattr(again.train.pairs, side).ids, getattr(first.train.pairs, side).ids
         )
     with pytest.raises(AssertionError, match="rendered again"):  # other columns: a new entry
-        preference(path=str(file), tokenizer=str(CHECKPOINT), prompt="question")
+        zoo.load_data("preference", path=str(file), tokenizer=str(CHECKPOINT), prompt="question")

@@ -15,9 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from helpers import ROOT
-from zoo.data.chat import chat
 from zoo.data.chat_tokens import Encoder
-from zoo.data.prompts import prompts
 from zoo.data.text import load_tokenizer
 from zoo.engine.errors import ZooError
 from zoo.engine.pipeline import batches as pipeline
@@ -238,7 +236,7 @@ def test_bad_rows_are_named_and_skipped(with_bad_rows, caplog):
 
 def test_bad_rows_are_refused_by_name(with_bad_rows):
     with pytest.raises(ZooError) as refused:
-        prompts(**with_bad_rows, on_error="raise")
+        zoo.load_data("prompts", **with_bad_rows, on_error="raise")
     message = str(refused.value)
     assert "10 of the 17 rows" in message and "no prompt to train on" in message
     assert all(reason in message for reason in reasons(with_bad_rows["path"]))
@@ -252,7 +250,8 @@ def test_held_out_rows_by_name_as_chat_holds_them_out(tmp_path):
     assert not held & trained and len(held | trained) == 40 and 3 <= len(held) <= 18
     # A row's name (the file's and its line) draws its side: data=chat's on the same name.
     rows = [{"prompt": r["prompt"], "completion": r["answer"]} for r in questions(40)]
-    chats = chat(
+    chats = zoo.load_data(
+        "chat",
         path=str(write_jsonl(tmp_path / "b" / "p.jsonl", rows)),
         tokenizer=str(CHECKPOINT),
         eval_fraction=0.25,

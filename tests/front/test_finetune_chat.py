@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 from helpers import ROOT, read_events, run_cli, scalar_steps
 from omegaconf import OmegaConf
-from zoo.data.chat import chat
 
 import zoo
 from zoo.plugin import LOSS_MASK
@@ -111,7 +110,7 @@ def test_the_held_out_loss_tokens_are_the_real_examples(finetuned):
     """The eval batch of 8 holds the few held-out conversations and padding rows, which count
     for nothing."""
     data = OmegaConf.to_container(finetuned.config.data)
-    held_out = chat(**{k: v for k, v in data.items() if k != "name"}).eval
+    held_out = zoo.load_data("chat", **{k: v for k, v in data.items() if k != "name"}).eval
     assert 0 < len(held_out) < 8
     batch = held_out.examples(np.arange(len(held_out)), None, 0)
     assert finetuned.eval_metrics["loss_tokens"] == batch[LOSS_MASK].sum()
