@@ -150,11 +150,13 @@ class Rollouts:
 
 
 def _sequences(ids, done, prompt_width: int, options: GRPOOptions) -> dict[str, np.ndarray]:
-    """Prompt and completion end to end [N, T + 1] (T + 1: the prompts' width and the most
-    tokens a completion has), the real targets of each, and the mask of the targets that are
-    the completion's [N, T]; a truncated completion's mask is empty with
-    `mask_truncated_completions`."""
-    width = prompt_width + options.max_completion_length
+    """Prompt and completion end to end [N, T + 1], the real targets of each, and the mask of
+    the targets that are the completion's [N, T]; a truncated completion's mask is empty with
+    `mask_truncated_completions`. T + 1 holds the longest prompt and the most tokens a
+    completion has, rounded up to a power of two (so that a few widths compile), at most the
+    prompts' padded width and those tokens."""
+    longest = max(len(prompt) for prompt in ids) + options.max_completion_length
+    width = min(prompt_width + options.max_completion_length, 1 << (longest - 1).bit_length())
     tokens = np.zeros((len(ids), width), np.int32)
     mask = np.zeros((len(ids), width - 1), np.uint8)
     length = np.zeros(len(ids), np.int32)
