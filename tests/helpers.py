@@ -4,6 +4,7 @@ comparing states bit for bit."""
 from __future__ import annotations
 
 import glob
+import json
 import os
 import subprocess
 import sys
@@ -129,3 +130,10 @@ def overriding(*overrides: str) -> list[str]:
         merged.pop(key, None)
         merged[key] = override
     return list(merged.values())
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    """`rows` as a JSON Lines file at `path` (its folders made), as users write them."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path

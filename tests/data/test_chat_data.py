@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from flax import nnx
-from helpers import ROOT
+from helpers import ROOT, write_jsonl
 from zoo.data.chat_tokens import Encoder
 from zoo.data.conversations import DEFAULT_ROLES, Columns, conversation
 from zoo.data.text import load_tokenizer
@@ -62,6 +62,8 @@ REPLIES = {
     "chatml-generation": ["Hello!<|im_end|>", "See you.<|im_end|>"],
 }
 
+pytestmark = pytest.mark.usefixtures("cache")  # a data cache of its own
+
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
@@ -81,17 +83,6 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
             (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": ids}))
         made[name] = directory
     return made
-
-
-@pytest.fixture(autouse=True)
-def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("ZOO_DATA_DIR", str(tmp_path / "cache"))
-    return tmp_path / "cache"
-
-
-def write_jsonl(path: Path, rows: list) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    return path
 
 
 def conversations(count: int) -> list[dict]:

@@ -23,11 +23,7 @@ TWO_TURNS = [
     {"role": "assistant", "content": "Seven."},
 ]
 
-
-@pytest.fixture(autouse=True)
-def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("ZOO_DATA_DIR", str(tmp_path / "cache"))
-    return tmp_path / "cache"
+pytestmark = pytest.mark.usefixtures("cache")  # a data cache of its own
 
 
 @pytest.fixture

@@ -19,10 +19,7 @@ import zoo
 
 CHECKPOINT = ROOT / "tests" / "fixtures" / "pretrained" / "qwen25-chat"
 
-
-@pytest.fixture(autouse=True)
-def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("ZOO_DATA_DIR", str(tmp_path / "cache"))
+pytestmark = pytest.mark.usefixtures("cache")  # a data cache of its own
 
 
 def naive_first_fit(sizes, capacity) -> list[int]:

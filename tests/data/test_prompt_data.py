@@ -14,9 +14,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from helpers import ROOT
+from helpers import ROOT, write_jsonl
 from zoo.data.chat_tokens import Encoder
-from zoo.data.text import load_tokenizer
 from zoo.engine.errors import ZooError
 from zoo.engine.pipeline import batches as pipeline
 
@@ -25,6 +24,8 @@ import zoo
 CHECKPOINT = ROOT / "tests" / "fixtures" / "pretrained" / "qwen25-chat"
 SYSTEM = "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 """The system turn Qwen 2.5's template writes when a prompt has none."""
+
+pytestmark = pytest.mark.usefixtures("cache")  # a data cache of its own
 
 
 def user(text: str) -> dict:
@@ -53,23 +54,6 @@ PARQUET = [
 CONVERSATIONAL_PARQUET = [
     {"prompt": [user(f"Name {i} primes.")], "solution": [2, 3]} for i in range(3)
 ]
-
-
-@pytest.fixture(autouse=True)
-def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("ZOO_DATA_DIR", str(tmp_path / "cache"))
-    return tmp_path / "cache"
-
-
-@pytest.fixture(scope="module")
-def encoder() -> Encoder:
-    return Encoder.load(CHECKPOINT, load_tokenizer(CHECKPOINT), "completion")
-
-
-def write_jsonl(path: Path, rows: list) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    return path
 
 
 def questions(count: int, start: int = 0) -> list[dict]:
