@@ -11,8 +11,9 @@ import numpy as np
 from flax import nnx
 
 from zoo.engine import pipeline, registry, sharding
+from zoo.engine.errors import ZooError
 from zoo.engine.loop import evaluate_batches
-from zoo.engine.posttraining import training_objective
+from zoo.engine.posttraining import GRPO, method_of, training_objective
 from zoo.engine.steps import eval_key, make_eval_step
 from zoo.inputs import Reads, check_columns, check_loss_traced
 from zoo.trained import Trained, resolved_hparams
@@ -27,8 +28,17 @@ def evaluate(
     registered data set's eval split, the eval split of `Splits` (with its `transform`), or
     columns / a random-access source as the model takes them. Data the model cannot read (a
     column missing or misnamed, strings, examples of a shape it cannot take) is refused by
-    name before the model runs."""
+    name before the model runs. A reward fine-tune (`finetune.method=grpo`) is evaluated on
+    completions it samples, which its run does at each eval (`val/` metrics), not here."""
     config = trained.config
+    if method_of(config.finetune) == GRPO:
+        raise ZooError(
+            f"The run in {trained.workdir} is a reward fine-tune (finetune.method=grpo): its "
+            "eval samples completions of held-out prompts and scores them with the run's reward "
+            "functions, which zoo.evaluate does not; its held-out rewards at each eval are "
+            "in its TensorBoard events (val/reward, val/rewards/...) and, for the last, in "
+            "RunResult.eval_metrics."
+        )
     transform = None
     if isinstance(data, str):
         data = registry.get_data(data).splits({})

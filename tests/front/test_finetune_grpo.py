@@ -70,6 +70,12 @@ def test_grpo_raises_the_held_out_reward(learned):
     assert learned.config.finetune.grpo.rewards == ["python:test_finetune_grpo.vowels"]
 
 
+def test_zoo_evaluate_refuses_a_reward_run_by_name(learned, prompt_file):
+    with pytest.raises(ZooError, match="finetune.method=grpo") as refused:
+        zoo.evaluate(learned, "prompts")
+    assert "val/reward" in str(refused.value)
+
+
 def test_tensorboard_shows_what_reward_runs_watch(learned):
     events = read_events(learned.workdir)
     tags = set(events.Tags()["scalars"])
