@@ -99,6 +99,34 @@ def test_tensorboard_shows_what_reward_runs_watch(learned):
     assert "| prompt | completion | vowels |" in table and "Write a word" in table
 
 
+def test_num_iterations_trains_on_each_batch_of_completions_twice(prompt_file, tmp_path):
+    """Steps 1 and 2 train on the completions sampled at step 1 (the ratio of step 2 to the
+    policy that sampled them), steps 3 and 4 on those sampled at step 3."""
+    workdir = tmp_path / "run"
+    zoo.finetune(
+        CHECKPOINT,
+        *SAMPLING,
+        "trainer.steps=4",
+        "trainer.log_every=1",
+        "trainer.checkpoint_every=2",
+        "finetune.grpo.num_iterations=2",
+        "optimizer.learning_rate=1e-2",
+        f"workdir={workdir}",
+        data=prompt_file,
+        method="grpo",
+        rewards=[vowels],
+    )
+    events = read_events(workdir)
+    rewards = scalar_steps(events, "train/reward")
+    lengths = scalar_steps(events, "train/completions/mean_length")
+    assert rewards[1] == rewards[2] != rewards[3] == rewards[4]
+    assert lengths[1] == lengths[2] and lengths[3] == lengths[4]
+    # With a ratio of 1 the loss is the completions' advantages, weighted by their tokens, the
+    # same for the same batch: step 2's differs as its ratio is to the policy that sampled it.
+    losses = scalar_steps(events, "train/loss")
+    assert losses[2] != losses[1]
+
+
 def test_a_reward_function_that_raises_stops_the_run_naming_it(prompt_file, tmp_path):
     workdir = tmp_path / "run"
     done = run_cli(
