@@ -155,6 +155,10 @@ def test_grpo_losses_match_trl(case):
         ),
         (lambda: PreferenceOptions(loss_type="simpo", gamma=-1.0), ["gamma=-1.0"]),
         (lambda: PreferenceOptions(loss_type="sigmoid", gamma=0.3), ["gamma=0.3", "simpo"]),
+        (
+            lambda: PreferenceOptions(loss_type="orpo", reference="copy"),
+            ["reference=copy", "no effect", "loss_type=orpo"],
+        ),
         (lambda: GRPOOptions(loss_type="ppo"), ["loss_type='ppo'", "dr_grpo"]),
         (lambda: GRPOOptions(scale_rewards=True), ["scale_rewards=True", "group, batch, none"]),
         (lambda: GRPOOptions(beta=-0.1), ["beta=-0.1", ">= 0"]),

@@ -69,7 +69,7 @@ class PreferenceOptions:
     # starting model's, computed once over the data before training (again when a run
     # resumes), kept in host memory (8 bytes a pair): no second pass, for any fine-tune;
     # `copy`, a frozen copy of the starting model's weights on the devices, a second forward
-    # pass at each step, for any fine-tune.
+    # pass at each step, for any fine-tune. simpo and orpo, which need none, refuse another.
     reference: str = ADAPTERS
 
     def __post_init__(self) -> None:
@@ -228,6 +228,11 @@ def _check(o: PreferenceOptions) -> None:
     """Refuse a method, strength or smoothing that no preference loss is computed with."""
     choice("loss_type", o.loss_type, METHODS, "a preference loss")
     choice("reference", o.reference, REFERENCES, "a source of the reference model")
+    if o.reference != ADAPTERS and o.loss_type not in WITH_REFERENCE:
+        raise ZooError(
+            f"reference={o.reference} has no effect with loss_type={o.loss_type}, which needs "
+            "no reference model: leave reference unset."
+        )
     if not (number(o.beta) and o.beta > 0):
         raise ZooError(f"beta={o.beta} must be a positive number (loss_type={o.loss_type}).")
     smoothing = o.label_smoothing
