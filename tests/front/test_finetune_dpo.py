@@ -179,8 +179,13 @@ MESH = ("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
             ["finetune.dpo.reference='frozen'", "adapters, precomputed, copy"],
         ),
         (("data=preference",), {}, ["method=dpo"]),
+        (
+            ("finetune.grpo.num_generations=4",),
+            {"method": "dpo", "lora_rank": 4},
+            ["finetune.grpo.num_generations=4 applies only to method=grpo", "is method=dpo"],
+        ),
     ],
-    ids=["reference-without-adapters", "beta", "reference", "pairs-without-dpo"],
+    ids=["reference-without-adapters", "beta", "reference", "pairs-without-dpo", "grpo-key"],
 )
 def test_bad_combinations_are_refused_before_anything_is_written(
     pair_file, tmp_path, overrides, kwargs, named

@@ -127,6 +127,52 @@ def test_num_iterations_trains_on_each_batch_of_completions_twice(prompt_file, t
     assert losses[2] != losses[1]
 
 
+def kl_run(workdir, prompt_file, *overrides, **kwargs):
+    """Three steps penalising the KL to the starting model (beta 0.5); the KL of each step."""
+    zoo.finetune(
+        CHECKPOINT,
+        *SAMPLING,
+        "trainer.steps=3",
+        "trainer.log_every=1",
+        "trainer.eval_every=0",
+        "finetune.grpo.beta=0.5",
+        "optimizer.learning_rate=1e-2",
+        *overrides,
+        f"workdir={workdir}",
+        data=prompt_file,
+        method="grpo",
+        rewards=[vowels],
+        **kwargs,
+    )
+    events = read_events(workdir)
+    return {name: scalar_steps(events, f"train/{name}") for name in ("kl", "loss")}
+
+
+def test_a_frozen_copy_is_the_kl_reference_of_a_full_fine_tune(prompt_file, tmp_path):
+    """Every param trained: the KL to the frozen copy is 0 at the first step (the policy is
+    the starting model), and then the policy's distance from it."""
+    kl = kl_run(tmp_path / "run", prompt_file, "finetune.grpo.reference=copy")["kl"]
+    assert kl[1] == pytest.approx(0.0, abs=1e-6)
+    assert kl[2] > 0.01 and kl[3] > 0.01, kl
+
+
+def test_a_frozen_copy_and_the_adapters_off_are_the_same_reference(prompt_file, tmp_path):
+    """With LoRA the starting model is the base with its adapters off (they start at zero):
+    the frozen copy gives the KL, and so the loss, that the adapters-off reference gives."""
+    runs = {
+        reference: kl_run(
+            tmp_path / reference, prompt_file, f"finetune.grpo.reference={reference}", lora_rank=4
+        )
+        for reference in ("adapters", "copy")
+    }
+    for name in ("kl", "loss"):
+        adapters, copy = runs["adapters"][name], runs["copy"][name]
+        assert adapters.keys() == copy.keys() == {1, 2, 3}
+        for step in adapters:
+            assert copy[step] == pytest.approx(adapters[step], rel=1e-5, abs=1e-7), (name, step)
+    assert runs["copy"]["kl"][3] > 0
+
+
 def test_a_reward_function_that_raises_stops_the_run_naming_it(prompt_file, tmp_path):
     workdir = tmp_path / "run"
     done = run_cli(
@@ -176,7 +222,26 @@ def test_a_bad_reward_is_skipped_when_asked(prompt_file, tmp_path):
         (
             ("finetune.grpo.rewards=[exact_match]", "finetune.grpo.beta=0.1"),
             {},
-            ["finetune.grpo.beta=0.1", "finetune.lora_rank"],
+            ["finetune.grpo.beta=0.1", "finetune.lora_rank", "finetune.grpo.reference=copy"],
+        ),
+        (
+            (
+                "finetune.grpo.rewards=[exact_match]",
+                "finetune.grpo.beta=0.1",
+                "finetune.grpo.reference=precomputed",
+            ),
+            {},
+            ["finetune.grpo.reference=precomputed", "adapters", "copy"],
+        ),
+        (
+            ("finetune.grpo.rewards=[exact_match]", "finetune.grpo.reference=copy"),
+            {},
+            ["finetune.grpo.reference=copy", "beta=0"],
+        ),
+        (
+            ("finetune.grpo.rewards=[exact_match]", "finetune.dpo.loss_type=ipo"),
+            {},
+            ["finetune.dpo.loss_type=ipo applies only to method=dpo", "is method=grpo"],
         ),
         (
             ("finetune.grpo.rewards=[exact_match]", "trainer.steps_per_dispatch=2"),
@@ -194,7 +259,17 @@ def test_a_bad_reward_is_skipped_when_asked(prompt_file, tmp_path):
         ),
         (("finetune.grpo.temperature=0",), {}, ["finetune.grpo.temperature=0"]),
     ],
-    ids=["no-rewards", "unknown-reward", "kl-without-adapters", "dispatch", "iterations", "greedy"],
+    ids=[
+        "no-rewards",
+        "unknown-reward",
+        "kl-without-adapters",
+        "precomputed-reference",
+        "reference-without-kl",
+        "dpo-key",
+        "dispatch",
+        "iterations",
+        "greedy",
+    ],
 )
 def test_bad_settings_are_refused_before_anything_is_written(
     prompt_file, tmp_path, overrides, kwargs, named

@@ -26,6 +26,8 @@ from zoo.engine.posttraining import (
     COPY,
     DPO,
     GRPO,
+    GRPOOptions,
+    PreferenceOptions,
     grpo_options,
     method_of,
     preference_options,
@@ -207,6 +209,7 @@ def _check_quantize(finetune: Any) -> None:
 def _check_method(finetune: Any) -> None:
     """`finetune.dpo`'s or `finetune.grpo`'s options, and a reference model the run can
     compute."""
+    _check_unused_sections(finetune)
     if method_of(finetune) == GRPO:
         _check_grpo(finetune)
     if method_of(finetune) != DPO:
@@ -224,20 +227,49 @@ def _check_method(finetune: Any) -> None:
         )
 
 
+def _check_unused_sections(finetune: Any) -> None:
+    """Refuse a setting of `finetune.dpo` or `finetune.grpo` that the run's method would not
+    read, rather than train as if it were not there."""
+    method = method_of(finetune)
+    for section, owner, options in (("dpo", DPO, PreferenceOptions), ("grpo", GRPO, GRPOOptions)):
+        if method == owner or section not in finetune:
+            continue
+        given = finetune[section]
+        given = OmegaConf.to_container(given) if isinstance(given, DictConfig) else dict(given)
+        defaults = dataclasses.asdict(options())
+        changed = [
+            f"finetune.{section}.{key}={given[key]}"
+            for key in defaults
+            if key in given and given[key] != defaults[key]
+        ]
+        if changed:
+            raise ZooError(
+                f"{', '.join(changed)} {'applies' if len(changed) == 1 else 'apply'} only to "
+                f"finetune.method={owner}, and this run's is "
+                f"finetune.method={method}: set finetune.method={owner}, or leave "
+                f"finetune.{section} at its defaults."
+            )
+
+
 def _check_grpo(finetune: Any) -> None:
     """`finetune.grpo`'s options, and a reference for its KL penalty."""
     options = grpo_options(finetune)
-    if options.beta and finetune.lora_rank <= 0:
+    if options.beta and options.reference == ADAPTERS and finetune.lora_rank <= 0:
         raise ZooError(
             f"finetune.grpo.beta={options.beta} penalises the KL to the reference model, which "
-            "is the starting model with its LoRA adapters off, but finetune.lora_rank=0 adds "
-            "none: set finetune.lora_rank to a positive rank, or finetune.grpo.beta=0."
+            f"finetune.grpo.reference={options.reference} takes from the starting model with "
+            "its LoRA adapters off, but finetune.lora_rank=0 adds none: set "
+            "finetune.lora_rank to a positive rank (e.g. 16), or for a full fine-tune "
+            "finetune.grpo.reference=copy (a frozen copy of the starting weights), or "
+            "finetune.grpo.beta=0."
         )
 
 
 def check_reference_copy(trainer: Any, finetune: Any) -> None:
     """`finetune.dpo.reference=copy` computes each batch's reference before its step: one
     step per dispatch."""
+    if method_of(finetune) != DPO:  # grpo dispatches one step at a time: check_grpo_trainer
+        return
     if reference_source(finetune) == COPY and trainer.steps_per_dispatch != 1:
         raise ZooError(
             f"trainer.steps_per_dispatch={trainer.steps_per_dispatch}: with "

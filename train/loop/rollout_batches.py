@@ -20,9 +20,11 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
-from zoo.engine.posttraining import OLD_LOGPS, Rollouts, Sampled, token_logps
+from zoo.engine.posttraining import OLD_LOGPS, Rollouts, Sampled, sampled_logps
 from zoo.engine.steps import precision
 from zoo.engine.steps.rngs import rollout_key
+
+Prepare = Callable[[Mapping[str, Any]], Mapping[str, Any]]
 
 
 class RolloutBatches:
@@ -47,21 +49,23 @@ class RolloutBatches:
         def logps(state, batch):
             model, _ = nnx.merge(graph, state)
             model.eval()
-            rows = batch["tokens"].astype(np.int32)
-            return token_logps(precision.computing(model, computes), rows, nnx.Rngs(0))
+            return sampled_logps(precision.computing(model, computes), batch)
 
         self._logps = logps
 
-    def training(self, state: Any, iterator: Iterator[Any], step: int) -> dict[str, jax.Array]:
-        """Step `step`'s batch: completions sampled now from the next prompts, or, within a
-        batch's `num_iterations` steps, the batch sampled at the first of them."""
+    def training(
+        self, state: Any, iterator: Iterator[Any], step: int, prepare: Prepare = dict
+    ) -> dict[str, jax.Array]:
+        """Step `step`'s batch: completions sampled now from the next prompts (then given to
+        `prepare`, e.g. for the reference's column), or, within a batch's `num_iterations`
+        steps, the batch sampled at the first of them."""
         if self._current is None or (step - 1) % self.iterations == 0:
             prompts = jax.device_get(next(iterator))
             sampled = self._sampled(state, prompts, "train", rollout_key(self.seed, step))
             batch = self.shard(sampled.batch)
             if self.iterations > 1:
                 batch[OLD_LOGPS] = self._logps(state, batch)
-            self._current = batch
+            self._current = prepare(batch)
         return self._current
 
     def evaluation(self, state: Any, eval_data: Iterable[Mapping], step: int) -> Iterator[dict]:

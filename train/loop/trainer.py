@@ -156,7 +156,7 @@ class Trainer:
         self.graphdef, self.state = nnx.split((built.model, built.optimizer))
         self._set_up_steps(entry, trainable)
         self.rollout_batches = self._set_up_rollouts(entry, splits, rewards)
-        self.reference: Callable | None = None  # finetune.dpo.reference=copy: see `_open`
+        self.reference: Callable | None = None  # reference=copy: see `_open`
         self.class_names = splits.class_names or (
             registry.get_data(cfg.data.name).class_names
             if cfg.data.name in registry.list_datasets()
@@ -235,12 +235,13 @@ class Trainer:
         start = starting_state(self.cfg, self.graphdef, self.state, self.hparams)
         graph, weights = nnx.split(nnx.merge(self.graphdef, start)[0])  # no optimizer state
         computes = self.cfg.trainer.precision
+        scores = posttraining.reference_logps(self.cfg.finetune)
 
         @jax.jit
         def logps(weights, batch):
             model = nnx.merge(graph, weights)
             model.eval()
-            return posttraining.pair_logps(precision.computing(model, computes), batch)
+            return scores(precision.computing(model, computes), batch)
 
         if source == posttraining.COPY:  # arrays of its own: the train step donates the state's
             with sharding.activate(self.mesh, self.rules):
@@ -255,8 +256,9 @@ class Trainer:
         self.train_data, self.eval_data = pipeline.process_pipelines(joined, batch_size, seed)
 
     def with_reference(self, batch: Mapping[str, Any]) -> Mapping[str, Any]:
-        """`batch` with the frozen copy's log-probabilities of its pairs, where the run keeps
-        one (`finetune.dpo.reference=copy`; a host batch's on the host)."""
+        """`batch` with the frozen copy's log-probabilities of it, where the run keeps one
+        (`finetune.dpo.reference=copy`, `finetune.grpo.reference=copy`; a host batch's on the
+        host)."""
         if self.reference is None:
             return batch
         on_host = isinstance(batch["tokens"], np.ndarray)
@@ -275,7 +277,8 @@ class Trainer:
             batches = map(self.with_reference, self.eval_data)
             if self.rollout_batches is not None:  # completions sampled by the policy evaluated
                 step = self.progress.step if hasattr(self, "progress") else 0
-                batches = list(self.rollout_batches.evaluation(state, self.eval_data, step))
+                sampled = self.rollout_batches.evaluation(state, self.eval_data, step)
+                batches = list(map(self.with_reference, sampled))
         return evaluate_batches(
             self.eval_step, state, batches, self.mesh, self.rules, self.eval_key
         )
@@ -283,12 +286,9 @@ class Trainer:
     def eval_metric_names(self) -> list[str]:
         with sharding.activate(self.mesh, self.rules):
             batch = self.eval_data[0]
-            if posttraining.reference_source(self.cfg.finetune) is not None:  # names alone
-                pairs = np.zeros((len(batch["tokens"]), 2), np.float32)
-                batch = {**batch, posttraining.REFERENCE_LOGPS: pairs}
             if self.rollout_batches is not None:
                 batch = self.rollout_batches.placeholder(batch)
-            batch = self.shard(batch)
+            batch = self.shard(posttraining.reference_placeholder(self.cfg.finetune, batch))
             shapes = jax.eval_shape(self.eval_step, self.state, {}, batch, self.eval_key)
         return sorted(name for name in shapes if name != COUNT)
 
@@ -382,7 +382,7 @@ class Trainer:
         `finetune.method=grpo` the batch of completions the policy samples now."""
         if self.rollout_batches is None:
             return self.with_reference(next(iterator))
-        return self.rollout_batches.training(self.state, iterator, step)
+        return self.rollout_batches.training(self.state, iterator, step, self.with_reference)
 
     @contextlib.contextmanager
     def _open(
@@ -432,10 +432,10 @@ class Trainer:
     def _start(self, checkpointer: Checkpointer, iterator, saved_config) -> Metrics:
         """Restore (or start) the run; the zero window sums of its train step."""
         with sharding.activate(self.mesh, self.rules):
-            example = self.with_reference(pipeline.peek(self.train_data))
+            example = pipeline.peek(self.train_data)
             if self.rollout_batches is not None:
                 example = self.rollout_batches.placeholder(example)
-            example = self.shard(example)
+            example = self.shard(posttraining.reference_placeholder(self.cfg.finetune, example))
             zeros = zero_metrics(self.train_step, self.state, {}, example, self.step_key)
             how = RunStart(
                 self.cfg,

@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 from zoo.engine.errors import ZooError
@@ -40,9 +41,10 @@ PAIR = 2
 """The sequences of a preference example: the chosen one (index 0), then the rejected one."""
 PAIR_COLUMNS = ("tokens", "length", LOSS_MASK)
 REFERENCE_LOGPS = "reference_logps"
-"""The column of each pair's replies' reference log-probabilities [B, 2], with
+"""The column of the reference model's log-probabilities where the trainer gives them (a
+preference pair's replies' [B, 2]; a sampled sequence's next tokens' [N, T]), with
 `reference=precomputed` (`zoo.engine.posttraining.reference`) or `copy` (the trainer computes
-it for each batch with a frozen copy of the starting weights)."""
+it for each batch with a frozen copy of the starting weights: `reference_logps`)."""
 REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
 LOGPS = ("logps/chosen", "logps/rejected")
 ORPO_METRICS = ("nll_loss", "log_odds_ratio", "log_odds_chosen")
@@ -81,12 +83,33 @@ def reference_source(finetune: Any) -> str | None:
     """Where the run's reference log-probabilities come from, when the trainer gives them to
     the loss as a column (`precomputed`, `copy`); None: no reference, or the loss's own
     (`adapters`)."""
-    if method_of(finetune) != DPO:
+    method = method_of(finetune)
+    if method == GRPO:
+        options = grpo_options(finetune)
+        return COPY if options.beta and options.reference == COPY else None
+    if method != DPO:
         return None
     options = preference_options(finetune)
     if options.uses_reference and options.reference in (PRECOMPUTED, COPY):
         return options.reference
     return None
+
+
+def reference_logps(finetune: Any) -> Callable[[Any, Mapping[str, jax.Array]], jax.Array]:
+    """What the frozen reference model computes of a batch for the loss's `REFERENCE_LOGPS`
+    column: each pair's replies' log-probabilities (`dpo`), or each sampled sequence's next
+    tokens' (`grpo`)."""
+    return sampled_logps if method_of(finetune) == GRPO else pair_logps
+
+
+def reference_placeholder(finetune: Any, batch: Mapping[str, Any]) -> dict[str, Any]:
+    """`batch` with a `REFERENCE_LOGPS` column of zeros of the shape the reference gives it,
+    for reading the step's metrics and shapes before there is a reference model."""
+    if reference_source(finetune) is None:
+        return dict(batch)
+    rows, width = batch["tokens"].shape[:2]
+    shape = (rows, width - 1) if method_of(finetune) == GRPO else (rows, PAIR)
+    return {**batch, REFERENCE_LOGPS: np.zeros(shape, np.float32)}
 
 
 def check_method(finetune: Any, batch: Mapping[str, Any]) -> None:
@@ -167,6 +190,12 @@ def pair_logps(model: Any, batch: Mapping[str, jax.Array]) -> jax.Array:
     return jnp.stack([sequence_logps(logps[:, i], replies[:, i]).total for i in range(PAIR)], 1)
 
 
+def sampled_logps(model: Any, batch: Mapping[str, jax.Array]) -> jax.Array:
+    """Each sampled sequence's next tokens' log-probabilities [N, T] as `model` scores them in
+    eval mode: the sampling policy's (`old_logps`) or the frozen reference's."""
+    return token_logps(model, batch["tokens"].astype(jnp.int32), nnx.Rngs(0))
+
+
 def _rows_and_masks(batch: Mapping[str, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The pairs' sequences as rows [2B, T + 1]; which of each pair's targets are real, and
     which of those are a reply's (the loss mask) [B, 2, T]."""
@@ -188,7 +217,9 @@ def policy_objective(options: GRPOOptions) -> Callable:
         mask = real & (batch[COMPLETION_MASK] > 0)
         logps, entropy = token_logps(model, rows, rngs, entropy=True)
         reference = None
-        if options.beta:
+        if options.beta and options.reference == COPY:  # given as a column
+            reference = batch[REFERENCE_LOGPS]
+        elif options.beta:
             reference = jax.lax.stop_gradient(token_logps(adapters_off(model), rows, rngs))
         losses, metrics = grpo_loss(
             options,

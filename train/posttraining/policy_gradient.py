@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from zoo.engine.errors import ZooError
 from zoo.engine.posttraining.checks import choice, number
+from zoo.engine.posttraining.preference import ADAPTERS, COPY, PRECOMPUTED
 from zoo.engine.registry import WEIGHT
 
 GRPO, DAPO, DR_GRPO, BNPO = "grpo", "dapo", "dr_grpo", "bnpo"
@@ -41,6 +42,12 @@ class GRPOOptions:
     loss_type: str = DAPO
     # The weight of the KL penalty to the reference model; 0: none (no reference needed).
     beta: float = 0.0
+    # Where the KL's reference log-probabilities come from (beta > 0): `adapters`, the starting
+    # model with the LoRA adapters off (finetune.lora_rank > 0): no second copy of the weights,
+    # a second forward pass at each step; `copy`, a frozen copy of the starting model's weights
+    # on the devices, a second forward pass at each step, for any fine-tune. Completions are
+    # sampled as the run goes, so there is nothing to compute once before it.
+    reference: str = ADAPTERS
     # The policy ratio is clipped to [1 - epsilon, 1 + epsilon_high].
     epsilon: float = 0.2
     # The upper clip (DAPO's clip-higher); null: epsilon.
@@ -237,6 +244,7 @@ def _check(o: GRPOOptions) -> None:
     choice("scale_rewards", o.scale_rewards, SCALE_REWARDS, "a scaling of the rewards")
     if not number(o.beta) or o.beta < 0:
         raise ZooError(f"beta={o.beta} must be a number >= 0 (0: no KL penalty, no reference).")
+    _check_reference(o)
     if not number(o.epsilon) or not 0 <= o.epsilon < 1:
         raise ZooError(
             f"epsilon={o.epsilon} must be in [0, 1): the policy ratio is clipped at 1 - epsilon."
@@ -260,6 +268,22 @@ def _check(o: GRPOOptions) -> None:
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ZooError(f"{key}={value} must be a whole number >= {least} ({why}).")
+
+
+def _check_reference(o: GRPOOptions) -> None:
+    """A reference the KL penalty can be computed against, and none without one."""
+    if o.reference == PRECOMPUTED:
+        raise ZooError(
+            f"reference={o.reference}: the completions GRPO's KL is taken over are sampled as "
+            f"the run goes, so nothing can be computed before it: use {ADAPTERS} (with LoRA) "
+            f"or {COPY} (a frozen copy of the starting weights)."
+        )
+    choice("reference", o.reference, (ADAPTERS, COPY), "a reference model for the KL penalty")
+    if not o.beta and o.reference != ADAPTERS:
+        raise ZooError(
+            f"reference={o.reference} keeps a reference model for the KL penalty, but beta=0 "
+            f"has none: set beta > 0, or leave reference={ADAPTERS} (the default)."
+        )
 
 
 def _check_sampling(o: GRPOOptions) -> None:
