@@ -447,8 +447,10 @@ def table(report: dict[str, Any]) -> str:
         mfu = f"{100 * g['mfu']['median']:.1f}%" if g["mfu"] else "-"
         lines += [
             "",
-            f"gpt2 bf16 training ({g['sizes']}): {g['tokens_per_sec']['median']:,.0f} tokens/s, "
-            f"MFU {mfu} (peak: {g['peak_source']})",
+            (
+                f"gpt2 bf16 training ({g['sizes']}): {g['tokens_per_sec']['median']:,.0f} tokens/s, "
+                f"MFU {mfu} (peak: {g['peak_source']})"
+            ),
         ]
     if "qwen3" in report:
         lines += [
