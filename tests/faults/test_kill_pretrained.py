@@ -19,17 +19,28 @@ from fault_tools import assert_same_arrays, final_arrays, logged_step, run, star
 from helpers import ROOT, read_events, scalar_steps
 
 FIXTURES = ROOT / "tests" / "fixtures" / "pretrained"
-STEPS, KILL_AFTER = 40, 20
+STEPS = 40
+"""Steps of a run (killed after half of them); a post-training run's steps cost more and are
+fewer (`SHORT_STEPS`), its data crossing into the next epoch all the same."""
+SHORT_STEPS = 16
 TEXT = (f"data.path={FIXTURES / 'tiny.txt'}", "data.window=16")
 COMMON = (
     "trainer.batch_size=8",  # 35 batches an epoch of text: the resumed run crosses into the next
-    f"trainer.steps={STEPS}",
-    "trainer.log_every=5",
-    "trainer.checkpoint_every=10",
-    f"trainer.eval_every={STEPS}",
     "optimizer.warmup_steps=0",
     "logging.norms_every=0",
 )
+
+
+def lengths(steps: int) -> tuple[str, ...]:
+    """A run of `steps` steps, logged 8 times, with 4 checkpoints and an eval at the end."""
+    return (
+        f"trainer.steps={steps}",
+        f"trainer.log_every={steps // 8}",
+        f"trainer.checkpoint_every={steps // 4}",
+        f"trainer.eval_every={steps}",
+    )
+
+
 STARTS = {
     "gpt2": (f"finetune.init_from={FIXTURES / 'gpt2-tiny'}",),
     "qwen3-lora": (
@@ -103,18 +114,19 @@ def prompts(tmp_path_factory):
 
 @pytest.fixture(scope="module", params=sorted(STARTS))
 def case(request, tmp_path_factory, conversations, pairs, prompts):
-    """(the run's arguments, the final arrays and logged losses of it run uninterrupted, its
-    workdir)."""
+    """(the run's arguments and steps, the final arrays and logged losses of it run
+    uninterrupted, its workdir)."""
     files = {PACKED: conversations, DPO: pairs, GRPO: prompts}
     data = (f"data.path={files[request.param]}",) if request.param in files else TEXT
-    args = (*STARTS[request.param], *data, *COMMON)
+    steps = SHORT_STEPS if request.param in (DPO, GRPO) else STEPS
+    args = (*STARTS[request.param], *data, *COMMON, *lengths(steps))
     workdir = tmp_path_factory.mktemp("uninterrupted")
     status, stderr, _ = run(*args, f"workdir={workdir}")
     assert status == 0, stderr
     family = request.param.split("-")[0]
     assert f"Starting from the {family} checkpoint" in (workdir / "train.log").read_text()
     losses = scalar_steps(read_events(workdir), "train/loss")
-    return args, final_arrays(workdir, STEPS), losses, workdir
+    return args, steps, final_arrays(workdir, steps), losses, workdir
 
 
 def saved(workdir) -> list[int]:
@@ -128,18 +140,18 @@ def saved(workdir) -> list[int]:
 
 
 def test_a_killed_fine_tune_run_again_ends_with_the_same_bits(case, tmp_path):
-    args, final, losses, _ = case
+    args, steps, final, losses, _ = case
     process = start(*args, f"workdir={tmp_path}")
-    logged = logged_step(tmp_path, KILL_AFTER, STEPS)
+    logged = logged_step(tmp_path, steps // 2, steps)
     wait_for(lambda: logged() and bool(saved(tmp_path)), process)
     process.send_signal(signal.SIGKILL)
     process.communicate()
     assert process.returncode == -signal.SIGKILL
     resumed_from = max(saved(tmp_path))
-    assert 0 < resumed_from < STEPS  # killed mid-run: the second run resumes
+    assert 0 < resumed_from < steps  # killed mid-run: the second run resumes
     status, stderr, _ = run(*args, f"workdir={tmp_path}")
     assert status == 0, stderr
-    assert_same_arrays(final_arrays(tmp_path, STEPS), final)
+    assert_same_arrays(final_arrays(tmp_path, steps), final)
     # Every loss logged after the checkpoint it resumed from, as the uninterrupted run logged
     # it (events of the killed run's last two seconds may be lost: they are flushed every 2 s).
     resumed = scalar_steps(read_events(tmp_path), "train/loss")
@@ -150,6 +162,6 @@ def test_a_killed_fine_tune_run_again_ends_with_the_same_bits(case, tmp_path):
 
 @pytest.mark.parametrize("case", [PACKED], indirect=True)
 def test_a_packed_fine_tune_logs_its_packing_efficiency(case):
-    efficiency = scalar_steps(read_events(case[3]), "train/packing_efficiency")
+    efficiency = scalar_steps(read_events(case[-1]), "train/packing_efficiency")
     assert sorted(efficiency) == list(range(5, STEPS + 1, 5))
     assert all(0.8 < share <= 1 for share in efficiency.values())
