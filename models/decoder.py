@@ -30,6 +30,7 @@ loss.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from functools import partial
 
@@ -46,6 +47,7 @@ from zoo.models.decoder_parts import (
     kv_heads_spec,
 )
 from zoo.models.eval_samples import sample_on_eval
+from zoo.models.experts import ExpertOptions
 from zoo.models.kv_cache import Cache, DecodesWithCache, empty_cache
 from zoo.models.language_model import (
     LANGUAGE_MODEL_OPTIMIZER,
@@ -60,7 +62,7 @@ from zoo.models.layers import layer_stack
 from zoo.models.rope import Rope, Rotation, rotation
 from zoo.models.sampling_loop import sample_completions
 
-from zoo.plugin import TransposedLinear, partitioned, register_model
+from zoo.plugin import TransposedLinear, construction_rngs, partitioned, register_model
 
 
 @register_model(
@@ -98,8 +100,7 @@ class Decoder(nnx.Module, DecodesWithCache):
         init = partitioned(nnx.initializers.normal(0.02), ("vocab", "embed"))
         rows = (padded_vocab(o.vocab_size), o.dim)
         self.embedding = nnx.Param(init(rngs.params(), rows, o.dtype))
-        layer = partial(DecoderLayer, each_layer)
-        self.layers = layer_stack(layer, o.depth, o.scan_layers, rngs.params())
+        self.layers = _layers(o, each_layer, rngs.params())
         self.norm = each_layer.norm(o.dim, rngs)
         self.unembed = None if o.tie_embeddings else _unembed(o, rngs)
         self.rope, self.local_rope = _ropes(o)
@@ -210,8 +211,29 @@ class Decoder(nnx.Module, DecodesWithCache):
         return scan(self.layers, x, keys, cache, sliding, slots, angles, segments)
 
 
+def _layers(o: DecoderOptions, each_layer: LayerOptions, key: jax.Array) -> nnx.Module:
+    """The layers, stacked or in a list (`layer_stack`); in a mixture-of-experts model the
+    `dense_layers` with a gated MLP, the others with experts."""
+    dense = dataclasses.replace(each_layer, experts=None)
+    if not o.num_experts or not o.dense_layers:
+        return layer_stack(partial(DecoderLayer, each_layer), o.depth, o.scan_layers, key)
+    keys = jax.random.split(key, o.depth)
+    return nnx.List(
+        DecoderLayer(
+            each_layer if o.layer_has_experts(i) else dense,
+            rngs=construction_rngs(params=keys[i]),
+        )
+        for i in range(o.depth)
+    )
+
+
 def _layer_options(o: DecoderOptions) -> LayerOptions:
     """What every layer is built from, of `resolved` options."""
+    experts = None
+    if o.num_experts:
+        experts = ExpertOptions(
+            o.num_experts, o.experts_per_token, o.expert_mlp_dim, o.normalize_expert_weights
+        )
     return LayerOptions(
         dim=o.dim,
         num_heads=o.num_heads,
@@ -230,6 +252,7 @@ def _layer_options(o: DecoderOptions) -> LayerOptions:
         attention_softcap=o.attention_softcap,
         dropout_rate=o.dropout_rate,
         dtype=o.dtype,
+        experts=experts,
     )
 
 

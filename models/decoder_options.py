@@ -84,6 +84,18 @@ class DecoderOptions:
     # Logits through the input embedding; false: a separate output layer.
     tie_embeddings: bool = True
     dropout_rate: float = 0.0  # Dropout on each layer's attention and MLP outputs
+    # Experts of each mixture-of-experts layer (num_experts, num_local_experts); 0: every
+    # layer's MLP is one gated MLP.
+    num_experts: int = 0
+    experts_per_token: int = 2  # experts each token is routed to (num_experts_per_tok)
+    # Hidden width of each expert's gated MLP (moe_intermediate_size); 0: mlp_dim.
+    expert_mlp_dim: int = 0
+    # Divide a token's chosen experts' probabilities by their sum (norm_topk_prob; Mixtral
+    # always does); false: keep the softmax's over all the experts.
+    normalize_expert_weights: bool = True
+    # The layers (counted from 0) whose MLP stays dense when num_experts > 0 (Qwen3-MoE's
+    # mlp_only_layers, and the layers its decoder_sparse_step skips); null: none.
+    dense_layers: list[int] | None = None
     # Store the layers stacked (a leading layer axis) and run them with `nnx.scan`: compile time
     # no longer grows with depth; the same weights, another checkpoint layout.
     scan_layers: bool = False
@@ -98,6 +110,7 @@ class DecoderOptions:
         _check_values(self)
         _check_heads(self)
         _layer_types(self.layer_types, self.depth, self.sliding_window)
+        _check_experts(self)
 
     def resolved(self) -> DecoderOptions:
         """These options with each 0 or null that stands for a default made explicit: the
@@ -108,7 +121,13 @@ class DecoderOptions:
             head_dim=self.head_dim or self.dim // self.num_heads,
             mlp_dim=self.mlp_dim or default_mlp_dim(self.dim),
             layer_types=_layer_types(self.layer_types, self.depth, self.sliding_window),
+            expert_mlp_dim=self.expert_mlp_dim or self.mlp_dim or default_mlp_dim(self.dim),
+            dense_layers=sorted(set(self.dense_layers or ())),
         )
+
+    def layer_has_experts(self, index: int) -> bool:
+        """Whether layer `index` is a mixture of experts (else one gated MLP)."""
+        return self.num_experts > 0 and index not in (self.dense_layers or ())
 
     @property
     def dtype(self) -> jnp.dtype:
@@ -176,6 +195,34 @@ def _check_heads(o: DecoderOptions) -> None:
         raise ZooError(
             f"model.rope_high_freq_factor={o.rope_high_freq_factor} must exceed "
             f"model.rope_low_freq_factor={o.rope_low_freq_factor} for rope_type=llama3."
+        )
+
+
+def _check_experts(o: DecoderOptions) -> None:
+    """Refuse a mixture no token can be routed through, or layers that do not exist."""
+    for key in ("num_experts", "expert_mlp_dim"):
+        value = getattr(o, key)
+        if not isinstance(value, int) or value < 0:
+            raise ZooError(f"model.{key}={value} must be a whole number >= 0 (0: off, or mlp_dim).")
+    if not o.num_experts:
+        return
+    if not 1 <= o.experts_per_token <= o.num_experts:
+        raise ZooError(
+            f"model.experts_per_token={o.experts_per_token} must be between 1 and "
+            f"model.num_experts={o.num_experts}."
+        )
+    dense = list(o.dense_layers or ())
+    outside = [i for i in dense if not 0 <= i < o.depth]
+    if outside:
+        raise ZooError(
+            f"model.dense_layers={dense} names layers {outside} that model.depth={o.depth} does "
+            f"not have: give layers from 0 to {o.depth - 1}."
+        )
+    if o.scan_layers and 0 < len(set(dense)) < o.depth:
+        raise ZooError(
+            f"model.scan_layers=true runs one layer's structure over every layer, but "
+            f"model.dense_layers={dense} mixes dense layers with mixture-of-experts ones: set "
+            "model.scan_layers=false."
         )
 
 

@@ -167,6 +167,97 @@ def _qwen3_export(hparams: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def _qwen3_moe_options(config: Mapping[str, Any], read: Callable[[str], Any]) -> dict[str, Any]:
+    """Qwen 3's attention, and on layers `(i + 1) % decoder_sparse_step == 0` not in
+    `mlp_only_layers` a mixture of experts (every layer dense without experts)."""
+    _refuse_router_loss(config, read)
+    count = _expert_count(config, read)
+    depth, step = int(read("num_hidden_layers")), int(read("decoder_sparse_step"))
+    only = set(read("mlp_only_layers") or ())
+    sparse = [i not in only and count > 0 and (i + 1) % step == 0 for i in range(depth)]
+    experts = {"num_experts": 0, "dense_layers": None}
+    if any(sparse):
+        experts = {
+            "num_experts": count,
+            "experts_per_token": int(read("num_experts_per_tok")),
+            "expert_mlp_dim": int(read("moe_intermediate_size")),
+            "normalize_expert_weights": bool(read("norm_topk_prob")),
+            "dense_layers": [i for i in range(depth) if not sparse[i]] or None,
+        }
+    return {**_qwen3_options(config, read), **experts}
+
+
+def _qwen3_moe_export(hparams: Mapping[str, Any]) -> dict[str, Any]:
+    count = _experts_to_export(hparams, "qwen3_moe", "qwen3")
+    return {
+        **_qwen3_export(hparams),
+        "num_experts": count,
+        "num_experts_per_tok": hparams["experts_per_token"],
+        "moe_intermediate_size": hparams["expert_mlp_dim"],
+        "norm_topk_prob": hparams["normalize_expert_weights"],
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": list(hparams["dense_layers"] or ()),
+        "output_router_logits": False,
+    }
+
+
+def _mixtral_options(config: Mapping[str, Any], read: Callable[[str], Any]) -> dict[str, Any]:
+    """Mistral's attention, every layer's MLP a mixture of experts whose chosen weights sum
+    to 1."""
+    _refuse_router_loss(config, read)
+    if read("router_jitter_noise"):
+        raise ZooError(
+            f"This mixtral config has router_jitter_noise={read('router_jitter_noise')!r}, "
+            "which multiplies the router's input by noise in training; decoder routes without "
+            "noise: router_jitter_noise 0 only."
+        )
+    return {
+        **_mistral_options(config, read),
+        "num_experts": _expert_count(config, read),
+        "experts_per_token": int(read("num_experts_per_tok")),
+        "expert_mlp_dim": int(read("intermediate_size")),
+        "normalize_expert_weights": True,
+        "dense_layers": None,
+    }
+
+
+def _mixtral_export(hparams: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        **_mistral_export(hparams),
+        "num_local_experts": _experts_to_export(hparams, "mixtral", "mistral"),
+        "num_experts_per_tok": hparams["experts_per_token"],
+        "output_router_logits": False,
+        "router_jitter_noise": 0.0,
+    }
+
+
+def _experts_to_export(hparams: Mapping[str, Any], kind: str, dense: str) -> int:
+    """The model's experts per layer; a model without any is refused (it is a `dense` one)."""
+    if not hparams.get("num_experts"):
+        architecture = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+        raise ZooError(
+            f"The {kind} layout ({architecture[kind]}) cannot hold this model: it holds "
+            "mixtures of experts, and "
+            f"this model has none (model.num_experts=0). Export it to a dense family, such as "
+            f"{dense}."
+        )
+    return int(hparams["num_experts"])
+
+
+def _expert_count(config: Mapping[str, Any], read) -> int:
+    """`num_experts` (transformers 4, and the hub's Qwen3-MoE) or `num_local_experts` (5)."""
+    return int(config["num_experts"] if "num_experts" in config else read("num_local_experts"))
+
+
+def _refuse_router_loss(config: Mapping[str, Any], read) -> None:
+    if read("output_router_logits"):
+        raise ZooError(
+            f"This {config.get('model_type')} config has output_router_logits=true, with which "
+            "transformers adds the router's load-balancing loss (router_aux_loss_coef) to the "
+            "training loss; decoder trains without it: output_router_logits false only."
+        )
+
+
 def _mistral_options(config: Mapping[str, Any], read: Callable[[str], Any]) -> dict[str, Any]:
     if "layer_types" in config:
         raise ZooError(
@@ -454,6 +545,8 @@ def _hparams(kind: _Kind) -> Callable[[Mapping[str, Any]], dict[str, Any]]:
 
 
 _PLAIN = {
+    "num_experts": 0,
+    "dense_layers": None,
     "norm_unit_offset": False,
     "post_norms": False,
     "qk_norm": False,
@@ -538,8 +631,9 @@ def _effective(hparams: Mapping[str, Any]) -> dict[str, Any]:
     with defaults compares with a checkpoint's."""
     h = {**_PLAIN, **hparams}
     options = DecoderOptions(**{key: h[key] for key in _OPTIONS if key in h}).resolved()
-    for key in ("num_kv_heads", "head_dim", "mlp_dim", "layer_types"):
+    for key in ("num_kv_heads", "head_dim", "mlp_dim", "layer_types", "dense_layers"):
         h[key] = getattr(options, key)
+    h["expert_mlp_dim"] = options.expert_mlp_dim if options.num_experts else 0
     if SLIDING not in h["layer_types"]:
         h["sliding_window"] = 0
     h["query_scale"] = float(h["query_scale"] or h["head_dim"])
@@ -570,10 +664,12 @@ def _rules(kind: _Kind) -> Callable[[Mapping[str, Any]], list[Rule]]:
         heads, head_dim = hparams["num_heads"], hparams["head_dim"] or dim // hparams["num_heads"]
         kv_heads = hparams["num_kv_heads"] or heads
         pad = padded_vocab(vocab) - vocab
+        experts = _EXPERT_KEYS.get(kind.name) if hparams.get("num_experts") else None
         return [
             *_core_rules(dim, heads, kv_heads, head_dim, pad),
             *_norm_rules(gemma=kind.name == "gemma3_text"),
             *_optional_rules(hparams, heads, kv_heads, head_dim, pad),
+            *(_expert_rules(*experts) if experts else ()),
         ]
 
     return rules
@@ -637,7 +733,31 @@ def _optional_rules(
     return table
 
 
+def _expert_rules(block: str, names: Mapping[str, str]) -> list[Rule]:
+    """The rules of a mixture-of-experts layer: its router, `model.layers.N.<block>.gate`,
+    and expert E's projections, `<block>.experts.E.<name>.weight` (`names`: the gated MLP's
+    gate, up and down), each expert one slice of the stacked kernel (`_stacked`)."""
+    expert = rf"model\.layers\.(\d+)\.{block}\.experts\.(\d+)\."
+    return [
+        _layer(f"{block}.gate.weight", "mlp.router.kernel"),
+        *[
+            Rule(
+                expert + names[param].replace(".", r"\.") + r"\.weight",
+                (rf"layers.\1.mlp.experts.\2.{param}",),
+                export_key=rf"model.layers.\1.{block}.experts.\2.{names[param]}.weight",
+            )
+            for param in MLP
+        ],
+    ]
+
+
 MLP = ("gate", "up", "down")
+_EXPERT_KEYS = {
+    "qwen3_moe": ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
+    "mixtral": ("block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"}),
+}
+"""Per mixture-of-experts family: the layer's block of experts, and each expert's names of
+the gated MLP's projections."""
 
 
 def _rule(key: str, param: str, **transform: Any) -> Rule:
@@ -790,6 +910,85 @@ KINDS = (
     ),
 )
 
+_MOE_DEFAULTS = {
+    "output_router_logits": False,
+    "router_aux_loss_coef": 0.001,
+}
+_QWEN3_HONOURED = (
+    "hidden_act",
+    "attention_bias",
+    "use_sliding_window",
+    "sliding_window",
+    "max_window_layers",
+    "layer_types",
+)
+KINDS += (
+    _Kind(
+        "qwen3_moe",
+        "Qwen3MoeForCausalLM",
+        "Qwen 3 mixture of experts (Qwen3-30B-A3B), transformers Qwen3MoeForCausalLM",
+        {
+            **_QWEN_DEFAULTS,
+            **_MOE_DEFAULTS,
+            "hidden_size": 2048,
+            "intermediate_size": 6144,
+            "num_hidden_layers": 24,
+            "num_key_value_heads": 4,
+            "num_local_experts": 128,
+            "num_experts_per_tok": 8,
+            "moe_intermediate_size": 768,
+            "norm_topk_prob": False,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "sliding_window": None,
+        },
+        (
+            *_QWEN3_HONOURED,
+            "num_experts",
+            "num_local_experts",
+            "num_experts_per_tok",
+            "moe_intermediate_size",
+            "norm_topk_prob",
+            "decoder_sparse_step",
+            "mlp_only_layers",
+            "output_router_logits",
+        ),
+        ("router_aux_loss_coef",),
+        _qwen3_moe_options,
+        _qwen3_moe_export,
+    ),
+    _Kind(
+        "mixtral",
+        "MixtralForCausalLM",
+        "Mixtral, transformers MixtralForCausalLM",
+        {
+            **_LLAMA_DEFAULTS,
+            **_MOE_DEFAULTS,
+            "intermediate_size": 14336,
+            "num_key_value_heads": 8,
+            "max_position_embeddings": 4096 * 32,
+            "rms_norm_eps": 1e-5,
+            "sliding_window": None,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "router_jitter_noise": 0.0,
+        },
+        (
+            "hidden_act",
+            "sliding_window",
+            "layer_types",
+            "num_experts",
+            "num_local_experts",
+            "num_experts_per_tok",
+            "output_router_logits",
+            "router_jitter_noise",
+        ),
+        ("router_aux_loss_coef",),
+        _mixtral_options,
+        _mixtral_export,
+    ),
+)
+
 HONOURED = {kind.name: (*_SIZES, *kind.honoured) for kind in KINDS}
 """Per family: the config.json keys that `hparams` reads (or refuses by value)."""
 INERT = {kind.name: (*_INERT, *kind.inert) for kind in KINDS}
@@ -811,10 +1010,26 @@ def _family(kind: _Kind) -> Family:
         ignore=(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",),
         export_config=_export_config(kind),
         description=kind.description,
-        stacked=lambda hparams: ("layers",) if hparams.get("scan_layers") else (),
+        stacked=_stacked,
         honoured=HONOURED[kind.name],
         inert=INERT[kind.name],
     )
+
+
+def _stacked(hparams: Mapping[str, Any]) -> tuple[str, ...]:
+    """The params whose leading axis the checkpoint's keys count: the layers stacked for
+    scanning, or each mixture-of-experts layer's experts."""
+    experts = hparams.get("num_experts")
+    if hparams.get("scan_layers") and experts:
+        raise ZooError(
+            "model.scan_layers=true with a mixture of experts stacks the experts of stacked "
+            "layers, which decoder does not load or export yet: set model.scan_layers=false."
+        )
+    if hparams.get("scan_layers"):
+        return ("layers",)
+    dense = set(hparams.get("dense_layers") or ())
+    depth = hparams.get("depth", 0) if experts else 0
+    return tuple(f"layers.{i}.mlp.experts" for i in range(depth) if i not in dense)
 
 
 FAMILIES = tuple(register_family(_family(kind)) for kind in KINDS)

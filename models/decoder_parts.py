@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+from zoo.models.experts import ExpertOptions, MixtureOfExperts
 from zoo.models.kv_cache import KVCache, Slots
 from zoo.models.rope import Rotation, rotate
 from zoo.models.transformer import attend_tokens, tokens_spec
@@ -60,6 +61,7 @@ class LayerOptions:
     attention_softcap: float = 0.0
     dropout_rate: float = 0.0
     dtype: jnp.dtype = _FLOAT32
+    experts: ExpertOptions | None = None  # a mixture of experts in place of the MLP
 
     def norm(self, features: int, rngs: nnx.Rngs) -> RMSNorm:
         offset, dtype = self.norm_unit_offset, self.dtype
@@ -209,7 +211,7 @@ class DecoderLayer(nnx.Module):
         self.attention = Attention(options, rngs=rngs)
         self.post_attention_norm = options.norm(options.dim, rngs) if options.post_norms else None
         self.mlp_norm = options.norm(options.dim, rngs)
-        self.mlp = GatedMLP(options, rngs=rngs)
+        self.mlp = _mlp(options, rngs)
         self.post_mlp_norm = options.norm(options.dim, rngs) if options.post_norms else None
         self.dropout = nnx.Dropout(options.dropout_rate)
 
@@ -229,6 +231,13 @@ class DecoderLayer(nnx.Module):
         x = x + self.dropout(_after(self.post_attention_norm, h), rngs=attention_key)
         h = self.mlp(self.mlp_norm(x))
         return x + self.dropout(_after(self.post_mlp_norm, h), rngs=mlp_key), cache
+
+
+def _mlp(o: LayerOptions, rngs: nnx.Rngs) -> GatedMLP | MixtureOfExperts:
+    if o.experts is None:
+        return GatedMLP(o, rngs=rngs)
+    activation = ACTIVATIONS[o.activation]
+    return MixtureOfExperts(o.dim, o.experts, activation, dtype=o.dtype, rngs=rngs)
 
 
 def _after(norm: RMSNorm | None, h: jax.Array) -> jax.Array:

@@ -255,8 +255,9 @@ def decoded(model, tokens, prompt: int, mesh=ONE_DEVICE, rules=RULES) -> np.ndar
         {"scan_layers": True, "remat": True},
         {"num_kv_heads": 1, "local_rope_theta": 100.0},
         {"attention_softcap": 5.0, "final_softcap": 3.0, "norm_unit_offset": True},
+        {"num_experts": 4, "experts_per_token": 2, "expert_mlp_dim": 16, "dense_layers": [1]},
     ],
-    ids=["loop", "scan", "mqa-local-rope", "softcaps"],
+    ids=["loop", "scan", "mqa-local-rope", "softcaps", "experts"],
 )
 def test_decoding_against_the_cache_equals_the_full_forward_pass(batch, variant):
     """Mixed sliding and full layers, decoding 22 tokens past a prompt of 10: the sliding
@@ -326,10 +327,14 @@ GEMMA_LIKE = {
 }
 
 
+EXPERTS = {"num_experts": 4, "experts_per_token": 2, "expert_mlp_dim": 16, "dense_layers": [0]}
+"""A dense first layer, then a mixture of 4 experts, 2 per token."""
+
+
 @pytest.mark.parametrize(
     ("variant", "kv_rule"),
-    [({}, "tensor"), ({}, None), (GEMMA_LIKE, "tensor")],
-    ids=["kv-split", "kv-unsplit", "every-option"],
+    [({}, "tensor"), ({}, None), (GEMMA_LIKE, "tensor"), (EXPERTS, "tensor")],
+    ids=["kv-split", "kv-unsplit", "every-option", "experts"],
 )
 def test_the_loss_on_the_2x2x2_mesh_is_the_loss_on_one_device(batch, variant, kv_rule):
     """Heads, key/value heads (or not: the query heads split, the key/value heads whole), the
@@ -351,6 +356,39 @@ def test_the_loss_on_the_2x2x2_mesh_is_the_loss_on_one_device(batch, variant, kv
     np.testing.assert_allclose(
         decoded(split, tokens, 10, MESH, rules), logits(one, tokens), rtol=1e-5, atol=2e-5
     )
+
+
+# ---- mixtures of experts ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("normalize", [False, True], ids=["softmax", "normalized"])
+def test_experts_compute_what_a_loop_over_tokens_and_their_experts_does(batch, normalize):
+    """Each token's output is the sum of its chosen experts' gated MLPs, weighted by the
+    router's probabilities (divided by their sum when normalized), written out in numpy."""
+    model = build(
+        num_experts=4,
+        experts_per_token=2,
+        expert_mlp_dim=16,
+        normalize_expert_weights=normalize,
+    )
+    layer = model.layers[0].mlp
+    x = np.random.default_rng(0).normal(size=(2, 5, 32)).astype(np.float32)
+    with activate(), jax.default_matmul_precision("highest"):
+        out = np.asarray(nnx.jit(lambda m, x: m(x))(layer, x))
+    p = {k: np.asarray(v[...], np.float64) for k, v in _flat(layer).items()}
+    tokens = x.reshape(-1, 32).astype(np.float64)
+    logits = tokens @ p["router.kernel"].T
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    expected = np.zeros_like(tokens)
+    for t, token in enumerate(tokens):
+        chosen = np.argsort(-probs[t])[:2]
+        weights = probs[t, chosen] / (probs[t, chosen].sum() if normalize else 1.0)
+        for e, w in zip(chosen, weights, strict=True):
+            gate, up = p["experts.gate"][e] @ token, p["experts.up"][e] @ token
+            hidden = gate / (1 + np.exp(-gate)) * up
+            expected[t] += w * (p["experts.down"][e] @ hidden)
+    np.testing.assert_allclose(out.reshape(-1, 32), expected, rtol=1e-5, atol=1e-6)
 
 
 # ---- bfloat16 ---------------------------------------------------------------------------------
@@ -393,6 +431,13 @@ def test_bf16_params_are_held_and_computed_in_bfloat16(batch):
         ({"norm_epsilon": 0.0}, "model.norm_epsilon=0.0"),
         ({"dropout_rate": 1.0}, "model.dropout_rate=1.0"),
         ({"depth": 0, "layer_types": None}, "model.depth=0"),
+        ({"num_experts": -1}, "model.num_experts=-1"),
+        ({"num_experts": 4, "experts_per_token": 5}, "model.experts_per_token=5"),
+        ({"num_experts": 4, "dense_layers": [2]}, "model.dense_layers=[2] names layers [2]"),
+        (
+            {"num_experts": 4, "dense_layers": [0], "scan_layers": True},
+            "model.scan_layers=true runs one layer's structure",
+        ),
     ],
     ids=lambda v: str(v) if isinstance(v, dict) else "",
 )

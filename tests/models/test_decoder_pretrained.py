@@ -91,7 +91,21 @@ def test_greedy_continuation_equals_transformers(checkpoint):
     np.testing.assert_array_equal(new, expected["greedy_tokens"])
 
 
-@pytest.mark.parametrize("name", NAMES)
+MIXTURES = [
+    name for name in NAMES if family_of(config_of(name)).hparams(config_of(name))["num_experts"]
+]
+"""The fixtures whose layers hold mixtures of experts."""
+
+
+@pytest.mark.parametrize("name", MIXTURES)
+def test_scanned_layers_of_experts_are_refused_by_name(name):
+    pretrained = weights.open_pretrained(FIXTURES / name)
+    hparams = {**checkpoint_hparams(pretrained), "scan_layers": True}
+    with pytest.raises(zoo.ZooError, match="model.scan_layers=false"):
+        plan_pretrained(pretrained, hparams, MESH, None).fill()
+
+
+@pytest.mark.parametrize("name", sorted(set(NAMES) - set(MIXTURES)))
 def test_scanned_layers_on_the_mesh_load_and_export_per_layer(name):
     """Stacked layers (a Gemma 3 pattern runs both layer types in one scan), loaded as
     `zoo.load` loads onto the 2x2x2 mesh, give transformers' logits and export the checkpoint's

@@ -47,6 +47,7 @@ DEFAULT_RULES: dict[str, Any] = {
     "batch": ["data", "fsdp"],
     "embed": "fsdp",
     "mlp": "tensor",
+    "expert": None,
     "heads": "tensor",
     "kv_heads": "tensor",
     "vocab": "tensor",
