@@ -81,6 +81,9 @@ class Experts(nnx.Module):
 class MixtureOfExperts(nnx.Module):
     """The router and the experts of one layer (`__call__`: [batch, length, dim] in and out)."""
 
+    NOT_ADAPTED = "a mixture of experts (its router and stacked expert kernels)"
+    """Why LoRA does not wrap it (`zoo.engine.weights.lora`): no adapters per expert yet."""
+
     def __init__(self, dim: int, options: ExpertOptions, activation, *, dtype, rngs: nnx.Rngs):
         self.router = Router(dim, options, dtype=dtype, rngs=rngs)
         self.experts = Experts(dim, options, activation, dtype=dtype, rngs=rngs)
@@ -88,9 +91,9 @@ class MixtureOfExperts(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         batch, length, dim = x.shape
-        tokens = x.reshape(batch * length, dim)
-        weights, chosen = self.router(tokens)
         rows = logical_spec("batch", None)
+        tokens = jnp.reshape(x, (batch * length, dim), out_sharding=rows)
+        weights, chosen = self.router(tokens)
         hidden = logical_spec("mlp")[0]  # the mesh axes that split each expert's hidden width
         inward, outward = P(None, hidden, None), P(None, None, hidden)
         kernels = (  # gathered from fsdp: each device computes its tokens with whole experts
@@ -104,7 +107,8 @@ class MixtureOfExperts(nnx.Module):
             out_specs=rows,
         )
         routed = (jax.sharding.reshard(a, rows) for a in (tokens, weights, chosen))
-        return combine(*routed, *kernels).reshape(batch, length, dim)
+        combined = combine(*routed, *kernels)
+        return jnp.reshape(combined, x.shape, out_sharding=logical_spec("batch", None, None))
 
 
 def _combine(activation, count: int, hidden, tokens, weights, chosen, gate, up, down) -> jax.Array:

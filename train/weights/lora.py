@@ -211,6 +211,7 @@ def add_adapters(
     quantized (QLoRA); `filled`: a checkpoint fills every kernel next (`QuantizedFill`), so
     the model's own initialisation is not quantized. Call it where the model is built (under
     the mesh), so the adapters are born sharded."""
+    _refuse_unadapted(model, layers)
     chosen = [
         (path, module)
         for path, module in nnx.iter_modules(model)
@@ -225,6 +226,24 @@ def add_adapters(
     for path, linear in chosen:
         _replace(model, path, ShardedLoRA(linear, rank, rngs, quantize, filled))
     return [dotted(path) for path, _ in chosen]
+
+
+def _refuse_unadapted(model: nnx.Module, layers: str) -> None:
+    """Refuse a pattern that matches a module whose kernels adapters cannot wrap yet (one that
+    says so in its `NOT_ADAPTED`), rather than leave them out of the fine-tune unsaid."""
+    refused = [
+        (dotted(path), module.NOT_ADAPTED)
+        for path, module in nnx.iter_modules(model)
+        if path and getattr(module, "NOT_ADAPTED", None) and matches(layers, path)
+    ]
+    if refused:
+        paths = ", ".join(path for path, _ in refused[:4]) + (" ..." if len(refused) > 4 else "")
+        raise ZooError(
+            f"finetune.lora_layers='{layers}' matches {paths}: {refused[0][1]}, which LoRA "
+            "adapters cannot wrap yet (nor finetune.quantize hold quantized). Choose "
+            "finetune.lora_layers that leaves them out, e.g. 'layers\\.\\d+\\.attention' for "
+            "the attention projections, or finetune.lora_rank=0 for a full fine-tune."
+        )
 
 
 def merge_adapters(model: nnx.Module) -> nnx.Module:
