@@ -108,6 +108,7 @@ LONGEST_FIRST = (
     "tests/front/test_finetune_dpo.py",
     "tests/train/test_precision.py",
     "tests/front/test_finetune_grpo.py",
+    "tests/front/test_finetune_experts.py",
     "tests/train/test_qlora.py",
     "tests/models/test_gpt.py",
     "tests/conformance/test_conformance_runs.py",

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from conformance.checks import MESH, ONE_DEVICE
 from model_checks import Models, outputs
-from zoo.engine.sharding.mesh import logical_spec
 from zoo.engine.kernels.attention import Call, Platform, Route, current_platform, route
+from zoo.engine.sharding.mesh import logical_spec
 from zoo.models.kv_cache import Slots
 
 CONTEXT, DIM, HEADS, BATCH = 16, 32, 4, 4
