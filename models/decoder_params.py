@@ -817,6 +817,14 @@ _QWEN_DEFAULTS = {
     "sliding_window": 4096,
     "max_window_layers": 28,
 }
+_QWEN3_HONOURED = (
+    "hidden_act",
+    "attention_bias",
+    "use_sliding_window",
+    "sliding_window",
+    "max_window_layers",
+    "layer_types",
+)
 
 KINDS = (
     _Kind(
@@ -844,14 +852,7 @@ KINDS = (
         "Qwen3ForCausalLM",
         "Qwen 3, transformers Qwen3ForCausalLM",
         {**_QWEN_DEFAULTS, "head_dim": 128},
-        (
-            "hidden_act",
-            "attention_bias",
-            "use_sliding_window",
-            "sliding_window",
-            "max_window_layers",
-            "layer_types",
-        ),
+        _QWEN3_HONOURED,
         (),
         _qwen3_options,
         _qwen3_export,
@@ -914,14 +915,6 @@ _MOE_DEFAULTS = {
     "output_router_logits": False,
     "router_aux_loss_coef": 0.001,
 }
-_QWEN3_HONOURED = (
-    "hidden_act",
-    "attention_bias",
-    "use_sliding_window",
-    "sliding_window",
-    "max_window_layers",
-    "layer_types",
-)
 KINDS += (
     _Kind(
         "qwen3_moe",

@@ -103,18 +103,12 @@ def test_num_iterations_trains_on_each_batch_of_completions_twice(prompt_file, t
     """Steps 1 and 2 train on the completions sampled at step 1 (the ratio of step 2 to the
     policy that sampled them), steps 3 and 4 on those sampled at step 3."""
     workdir = tmp_path / "run"
-    zoo.finetune(
-        CHECKPOINT,
-        *SAMPLING,
+    run_with_vowels(
+        workdir,
+        prompt_file,
         "trainer.steps=4",
-        "trainer.log_every=1",
         "trainer.checkpoint_every=2",
         "finetune.grpo.num_iterations=2",
-        "optimizer.learning_rate=1e-2",
-        f"workdir={workdir}",
-        data=prompt_file,
-        method="grpo",
-        rewards=[vowels],
     )
     events = read_events(workdir)
     rewards = scalar_steps(events, "train/reward")
@@ -127,15 +121,12 @@ def test_num_iterations_trains_on_each_batch_of_completions_twice(prompt_file, t
     assert losses[2] != losses[1]
 
 
-def kl_run(workdir, prompt_file, *overrides, **kwargs):
-    """Three steps penalising the KL to the starting model (beta 0.5); the KL of each step."""
+def run_with_vowels(workdir, prompt_file, *overrides, **kwargs) -> None:
+    """A short run rewarded by `vowels`, every step logged, at a learning rate that moves."""
     zoo.finetune(
         CHECKPOINT,
         *SAMPLING,
-        "trainer.steps=3",
         "trainer.log_every=1",
-        "trainer.eval_every=0",
-        "finetune.grpo.beta=0.5",
         "optimizer.learning_rate=1e-2",
         *overrides,
         f"workdir={workdir}",
@@ -144,6 +135,12 @@ def kl_run(workdir, prompt_file, *overrides, **kwargs):
         rewards=[vowels],
         **kwargs,
     )
+
+
+def kl_run(workdir, prompt_file, *overrides, **kwargs):
+    """Three steps penalising the KL to the starting model (beta 0.5); the KL of each step."""
+    beta = ("trainer.steps=3", "trainer.eval_every=0", "finetune.grpo.beta=0.5")
+    run_with_vowels(workdir, prompt_file, *beta, *overrides, **kwargs)
     events = read_events(workdir)
     return {name: scalar_steps(events, f"train/{name}") for name in ("kl", "loss")}
 
