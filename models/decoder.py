@@ -232,7 +232,11 @@ def _layer_options(o: DecoderOptions) -> LayerOptions:
     experts = None
     if o.num_experts:
         experts = ExpertOptions(
-            o.num_experts, o.experts_per_token, o.expert_mlp_dim, o.normalize_expert_weights
+            o.num_experts,
+            o.experts_per_token,
+            o.expert_mlp_dim,
+            o.normalize_expert_weights,
+            o.router_aux_loss_coef,
         )
     return LayerOptions(
         dim=o.dim,

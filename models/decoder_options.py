@@ -96,6 +96,9 @@ class DecoderOptions:
     # The layers (counted from 0) whose MLP stays dense when num_experts > 0 (Qwen3-MoE's
     # mlp_only_layers, and the layers its decoder_sparse_step skips); null: none.
     dense_layers: list[int] | None = None
+    # The weight of the router's load-balancing loss added to the training loss
+    # (router_aux_loss_coef, where output_router_logits is true); 0: none.
+    router_aux_loss_coef: float = 0.0
     # Store the layers stacked (a leading layer axis) and run them with `nnx.scan`: compile time
     # no longer grows with depth; the same weights, another checkpoint layout.
     scan_layers: bool = False
@@ -204,7 +207,18 @@ def _check_experts(o: DecoderOptions) -> None:
         value = getattr(o, key)
         if not isinstance(value, int) or value < 0:
             raise ZooError(f"model.{key}={value} must be a whole number >= 0 (0: off, or mlp_dim).")
+    coef = o.router_aux_loss_coef
+    if not isinstance(coef, int | float) or not 0 <= coef < math.inf:
+        raise ZooError(
+            f"model.router_aux_loss_coef={coef} must be a number >= 0 (0: no load-balancing loss)."
+        )
     if not o.num_experts:
+        if coef:
+            raise ZooError(
+                f"model.router_aux_loss_coef={coef} weighs the load-balancing loss of a mixture of "
+                "experts' router, and this model has none (model.num_experts=0): set it to 0, "
+                "or set model.num_experts."
+            )
         return
     if not 1 <= o.experts_per_token <= o.num_experts:
         raise ZooError(

@@ -170,7 +170,6 @@ def _qwen3_export(hparams: Mapping[str, Any]) -> dict[str, Any]:
 def _qwen3_moe_options(config: Mapping[str, Any], read: Callable[[str], Any]) -> dict[str, Any]:
     """Qwen 3's attention, and on layers `(i + 1) % decoder_sparse_step == 0` not in
     `mlp_only_layers` a mixture of experts (every layer dense without experts)."""
-    _refuse_router_loss(config, read)
     count = _expert_count(config, read)
     depth, step = int(read("num_hidden_layers")), int(read("decoder_sparse_step"))
     only = set(read("mlp_only_layers") or ())
@@ -183,6 +182,7 @@ def _qwen3_moe_options(config: Mapping[str, Any], read: Callable[[str], Any]) ->
             "expert_mlp_dim": int(read("moe_intermediate_size")),
             "normalize_expert_weights": bool(read("norm_topk_prob")),
             "dense_layers": [i for i in range(depth) if not sparse[i]] or None,
+            "router_aux_loss_coef": _router_loss(read),
         }
     return {**_qwen3_options(config, read), **experts}
 
@@ -197,14 +197,13 @@ def _qwen3_moe_export(hparams: Mapping[str, Any]) -> dict[str, Any]:
         "norm_topk_prob": hparams["normalize_expert_weights"],
         "decoder_sparse_step": 1,
         "mlp_only_layers": list(hparams["dense_layers"] or ()),
-        "output_router_logits": False,
+        **_router_loss_export(hparams),
     }
 
 
 def _mixtral_options(config: Mapping[str, Any], read: Callable[[str], Any]) -> dict[str, Any]:
     """Mistral's attention, every layer's MLP a mixture of experts whose chosen weights sum
     to 1."""
-    _refuse_router_loss(config, read)
     if read("router_jitter_noise"):
         raise ZooError(
             f"This mixtral config has router_jitter_noise={read('router_jitter_noise')!r}, "
@@ -218,6 +217,7 @@ def _mixtral_options(config: Mapping[str, Any], read: Callable[[str], Any]) -> d
         "expert_mlp_dim": int(read("intermediate_size")),
         "normalize_expert_weights": True,
         "dense_layers": None,
+        "router_aux_loss_coef": _router_loss(read),
     }
 
 
@@ -226,7 +226,7 @@ def _mixtral_export(hparams: Mapping[str, Any]) -> dict[str, Any]:
         **_mistral_export(hparams),
         "num_local_experts": _experts_to_export(hparams, "mixtral", "mistral"),
         "num_experts_per_tok": hparams["experts_per_token"],
-        "output_router_logits": False,
+        **_router_loss_export(hparams),
         "router_jitter_noise": 0.0,
     }
 
@@ -249,13 +249,18 @@ def _expert_count(config: Mapping[str, Any], read) -> int:
     return int(config["num_experts"] if "num_experts" in config else read("num_local_experts"))
 
 
-def _refuse_router_loss(config: Mapping[str, Any], read) -> None:
-    if read("output_router_logits"):
-        raise ZooError(
-            f"This {config.get('model_type')} config has output_router_logits=true, with which "
-            "transformers adds the router's load-balancing loss (router_aux_loss_coef) to the "
-            "training loss; decoder trains without it: output_router_logits false only."
-        )
+def _router_loss(read: Callable[[str], Any]) -> float:
+    """The load-balancing loss's weight: transformers adds it to the training loss where
+    output_router_logits is true."""
+    return float(read("router_aux_loss_coef")) if read("output_router_logits") else 0.0
+
+
+def _router_loss_export(hparams: Mapping[str, Any]) -> dict[str, Any]:
+    coef = float(hparams.get("router_aux_loss_coef") or 0.0)
+    return {
+        "output_router_logits": coef > 0,
+        "router_aux_loss_coef": coef or _MOE_DEFAULTS["router_aux_loss_coef"],
+    }
 
 
 def _mistral_options(config: Mapping[str, Any], read: Callable[[str], Any]) -> dict[str, Any]:
@@ -945,8 +950,9 @@ KINDS += (
             "decoder_sparse_step",
             "mlp_only_layers",
             "output_router_logits",
+            "router_aux_loss_coef",
         ),
-        ("router_aux_loss_coef",),
+        (),
         _qwen3_moe_options,
         _qwen3_moe_export,
     ),
@@ -974,9 +980,10 @@ KINDS += (
             "num_local_experts",
             "num_experts_per_tok",
             "output_router_logits",
+            "router_aux_loss_coef",
             "router_jitter_noise",
         ),
-        ("router_aux_loss_coef",),
+        (),
         _mixtral_options,
         _mixtral_export,
     ),

@@ -9,12 +9,19 @@ rows of expert e multiply expert e's matrix), not a loop over the experts nor a 
 of every token with every expert. On a mesh each device routes the tokens of its batch rows to
 whole experts (`shard_map`); with `tensor` > 1 each device holds a slice of every expert's
 hidden features, and the partial outputs are summed over `tensor`.
+
+Training adds the router's load-balancing loss (Switch Transformer's, as transformers'
+`load_balancing_loss_func` computes it for Qwen3-MoE and Mixtral) times `aux_loss_weight`
+(`router_aux_loss_coef`) to the model's loss: `routed_call` keeps each mixture layer's routing
+during one forward pass, `load_balancing` turns it into the loss and each layer's load.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +49,9 @@ class ExpertOptions:
     # Divide a token's chosen experts' probabilities by their sum (Qwen3-MoE's norm_topk_prob;
     # Mixtral always does), rather than keep the softmax's over every expert.
     normalize_weights: bool = True
+    # The weight of the router's load-balancing loss in the training loss
+    # (router_aux_loss_coef); 0: none.
+    aux_loss_weight: float = 0.0
 
 
 class Router(nnx.Module):
@@ -53,14 +63,19 @@ class Router(nnx.Module):
         self.kernel = nnx.Param(init(rngs.params(), (options.num_experts, dim), dtype))
         self.top_k, self.normalize = options.experts_per_token, options.normalize_weights
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """x [N, dim] -> (weights [N, k], experts [N, k] int32)."""
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x [N, dim] -> (weights [N, k], experts [N, k] int32, probabilities [N, E] float32)."""
         logits = x @ self.kernel[...].T
         probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
         weights, experts = jax.lax.top_k(probs, self.top_k)
         if self.normalize:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-        return weights.astype(x.dtype), experts.astype(jnp.int32)
+        return weights.astype(x.dtype), experts.astype(jnp.int32), probs
+
+
+class Routing(nnx.Intermediate):
+    """A mixture layer's routing in one forward pass, (probabilities [N, E], chosen experts
+    [N, k]), sown only while `routed_call` asks for it."""
 
 
 class Experts(nnx.Module):
@@ -88,12 +103,16 @@ class MixtureOfExperts(nnx.Module):
         self.router = Router(dim, options, dtype=dtype, rngs=rngs)
         self.experts = Experts(dim, options, activation, dtype=dtype, rngs=rngs)
         self.num_experts = options.num_experts
+        self.aux_loss_weight = options.aux_loss_weight
+        self.recording = False  # `routed_call`
 
     def __call__(self, x: jax.Array) -> jax.Array:
         batch, length, dim = x.shape
         rows = logical_spec("batch", None)
         tokens = jnp.reshape(x, (batch * length, dim), out_sharding=rows)
-        weights, chosen = self.router(tokens)
+        weights, chosen, probs = self.router(tokens)
+        if self.recording:
+            self.sow(Routing, "routing", (probs, chosen))
         hidden = logical_spec("mlp")[0]  # the mesh axes that split each expert's hidden width
         inward, outward = P(None, hidden, None), P(None, None, hidden)
         kernels = (  # gathered from fsdp: each device computes its tokens with whole experts
@@ -129,3 +148,68 @@ def _combine(activation, count: int, hidden, tokens, weights, chosen, gate, up, 
         outputs = jax.lax.psum(outputs, hidden)
     outputs = outputs * weights.reshape(-1)[order][:, None]
     return jnp.zeros_like(tokens).at[token_of].add(outputs)
+
+
+@dataclasses.dataclass
+class Recorded:
+    """What `routed_call` kept: each mixture layer's (probabilities, chosen experts), in
+    the order the model holds the layers, under the layer's path in the model
+    (`layers.3.mlp`), and the load-balancing loss's weight."""
+
+    layers: dict[str, tuple[jax.Array, jax.Array]]
+    aux_loss_weight: float
+
+    def loss_and_metrics(self, real: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """(the weighted load-balancing loss to add to the training loss, what TensorBoard
+        shows of the routing) over the tokens of which `real` [batch, length] marks those that
+        count: `router_aux_loss` (unweighted), and per layer `expert_load/PATH`, its busiest
+        expert's tokens over the mean expert's (1: even; num_experts / experts_per_token: every
+        token to the same experts)."""
+        rows = jnp.reshape(real, (-1,), out_sharding=logical_spec("batch"))
+        loss, load = load_balancing(list(self.layers.values()), rows)
+        metrics = {"router_aux_loss": loss}
+        for name, tokens in zip(self.layers, load):
+            metrics[f"expert_load/{name}"] = jnp.max(tokens) / jnp.maximum(jnp.mean(tokens), 1e-9)
+        return self.aux_loss_weight * loss, metrics
+
+
+def routed_call(model: nnx.Module, call: Callable[[nnx.Module], Any]) -> tuple[Any, Recorded]:
+    """`call(model)`, and the routing of every mixture layer of `model` in it (none for a
+    model without experts): the layers sow it as `Routing` while `nnx.capture` collects it,
+    and only then, so that other calls (generation) keep the model's state as it is."""
+    mixtures = [m for _, m in nnx.iter_modules(model) if isinstance(m, MixtureOfExperts)]
+    if not mixtures:
+        return call(model), Recorded({}, 0.0)
+    for mixture in mixtures:
+        mixture.recording = True
+    try:
+        out, captured = nnx.capture(call, Routing)(model)
+    finally:
+        for mixture in mixtures:
+            mixture.recording = False
+    layers = {
+        ".".join(map(str, path[:-1])): variable.get_value()[0]
+        for path, variable in nnx.to_flat_state(captured)
+    }
+    return out, Recorded(layers, mixtures[0].aux_loss_weight)
+
+
+def load_balancing(
+    layers: Sequence[tuple[jax.Array, jax.Array]], real: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """(the load-balancing loss, each layer's tokens per expert [layers, E]) of the routing of
+    `layers` over tokens of which `real` [N] marks those that count (not padding).
+
+    The loss is transformers' `load_balancing_loss_func`: over every layer's real tokens
+    together, the share of them routed to each expert (per rank of the top-k) times the mean
+    router probability of each expert, summed and multiplied by the number of experts:
+    `experts_per_token` for a perfectly even routing. Only the probabilities carry a gradient."""
+    real = real.astype(jnp.float32)
+    count = layers[0][0].shape[-1]
+    total = jnp.maximum(jnp.sum(real) * len(layers), 1.0)
+    # [k, E] per layer; the one-hot is fused into the sum, never held
+    picks = [jnp.sum(jax.nn.one_hot(c, count) * real[:, None, None], 0) for _, c in layers]
+    share = sum(picks) / total
+    mean_prob = sum(jnp.sum(p * real[:, None], 0) for p, _ in layers) / total  # [E]
+    loss = count * jnp.sum(share * mean_prob[None, :])
+    return loss, jax.lax.stop_gradient(jnp.stack([jnp.sum(p, 0) for p in picks]))

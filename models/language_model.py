@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+from zoo.models.experts import routed_call
 from zoo.models.transformer import dropout_key, tokens_spec
 
 from zoo.plugin import (
@@ -145,11 +146,13 @@ def language_model_loss(model: Any, batch: Mapping[str, jax.Array], rngs: nnx.Rn
     `LOSS_MASK` column (a chat's replies) only the targets it marks count, and `loss_tokens`
     says how many the batch has (a mean over the log window's steps). Packed rows (`SEGMENT_IDS`
     and `POSITIONS` columns) go to the model with them, and `packing_efficiency` says which
-    share of the batch's targets are real (not padding)."""
+    share of the batch's targets are real (not padding). A mixture of experts adds its router's
+    load-balancing loss times `router_aux_loss_coef` (over the real input tokens), and reports
+    it (`router_aux_loss`) and each layer's `expert_load` (`zoo.models.experts`)."""
     tokens = batch["tokens"].astype(jnp.int32)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     packed = {name: batch[name] for name in (SEGMENT_IDS, POSITIONS) if name in batch}
-    logits = model(inputs, rngs=rngs, **packed)
+    logits, routing = routed_call(model, lambda m: m(inputs, rngs=rngs, **packed))
     log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     per_token = -jnp.sum(jax.nn.one_hot(targets, log_probs.shape[-1]) * log_probs, axis=-1)
     real_targets = jnp.arange(targets.shape[1])[None, :] < batch["length"][:, None]
@@ -164,4 +167,13 @@ def language_model_loss(model: Any, batch: Mapping[str, jax.Array], rngs: nnx.Rn
         metrics["loss_tokens"] = jnp.zeros_like(count) + jnp.sum(count)
     if packed:
         metrics["packing_efficiency"] = jnp.zeros_like(count) + jnp.mean(real_targets)
+    if routing.layers:  # a mixture of experts: its router's loss, its experts' load
+        real_inputs = (
+            packed[SEGMENT_IDS] > 0
+            if packed
+            else jnp.arange(inputs.shape[1])[None, :] <= batch["length"][:, None]
+        )
+        router_loss, routed = routing.loss_and_metrics(real_inputs)
+        loss = loss + router_loss
+        metrics.update({name: jnp.zeros_like(count) + value for name, value in routed.items()})
     return loss, metrics

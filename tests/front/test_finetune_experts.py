@@ -1,6 +1,7 @@
 """Fine-tuning a mixture-of-experts checkpoint (the tiny Qwen3-MoE fixture, written by
 transformers): every param trained, experts and router included; LoRA over the attention
-projections with the experts frozen; and LoRA asked of the experts, which adapters cannot wrap
+projections with the experts frozen; the router's load-balancing loss kept to the method that
+trains with it; and LoRA asked of the experts, which adapters cannot wrap
 yet, refused by name before anything is written."""
 
 from __future__ import annotations
@@ -8,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import ROOT, TINY_TEXT_FINETUNE
+from helpers import ROOT, TINY_TEXT_FINETUNE, read_events
+from zoo.engine.posttraining import check_method
 
 import zoo
 from zoo.plugin import ZooError
@@ -31,7 +33,19 @@ def pretrained():
 
 
 def test_a_full_fine_tune_trains_the_experts_and_the_router(pretrained, tmp_path):
-    result = zoo.finetune(CHECKPOINT, *TINY_TEXT_FINETUNE, f"workdir={tmp_path}")
+    """With the router's load-balancing loss (as output_router_logits=true gives it), which
+    TensorBoard shows beside each mixture layer's load, in training and at each eval."""
+    result = zoo.finetune(
+        CHECKPOINT, *TINY_TEXT_FINETUNE, "model.router_aux_loss_coef=0.01", f"workdir={tmp_path}"
+    )
+    tags = set(read_events(tmp_path).Tags()["scalars"])
+    for split in ("train", "val"):
+        routed = {
+            f"{split}/router_aux_loss",
+            *(f"{split}/expert_load/layers.{i}.mlp" for i in (1, 2)),
+        }
+        assert routed <= tags, sorted(tags)
+    assert result.eval_metrics["router_aux_loss"] >= 2.0  # experts_per_token: an even routing
     tuned = params(result.model)
     for path in (
         "layers.1.mlp.experts.gate",
@@ -65,3 +79,11 @@ def test_lora_asked_of_the_experts_is_refused_before_anything_is_written(tmp_pat
     assert "lora_layers='.*' matches layers.1.mlp, layers.2.mlp" in message, message
     assert "a mixture of experts" in message and "attention" in message
     assert not workdir.exists()
+
+
+def test_the_router_loss_is_refused_by_a_method_whose_loss_does_not_add_it():
+    finetune = zoo.compose(["finetune.method=dpo", "finetune.lora_rank=4"]).finetune
+    batch = {"tokens": np.zeros((2, 2, 9), np.int32)}
+    with pytest.raises(ZooError, match=r"model.router_aux_loss_coef=0.001 .* finetune.method=dpo"):
+        check_method(finetune, batch, {"router_aux_loss_coef": 0.001})
+    check_method(finetune, {**batch, "length": np.zeros((2, 2), np.int32)}, {})

@@ -434,6 +434,8 @@ def test_bf16_params_are_held_and_computed_in_bfloat16(batch):
         ({"num_experts": -1}, "model.num_experts=-1"),
         ({"num_experts": 4, "experts_per_token": 5}, "model.experts_per_token=5"),
         ({"num_experts": 4, "dense_layers": [2]}, "model.dense_layers=[2] names layers [2]"),
+        ({"router_aux_loss_coef": 0.01}, "model.router_aux_loss_coef=0.01 weighs"),
+        ({"num_experts": 4, "router_aux_loss_coef": -1.0}, "model.router_aux_loss_coef=-1.0"),
         (
             {"num_experts": 4, "dense_layers": [0], "scan_layers": True},
             "model.scan_layers=true runs one layer's structure",

@@ -30,6 +30,7 @@ from pretrained_checks import (
 from zoo.engine import registry
 from zoo.engine.sharding import mesh as sharding
 from zoo.engine.weights import pretrained as weights
+from zoo.models.language_model import language_model_loss
 from zoo.models.text_completion import generate_tokens
 
 import zoo
@@ -103,6 +104,50 @@ def test_scanned_layers_of_experts_are_refused_by_name(name):
     hparams = {**checkpoint_hparams(pretrained), "scan_layers": True}
     with pytest.raises(zoo.ZooError, match="model.scan_layers=false"):
         plan_pretrained(pretrained, hparams, MESH, None).fill()
+
+
+@pytest.mark.parametrize("mesh", ["one device", "2x2x2"])
+@pytest.mark.parametrize("name", MIXTURES)
+def test_the_router_loss_is_transformers_and_joins_the_training_loss(name, mesh):
+    """With output_router_logits, the language-model loss of a padded batch holds the router's
+    load-balancing loss transformers computes (`router_aux_loss`, over the real tokens alone),
+    weighted by router_aux_loss_coef; each mixture layer's load is reported beside it."""
+    pretrained = weights.open_pretrained(FIXTURES / name)
+    hparams = checkpoint_hparams(pretrained)
+    expected = reference(name)
+    mask = expected["aux_mask"]
+    tokens = np.pad(expected["tokens"], ((0, 0), (0, 1)))  # inputs: the reference's tokens
+    batch = {"tokens": tokens, "length": mask.sum(-1).astype(np.int32) - 1}
+    if mesh == "2x2x2":  # a batch that splits 4 ways
+        batch = {key: np.concatenate([value] * 2) for key, value in batch.items()}
+    spec, devices = (None, jax.devices()[:1]) if mesh == "one device" else (MESH, jax.devices())
+    losses = {}
+    for coef in (0.0, 0.25):
+        planned = plan_pretrained(
+            pretrained, {**hparams, "router_aux_loss_coef": coef}, spec, devices
+        )
+        model = planned.fill()
+        with (
+            sharding.activate(planned.mesh, planned.rules),
+            jax.default_matmul_precision("highest"),
+        ):
+            loss, metrics = nnx.jit(language_model_loss)(model, batch, nnx.Rngs(0))
+        np.testing.assert_allclose(
+            metrics["router_aux_loss"], expected["router_aux_loss"], rtol=0, atol=1e-5
+        )
+        loads = [key for key in metrics if key.startswith("expert_load/")]
+        assert len(loads) == sum(map(hparams_has_experts(hparams), range(hparams["depth"])))
+        assert all(1.0 <= float(np.max(metrics[key])) for key in loads)
+        losses[coef] = np.asarray(loss)
+    np.testing.assert_allclose(
+        losses[0.25] - losses[0.0], 0.25 * expected["router_aux_loss"], rtol=0, atol=1e-5
+    )
+
+
+def hparams_has_experts(hparams: dict):
+    """Whether each layer of a decoder with `hparams` is a mixture of experts."""
+    dense = set(hparams.get("dense_layers") or ())
+    return lambda layer: bool(hparams["num_experts"]) and layer not in dense
 
 
 @pytest.mark.parametrize("name", sorted(set(NAMES) - set(MIXTURES)))

@@ -112,12 +112,21 @@ def reference_placeholder(finetune: Any, batch: Mapping[str, Any]) -> dict[str, 
     return {**batch, REFERENCE_LOGPS: np.zeros(shape, np.float32)}
 
 
-def check_method(finetune: Any, batch: Mapping[str, Any]) -> None:
+def check_method(finetune: Any, batch: Mapping[str, Any], hparams: Mapping[str, Any]) -> None:
     """Refuse data whose batches are not what the method trains on, before a model is built:
-    pairs for `dpo`, and no pairs for `sft` (a model's own loss reads sequences)."""
+    pairs for `dpo`, and no pairs for `sft` (a model's own loss reads sequences); and a
+    model's loss term that the method's loss does not add (the load-balancing loss of a
+    mixture of experts' router, which a model's own loss adds)."""
+    method = method_of(finetune)
+    if method != SFT and hparams.get("router_aux_loss_coef"):
+        raise ZooError(
+            f"model.router_aux_loss_coef={hparams['router_aux_loss_coef']} adds the router's "
+            "load-balancing loss to a mixture of experts' own loss (finetune.method=sft), which "
+            f"finetune.method={method} does not train with: set model.router_aux_loss_coef=0 "
+            "(a checkpoint whose config.json has output_router_logits=true sets it)."
+        )
     tokens = batch.get("tokens")
     pairs = tokens is not None and tokens.ndim == 3 and tokens.shape[1] == PAIR
-    method = method_of(finetune)
     prompts = ROW in batch
     if method == GRPO and not prompts:
         raise ZooError(
