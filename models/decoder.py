@@ -46,7 +46,7 @@ from zoo.models.decoder_parts import (
     LayerOptions,
     kv_heads_spec,
 )
-from zoo.models.eval_samples import sample_on_eval
+from zoo.models.expert_load import decoder_on_eval
 from zoo.models.experts import ExpertOptions
 from zoo.models.kv_cache import Cache, DecodesWithCache, empty_cache
 from zoo.models.language_model import (
@@ -69,7 +69,7 @@ from zoo.plugin import TransposedLinear, construction_rngs, partitioned, registe
     "decoder",
     loss=language_model_loss,
     default_data="text",
-    on_eval=sample_on_eval,
+    on_eval=decoder_on_eval,
     sample=sample_completions,
     trainer=LANGUAGE_MODEL_TRAINER,  # gpt's schedule and optimizer
     optimizer=LANGUAGE_MODEL_OPTIMIZER,

@@ -173,25 +173,35 @@ class Recorded:
         return self.aux_loss_weight * loss, metrics
 
 
+def mixture_layers(model: nnx.Module) -> dict[str, MixtureOfExperts]:
+    """The mixture layers of `model` by their path in it (`layers.3.mlp`), in its order."""
+    return {
+        ".".join(map(str, path)): module
+        for path, module in nnx.iter_modules(model)
+        if isinstance(module, MixtureOfExperts)
+    }
+
+
 def routed_call(model: nnx.Module, call: Callable[[nnx.Module], Any]) -> tuple[Any, Recorded]:
     """`call(model)`, and the routing of every mixture layer of `model` in it (none for a
     model without experts): the layers sow it as `Routing` while `nnx.capture` collects it,
     and only then, so that other calls (generation) keep the model's state as it is."""
-    mixtures = [m for _, m in nnx.iter_modules(model) if isinstance(m, MixtureOfExperts)]
+    mixtures = mixture_layers(model)
     if not mixtures:
         return call(model), Recorded({}, 0.0)
-    for mixture in mixtures:
+    for mixture in mixtures.values():
         mixture.recording = True
     try:
         out, captured = nnx.capture(call, Routing)(model)
     finally:
-        for mixture in mixtures:
+        for mixture in mixtures.values():
             mixture.recording = False
-    layers = {
+    sown = {
         ".".join(map(str, path[:-1])): variable.get_value()[0]
         for path, variable in nnx.to_flat_state(captured)
     }
-    return out, Recorded(layers, mixtures[0].aux_loss_weight)
+    layers = {name: sown[name] for name in mixtures if name in sown}
+    return out, Recorded(layers, next(iter(mixtures.values())).aux_loss_weight)
 
 
 def load_balancing(

@@ -6,10 +6,13 @@ yet, refused by name before anything is written."""
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import pytest
 from flax import nnx
 from helpers import ROOT, TINY_TEXT_FINETUNE, read_events
+from PIL import Image
 from zoo.engine.posttraining import check_method
 
 import zoo
@@ -46,6 +49,16 @@ def test_a_full_fine_tune_trains_the_experts_and_the_router(pretrained, tmp_path
         }
         assert routed <= tags, sorted(tags)
     assert result.eval_metrics["router_aux_loss"] >= 2.0  # experts_per_token: an even routing
+    events = read_events(tmp_path)
+    (picture,) = events.Images("visuals/expert_load")[-1:]
+    image = np.asarray(Image.open(io.BytesIO(picture.encoded_image_string)))
+    assert image.shape[0] > 2 * 12 and image.shape[1] > 4 * 2  # two layers' rows, four experts
+    (table,) = events.Tensors("visuals/expert_load/text_summary")[-1:]
+    rows = table.tensor_proto.string_val[0].decode().splitlines()
+    assert [row.split(" | ")[0] for row in rows[2:]] == ["| layers.1.mlp", "| layers.2.mlp"]
+    # each layer's counts: every eval token (and pad-free) picks experts_per_token=2 experts
+    totals = {sum(map(int, row.strip("| ").split(" | ")[1:])) for row in rows[2:]}
+    assert len(totals) == 1 and totals.pop() % 2 == 0
     tuned = params(result.model)
     for path in (
         "layers.1.mlp.experts.gate",

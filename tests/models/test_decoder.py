@@ -21,11 +21,12 @@ from zoo.engine.registry import get_data
 from zoo.engine.sharding import mesh as sharding
 from zoo.engine.sharding.mesh import DEFAULT_RULES
 from zoo.models.decoder_parts import Attention, LayerOptions
+from zoo.models.expert_load import expert_load
 from zoo.models.kv_cache import Slots
 from zoo.models.rope import Rope, inverse_frequencies, rotation
 
 import zoo
-from zoo.plugin import ZooError
+from zoo.plugin import MASK, POSITIONS, SEGMENT_IDS, ZooError
 
 RULES = {"kv_heads": "tensor", **DEFAULT_RULES}
 """The default rules, with one for the key/value heads' axis if they lack it."""
@@ -389,6 +390,36 @@ def test_experts_compute_what_a_loop_over_tokens_and_their_experts_does(batch, n
             hidden = gate / (1 + np.exp(-gate)) * up
             expected[t] += w * (p["experts.down"][e] @ hidden)
     np.testing.assert_allclose(out.reshape(-1, 32), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_the_expert_load_counts_each_real_token_of_rows_and_of_pairs(batch):
+    """The eval picture's counts (`expert_load`): every real token of every real row, a pair's
+    two sequences each, experts_per_token times; padding and padding rows nowhere."""
+    model = build(**EXPERTS)
+    tokens = batch[TOKENS][:4].astype(np.int32)
+    rows = {"tokens": tokens, "length": np.array([31, 20, 9, 31], np.int32)}
+    rows[MASK] = np.array([1, 1, 1, 0], np.int32)
+    pairs = {  # rows 0 and 1 as one pair, row 2 with row 3 (a padding pair)
+        "tokens": tokens.reshape(2, 2, -1),
+        "length": rows["length"].reshape(2, 2),
+        MASK: np.array([1, 0], np.int32),
+    }
+    with activate():
+        counts = {
+            name: np.asarray(expert_load(model, b))
+            for name, b in (("rows", rows), ("pairs", pairs))
+        }
+    assert counts["rows"].shape == (1, 4)  # one mixture layer, four experts
+    assert counts["rows"].sum() == 2 * (32 + 21 + 10)  # 2 experts for each real input token
+    assert counts["pairs"].sum() == 2 * (32 + 21)
+    with activate():
+        (first,) = np.asarray(expert_load(model, {**rows, MASK: np.array([1, 0, 0, 0], np.int32)}))
+    assert first.sum() == 2 * 32 and np.all(first <= counts["rows"][0])
+    segments = np.repeat([[1, 2, 0]], [20, 10, 2], axis=1).repeat(4, 0).astype(np.int32)
+    positions = np.concatenate([np.arange(20), np.arange(10), [0, 0]])[None].repeat(4, 0)
+    packed = {**rows, SEGMENT_IDS: segments, POSITIONS: positions.astype(np.int32)}
+    with activate():
+        assert np.asarray(expert_load(model, packed)).sum() == 2 * 30 * 3  # three real rows
 
 
 # ---- bfloat16 ---------------------------------------------------------------------------------
