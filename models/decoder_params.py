@@ -234,9 +234,9 @@ def _mixtral_export(hparams: Mapping[str, Any]) -> dict[str, Any]:
 def _experts_to_export(hparams: Mapping[str, Any], kind: str, dense: str) -> int:
     """The model's experts per layer; a model without any is refused (it is a `dense` one)."""
     if not hparams.get("num_experts"):
-        architecture = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+        architecture = next(k.architecture for k in KINDS if k.name == kind)
         raise ZooError(
-            f"The {kind} layout ({architecture[kind]}) cannot hold this model: it holds "
+            f"The {kind} layout ({architecture}) cannot hold this model: it holds "
             "mixtures of experts, and "
             f"this model has none (model.num_experts=0). Export it to a dense family, such as "
             f"{dense}."
@@ -414,7 +414,7 @@ def _global_rope(config: Mapping[str, Any], read) -> dict[str, Any]:
     """The RoPE of a config with one for every layer, as transformers 5's
     `convert_rope_params_to_dict` and `standardize_rope_params` read it: `rope_scaling`
     (transformers 4) over `rope_parameters` (5), `rope_theta` from the dict, else the top
-    level, else the default."""
+    level, else the family's default (Mixtral's 1e6, the others' 1e4)."""
     given = config.get("rope_scaling") or config.get("rope_parameters") or {}
     where = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
     if not isinstance(given, dict) or not all(
@@ -426,7 +426,7 @@ def _global_rope(config: Mapping[str, Any], read) -> dict[str, Any]:
         )
     rope = dict(given)
     rope.setdefault("rope_type", rope.get("type", "default"))
-    rope.setdefault("rope_theta", config.get("rope_theta", DEFAULT_THETA))
+    rope.setdefault("rope_theta", read("rope_theta") or DEFAULT_THETA)
     _check_rope(rope, where, read)
     return _rope(rope, where, read)
 
@@ -971,6 +971,7 @@ KINDS += (
             "num_local_experts": 8,
             "num_experts_per_tok": 2,
             "router_jitter_noise": 0.0,
+            "rope_theta": 1_000_000.0,
         },
         (
             "hidden_act",

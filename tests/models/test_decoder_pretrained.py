@@ -591,6 +591,13 @@ def test_a_refused_setting_stops_the_load_before_anything_is_built(tmp_path):
         zoo.load(directory)
 
 
+@pytest.mark.parametrize(("name", "theta"), [("mixtral-tiny", 1e6), ("qwen3-moe-tiny", 1e4)])
+def test_a_config_without_rope_keys_has_its_family_s_rope_base(name, theta):
+    """transformers' own default: 1e6 for Mixtral, 1e4 for the others."""
+    config = edited(name, rope_parameters=None, rope_scaling=None, rope_theta=None)
+    assert family_of(config).hparams(config)["rope_theta"] == theta
+
+
 def test_qwens_sliding_layers_follow_max_window_layers_or_layer_types():
     config = edited("qwen2-tiny")
     family = family_of(config)
