@@ -4,9 +4,9 @@ their gated MLPs' outputs weighted by the router's probabilities.
 
 The experts compute dropless: each token reaches every expert it chose, and no expert computes a
 token it was not chosen for. The (token, expert) pairs are sorted by expert, and each of the
-three projections is one grouped matrix product over them (`jax.lax.ragged_dot_general`: the
-rows of expert e multiply expert e's matrix), not a loop over the experts nor a dense product
-of every token with every expert. On a mesh each device routes the tokens of its batch rows to
+three projections is one grouped matrix product over them (`zoo.models.grouped_matmul`: the
+rows of expert e multiply expert e's matrix, in tiles of one expert each), not a loop over the
+experts nor a dense product of every token with every expert. On a mesh each device routes the tokens of its batch rows to
 whole experts (`shard_map`); with `tensor` > 1 each device holds a slice of every expert's
 hidden features, and the partial outputs are summed over `tensor`.
 
@@ -27,16 +27,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+from zoo.models.grouped_matmul import grouped_matmul
 
 from zoo.plugin import logical_spec, partitioned
-
-_RAGGED = jax.lax.RaggedDotDimensionNumbers(
-    dot_dimension_numbers=(([1], [2]), ([], [])),
-    lhs_ragged_dimensions=[0],
-    rhs_group_dimensions=[0],
-)
-"""rows [M, in] x experts' kernels [E, out, in] -> [M, out], the rows of each group multiplying
-their expert's kernel (held (out, in), as the checkpoints hold it)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,9 +134,8 @@ def _combine(activation, count: int, hidden, tokens, weights, chosen, gate, up, 
     token_of = order // top_k
     sizes = jnp.bincount(flat, length=count).astype(jnp.int32)
     rows = tokens[token_of]
-    projected = jax.lax.ragged_dot_general(rows, gate, sizes, _RAGGED)
-    middle = activation(projected) * jax.lax.ragged_dot_general(rows, up, sizes, _RAGGED)
-    outputs = jax.lax.ragged_dot_general(middle, down, sizes, _RAGGED)
+    middle = activation(grouped_matmul(rows, gate, sizes)) * grouped_matmul(rows, up, sizes)
+    outputs = grouped_matmul(middle, down, sizes)
     if hidden is not None:
         outputs = jax.lax.psum(outputs, hidden)
     outputs = outputs * weights.reshape(-1)[order][:, None]
