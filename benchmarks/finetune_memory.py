@@ -47,6 +47,7 @@ from zoo.engine.loop.build import build_model
 from zoo.engine.report.memory import compiled_memory
 from zoo.engine.sharding import mesh as sharding
 from zoo.engine.sharding.abstract import eval_shape
+from zoo.engine.sharding.plan import plan_state
 from zoo.engine.steps import rngs
 from zoo.engine.steps.functions import Trainable, make_steps
 from zoo.engine.steps.optim import make_optimizer
@@ -137,13 +138,16 @@ def abstract_batch(batch: int, length: int) -> dict[str, jax.ShapeDtypeStruct]:
     }
 
 
-def step_memory(cfg: Any, batch: Mapping[str, jax.ShapeDtypeStruct]) -> dict[str, int]:
+def step_memory(
+    cfg: Any, batch: Mapping[str, jax.ShapeDtypeStruct], devices: Sequence[Any] | None = None
+) -> dict[str, int]:
     """Bytes per device of the trainer's train step for `cfg` on `batch`, compiled on the
     abstract state: the model and its optimizer built by `zoo.engine.loop.build` under
-    `eval_shape`, the step made as `zoo.engine.loop.trainer.Trainer` makes it."""
+    `eval_shape`, the step made as `zoo.engine.loop.trainer.Trainer` makes it, on `cfg.mesh`
+    over `devices` (default: the first)."""
     entry = registry.get_model(cfg.model.name)
     hparams = OmegaConf.to_container(cfg.model)
-    mesh, rules = sharding.mesh_and_rules(cfg.mesh, jax.devices()[:1])
+    mesh, rules = sharding.mesh_and_rules(cfg.mesh, devices or jax.devices()[:1])
     frozen = frozen_filter(cfg.finetune)
     trainable = trainable_filter(cfg.finetune, frozen)
     tx, _ = make_optimizer(cfg.optimizer, cfg.trainer.steps)
@@ -155,6 +159,7 @@ def step_memory(cfg: Any, batch: Mapping[str, jax.ShapeDtypeStruct]) -> dict[str
     with sharding.activate(mesh, rules), nnx.use_eager_sharding(False):
         model, optimizer = eval_shape(create)
         graphdef, state = nnx.split((model, optimizer))
+        placed(state, mesh, rules)
         step = Trainable(trainable, frozen_norms(model, trainable), cfg.trainer.grad_accum_steps)
         train = make_steps(graphdef, compute_loss(entry.loss, cfg.trainer.precision), step).train
         key = jax.eval_shape(lambda: rngs.step_key(cfg.seed))
@@ -162,12 +167,22 @@ def step_memory(cfg: Any, batch: Mapping[str, jax.ShapeDtypeStruct]) -> dict[str
         return compiled_memory(train, state, sums, batch, key)
 
 
-def held(cfg: Any) -> dict[str, int]:
-    """Bytes of the abstract model's params: the base (codes and scales, norms, embedding) and
-    the adapters."""
+def placed(state: nnx.State, mesh: Any, rules: Any) -> None:
+    """Give each array of the abstract `state` the sharding the trainer's plan gives it
+    (`zoo.engine.sharding.plan`), in place: what each device holds of it."""
+    plan = plan_state(state, mesh, rules)
+    for (_, variable), row in zip(nnx.to_flat_state(state), plan.rows, strict=True):
+        value = variable.get_value()
+        where = jax.sharding.NamedSharding(mesh, row.spec)
+        variable.set_value(jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=where))
+
+
+def held(cfg: Any, devices: Sequence[Any] | None = None) -> dict[str, int]:
+    """Bytes of the abstract model's params, all devices together: the base (codes and scales,
+    norms, embedding) and the adapters; on `cfg.mesh` over `devices` (default: the first)."""
     entry = registry.get_model(cfg.model.name)
     hparams = OmegaConf.to_container(cfg.model)
-    mesh, rules = sharding.mesh_and_rules(cfg.mesh, jax.devices()[:1])
+    mesh, rules = sharding.mesh_and_rules(cfg.mesh, devices or jax.devices()[:1])
     with sharding.activate(mesh, rules), nnx.use_eager_sharding(False):
         model = eval_shape(lambda: build_model(entry, hparams, cfg.seed, cfg.finetune))
     sizes = {"adapters": 0, "base": 0}

@@ -17,7 +17,7 @@ import pytest
 from helpers import NO_COMPILE_CACHE, ROOT
 from zoo.engine import registry
 
-from benchmarks import device_check, grpo_step, throughput
+from benchmarks import device_check, experts, grpo_step, throughput
 from benchmarks.state_hashes import state_hash
 
 
@@ -163,3 +163,28 @@ def test_state_hashes_see_one_bit_and_nothing_else():
     tiny = np.nextafter(np.float32(0), np.float32(1))
     moved = {"w": weights.at[0].set(tiny), "key": jax.random.key(0)}
     assert state_hash(state) == state_hash(same) != state_hash(moved)
+
+
+def test_experts_benchmark_compares_the_products_and_trains_both_decoders(tmp_path):
+    """`benchmarks.experts` at small sizes: the three products compute the same loss, each
+    figure is there; the memory of a tiny mixture's steps, one per case, computed."""
+    out = tmp_path / "experts.json"
+    sizes = ["--experts", "4", "--dim", "32", "--expert-width", "16", "--tokens", "64"]
+    sizes += ["--depth", "1", "--context", "16", "--batch", "8", "--steps", "1", "--rounds", "2"]
+    report = experts.main([*sizes, "--sections", "product", "training", "--json", str(out)])
+    assert json.loads(out.read_text()) == report
+    losses = {r["loss"] for r in report["product"].values()}
+    assert max(losses) - min(losses) <= 1e-5 * max(losses)
+    assert set(report["product"]) == {"grouped", "ragged_dot", "loop"}
+    for product in report["product"].values():
+        assert product["temporaries"] > 0 and product["seconds"]["median"] > 0
+    assert set(report["training"]) == {"mixture", "dense"}
+    assert report["training"]["dense"]["vs_dense"] == 1.0
+    config = json.loads((ROOT / "tests/fixtures/pretrained/qwen3-moe-tiny/config.json").read_text())
+    memory = experts.memory_figures(config, length=16)
+    assert set(memory) == set(experts.MEMORY_CASES)
+    for case in memory.values():
+        assert 0 < case["arguments"] <= case["peak"] and case["temporaries"] > 0
+    full = memory["full fine-tune, fsdp=8"]
+    state = full["base"] // 2 * (2 + 4 + 4 + 4)  # bf16 params, float32 master and Adam moments
+    assert full["devices"] == 8 and full["arguments"] < state
