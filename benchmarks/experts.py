@@ -17,7 +17,8 @@ Qwen3-30B-A3B's train step.
   active params per token, the router aside); interleaved windows, medians.
 - **memory**: XLA's memory analysis of the train step compiled on the abstract state (no
   weights: `benchmarks.finetune_memory.step_memory`) of the Qwen3-30B-A3B architecture (its
-  hub config, `QWEN3_30B_A3B`), params in bfloat16, sequences of `--length` tokens: LoRA (rank
+  hub config, `QWEN3_30B_A3B`), params in bfloat16, each layer recomputed in the backward pass
+  (`model.remat=true`), sequences of `--length` tokens: LoRA (rank
   16) over the attention on one device, the experts frozen, batch 1 (a single 141 GB GPU's
   fine-tune); and a full fine-tune (float32 master weights, Adam) on 8 devices split `fsdp=8`,
   batch 8 (on a CPU,
@@ -81,11 +82,15 @@ QWEN3_30B_A3B = {
 
 MEMORY_CASES = {
     "LoRA on the attention, 1 device": (
-        ("finetune.lora_rank=16", r"finetune.lora_layers=layers\.\d+\.attention"),
+        (
+            "finetune.lora_rank=16",
+            r"finetune.lora_layers=layers\.\d+\.attention",
+            "model.remat=true",
+        ),
         {},
         1,
     ),
-    "full fine-tune, fsdp=8": ((), {"fsdp": 8}, 8),
+    "full fine-tune, fsdp=8": (("model.remat=true",), {"fsdp": 8}, 8),
 }
 """Each memory case's fine-tuning keys, mesh and batch (a sequence per device)."""
 

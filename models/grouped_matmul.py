@@ -29,10 +29,13 @@ def tile_rows(rows: int, groups: int) -> int:
     return int(min(LARGEST_TILE, max(8, 1 << (mean - 1).bit_length())))
 
 
+@jax.checkpoint
 def grouped_matmul(rows: jax.Array, kernels: jax.Array, sizes: jax.Array) -> jax.Array:
     """rows [M, in] sorted by group, kernels [G, out, in] (each (out, in), as the checkpoints
     hold them), sizes [G] (the rows of each group, summing to M) -> [M, out]: each row times
-    its group's kernel, transposed."""
+    its group's kernel, transposed. The backward pass lays the rows and the tiles' kernels out
+    again rather than keep them (`jax.checkpoint`): the tiles' kernels are about twice a
+    layer's expert weights."""
     count, width = rows.shape
     groups = kernels.shape[0]
     tile = tile_rows(count, groups)
