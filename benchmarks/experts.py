@@ -282,6 +282,12 @@ def memory_figures(config: dict[str, Any], length: int) -> dict[str, Any]:
 # ---- tables ------------------------------------------------------------------------------------
 
 
+def _spread_cell(figures: dict[str, float], scale: float = 1.0, form: str = ",.0f") -> str:
+    """`median (min-max)` of a `spread`, each times `scale`."""
+    low, mid, high = (format(figures[k] * scale, form) for k in ("min", "median", "max"))
+    return f"{mid} ({low}-{high})"
+
+
 def print_tables(results: dict[str, Any], args: argparse.Namespace) -> None:
     if "product" in results:
         print(
@@ -290,20 +296,16 @@ def print_tables(results: dict[str, Any], args: argparse.Namespace) -> None:
         )
         print("| product | ms per call | vs grouped | temporaries |\n|---|---|---|---|")
         for name, r in results["product"].items():
-            s = r["seconds"]
+            milliseconds = _spread_cell(r["seconds"], 1e3, ".1f")
             print(
-                f"| {name} | {s['median'] * 1e3:.1f} ({s['min'] * 1e3:.1f}-{s['max'] * 1e3:.1f}) "
-                f"| {r['vs_grouped']:.2f}x | {r['temporaries'] / 2**20:.1f} MiB |"
+                f"| {name} | {milliseconds} | {r['vs_grouped']:.2f}x "
+                f"| {r['temporaries'] / 2**20:.1f} MiB |"
             )
     if "training" in results:
         print(f"\nTraining, one device: depth {args.depth}, width {args.dim}, batch {args.batch}")
         print("| decoder | tokens/s | vs dense |\n|---|---|---|")
         for name, r in results["training"].items():
-            t = r["tokens_per_second"]
-            print(
-                f"| {name} | {t['median']:,.0f} ({t['min']:,.0f}-{t['max']:,.0f}) "
-                f"| {r['vs_dense']:.2f}x |"
-            )
+            print(f"| {name} | {_spread_cell(r['tokens_per_second'])} | {r['vs_dense']:.2f}x |")
     if "memory" in results:
         gib = 2**30
         print(f"\nQwen3-30B-A3B, {args.length} tokens a sequence, GiB per device (computed)")
