@@ -14,7 +14,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 from PIL import Image, ImageDraw, ImageFont
 from zoo.models.eval_samples import sample_on_eval
-from zoo.models.experts import load_balancing, mixture_layers, routed_call
+from zoo.models.experts import load_balancing, mixture_layers, real_inputs, routed_call
 
 from zoo.plugin import MASK, POSITIONS, SEGMENT_IDS, EvalReport, logical_spec
 
@@ -65,10 +65,8 @@ def expert_load(model: nnx.Module, batch: Mapping[str, jax.Array]) -> jax.Array:
     flat = jnp.reshape(tokens, (-1, tokens.shape[-1]), out_sharding=rows)[:, :-1]
     per_row = tokens.shape[1] if tokens.ndim == 3 else 1  # a pair's sequences
     length = jnp.reshape(batch["length"], (-1,), out_sharding=logical_spec("batch"))
-    real = jnp.arange(flat.shape[1])[None, :] <= length[:, None]
     packed = {name: batch[name] for name in (SEGMENT_IDS, POSITIONS) if name in batch}
-    if packed:  # rows of several sequences, which the model keeps apart
-        real = batch[SEGMENT_IDS] > 0
+    real = real_inputs(length, flat.shape[1], packed.get(SEGMENT_IDS))
     if MASK in batch:
         kept = jnp.broadcast_to(batch[MASK][:, None] > 0, (batch[MASK].shape[0], per_row))
         real = real & jnp.reshape(kept, (-1,), out_sharding=logical_spec("batch"))[:, None]

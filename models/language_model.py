@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
-from zoo.models.experts import routed_call
+from zoo.models.experts import real_inputs, routed_call
 from zoo.models.transformer import dropout_key, tokens_spec
 
 from zoo.plugin import (
@@ -168,12 +168,8 @@ def language_model_loss(model: Any, batch: Mapping[str, jax.Array], rngs: nnx.Rn
     if packed:
         metrics["packing_efficiency"] = jnp.zeros_like(count) + jnp.mean(real_targets)
     if routing.layers:  # a mixture of experts: its router's loss, its experts' load
-        real_inputs = (
-            packed[SEGMENT_IDS] > 0
-            if packed
-            else jnp.arange(inputs.shape[1])[None, :] <= batch["length"][:, None]
-        )
-        router_loss, routed = routing.loss_and_metrics(real_inputs)
+        real = real_inputs(batch["length"], inputs.shape[1], packed.get(SEGMENT_IDS))
+        router_loss, routed = routing.loss_and_metrics(real)
         loss = loss + router_loss
         metrics.update({name: jnp.zeros_like(count) + value for name, value in routed.items()})
     return loss, metrics

@@ -41,7 +41,8 @@ def test_a_full_fine_tune_trains_the_experts_and_the_router(pretrained, tmp_path
     result = zoo.finetune(
         CHECKPOINT, *TINY_TEXT_FINETUNE, "model.router_aux_loss_coef=0.01", f"workdir={tmp_path}"
     )
-    tags = set(read_events(tmp_path).Tags()["scalars"])
+    events = read_events(tmp_path)
+    tags = set(events.Tags()["scalars"])
     for split in ("train", "val"):
         routed = {
             f"{split}/router_aux_loss",
@@ -49,7 +50,6 @@ def test_a_full_fine_tune_trains_the_experts_and_the_router(pretrained, tmp_path
         }
         assert routed <= tags, sorted(tags)
     assert result.eval_metrics["router_aux_loss"] >= 2.0  # experts_per_token: an even routing
-    events = read_events(tmp_path)
     (picture,) = events.Images("visuals/expert_load")[-1:]
     image = np.asarray(Image.open(io.BytesIO(picture.encoded_image_string)))
     assert image.shape[0] > 2 * 12 and image.shape[1] > 4 * 2  # two layers' rows, four experts
