@@ -28,8 +28,16 @@ Every split holds, per pair, `tokens` (int32, 2 x (L + 1)), `length` (int32, 2: 
 targets of each) and `loss_mask` (uint8, 2 x L: 1 where the target is a reply's token); index 0
 is the chosen side, 1 the rejected. A batch is padded to the smallest of `data.buckets` that
 holds its longest sequence of either side; a longer pair is cut to the largest bucket, and one
-left without a reply's token on either of its sides is skipped, said in a warning. Pairs are
-one to a row: there is no packing.
+left without a reply's token on either of its sides is skipped, said in a warning.
+
+`data.packing=true` packs the training pairs several to an example instead (the held-out ones
+stay one to an example): its chosen row holds the chosen sequences of its pairs end to end, its
+rejected row their rejected sequences, pair k the segment k of both, with `segment_ids` and
+`positions` (2 x L each) as `data=chat` packs conversations (`zoo.data.packing`, first-fit by the
+longer of a pair's sequences), and `pair_slots` (uint8, S: 1 for each segment that holds a pair,
+S the most pairs any example of the split holds). The preference losses take each pair's loss
+and weight an example by its pairs (`zoo.engine.posttraining.objectives`), so a step's loss is
+the mean over its pairs, packed or not.
 """
 
 from __future__ import annotations
@@ -65,9 +73,10 @@ from zoo.data.conversations import (
     part,
     read_rows,
 )
+from zoo.data.packing import pack, packed_rows
 from zoo.data.text import LENGTH, TOKENS
 
-from zoo.plugin import LOSS_MASK, Batch, ExampleSource, Splits, register_data
+from zoo.plugin import LOSS_MASK, PAIR_SLOTS, Batch, ExampleSource, Splits, register_data
 
 FORMAT = "zoo-preference-1"
 """Part of every cache entry's hash: a change to how entries are made changes this."""
@@ -258,6 +267,32 @@ class PairExamples(ExampleSource):
         return {c: np.stack([m[c] for m in made], axis=1) for c in (TOKENS, LENGTH, LOSS_MASK)}
 
 
+class PackedPairExamples(PairExamples):
+    """The pairs packed several to an example (`data.packing`): the chosen sequences of its
+    pairs end to end in its first row, their rejected ones in its second, pair k the segment k
+    of both, placed first-fit by the longer of its sequences (`zoo.data.packing`); the
+    `PAIR_SLOTS` column marks the slots that hold a pair, out of the most any example holds."""
+
+    def __init__(self, pairs: EncodedPairs, rows: np.ndarray, longest: int):
+        super().__init__(pairs, rows, longest)
+        sizes = np.maximum(*(np.diff(s.encoded.starts)[self.rows] for s in self.sides))
+        self.packs = packed_rows(np.minimum(sizes, longest + 1), longest + 1)
+        self.slots = max((len(p) for p in self.packs), default=1)
+
+    def __len__(self) -> int:
+        return len(self.packs)
+
+    def examples(self, rows: np.ndarray, epochs: np.ndarray | None, seed: int) -> Batch:
+        made = [
+            pack([[side.piece(self.rows[i]) for i in self.packs[r]] for r in rows], side.longest)
+            for side in self.sides
+        ]
+        slots = np.zeros((len(rows), self.slots), np.uint8)
+        for i, row in enumerate(rows):
+            slots[i, : len(self.packs[row])] = 1
+        return {**{c: np.stack([m[c] for m in made], axis=1) for c in made[0]}, PAIR_SLOTS: slots}
+
+
 def _chosen(record: Any, columns: PreferenceColumns, roles: Sequence[str]) -> Conversation:
     """A row's prompt and chosen reply: what a held-out prompt is asked with and answered."""
     return preference_pair(record, columns, roles).chosen
@@ -273,11 +308,16 @@ def preference(
     prompt: str = "prompt",
     chosen: str = "chosen",  # the column of preferred replies: text or messages
     rejected: str = "rejected",  # the column of dispreferred replies: text or messages
+    # Training examples of several pairs (the chosen sequences end to end in one row, the
+    # rejected ones in another, the largest bucket long), attention and positions kept within
+    # each sequence (a decoder only): less padding, more pairs per step.
+    packing: bool = False,
     *,
     options: ChatOptions,
 ) -> Splits:
     """Preference pairs rendered with a checkpoint's chat template, each a chosen and a rejected
-    sequence with a loss mask over its reply (see the module's doc); one pair to a row."""
+    sequence with a loss mask over its reply (see the module's doc); one pair to an example, or
+    several packed."""
     file, encoder = options.encoder(LossOn.completion, PAIRS)
     columns = PreferenceColumns(prompt, chosen, rejected)
     roles = options.roles
@@ -293,7 +333,7 @@ def preference(
     held = trainable_rows(test, test_rows, longest, "held-out", PAIRS)
     trained = trainable_rows(train, train_rows, longest, "training", PAIRS)
     return Splits(
-        train=PairExamples(train, trained, longest),
+        train=(PackedPairExamples if packing else PairExamples)(train, trained, longest),
         eval=PairExamples(test, held, longest),
         transform=ChatPadding(list(options.buckets)),
         tokenizer=encoder.tokenizer,

@@ -65,6 +65,11 @@ POSITIONS = "positions"
 """A batch column of packed rows beside `SEGMENT_IDS`: each input position's position within
 its own sequence (0 at each sequence's first token)."""
 
+PAIR_SLOTS = "pair_slots"
+"""A batch column of packed preference pairs ([batch, slots]): 1 where a row holds a pair as
+segment slot + 1 of both its sequences (the chosen replies' and the rejected replies'), 0 for
+the slots left empty; a fixed number of slots per data set gives the losses a fixed shape."""
+
 OnEval = Callable[[nnx.Module, Any], None]
 """`on_eval(model, report)`: called after each eval with the model in eval mode and a
 `zoo.engine.report.reporter.EvalReport` (the step, a key of its own, the first eval batch, every eval batch

@@ -15,7 +15,8 @@ module alone, as a project's own would be:
   the metrics weights the examples (tokens per sequence), `MASK` is the column that marks
   an eval batch's padding rows, and `LOSS_MASK` the column that marks which of a sequence's
   next-token targets carry loss (a chat's replies); `SEGMENT_IDS` and `POSITIONS` the columns
-  of packed rows, which a model takes when its class sets `PACKED_ROWS = True`.
+  of packed rows, which a model takes when its class sets `PACKED_ROWS = True`, and
+  `PAIR_SLOTS` the column that says which segments of packed preference pairs hold a pair.
 - Sharding by logical axis names (`batch`, `embed`, `mlp`, `heads`, `vocab`, ...), which the
   run's rules map onto its mesh: `partitioned(init, axes)` annotates a param, `logical_spec`
   names an activation's axes, `unsplit_batch()` lifts the batch split for calls on a few
@@ -54,6 +55,7 @@ from zoo.engine.registry import (
     COMMON_INERT,
     COMMON_REFUSED,
     LOSS_MASK,
+    PAIR_SLOTS,
     POSITIONS,
     SEGMENT_IDS,
     WEIGHT,
@@ -78,6 +80,7 @@ __all__ = [
     "COMMON_REFUSED",
     "LOSS_MASK",
     "MASK",
+    "PAIR_SLOTS",
     "POSITIONS",
     "SEGMENT_IDS",
     "WEIGHT",

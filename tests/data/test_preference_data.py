@@ -267,6 +267,53 @@ def test_batches_are_padded_to_the_bucket_of_either_sides_longest(tmp_path, capl
     assert not batch["loss_mask"][1, :, n - 1 :].any()
 
 
+def test_packing_puts_each_pair_in_the_same_segment_of_both_rows(tmp_path):
+    """`data.packing=true`: the training pairs (of replies of 1 to 12 words, about 85 to 110
+    tokens a side) several to an example of 384 targets; pair k of an example is segment k of
+    its chosen row and of its rejected row, each the pair's sequence with its own positions and
+    its reply's loss mask (its last target cleared); `pair_slots` marks the slots used; every
+    pair is in one example; the held-out pairs stay one to an example."""
+    rows = [
+        {"prompt": f"q{i}?", "chosen": "yes " * (1 + i % 12), "rejected": "no " * (1 + i * 5 % 12)}
+        for i in range(24)
+    ]
+    write_jsonl(tmp_path / "train" / "p.jsonl", rows)
+    write_jsonl(tmp_path / "val" / "held.jsonl", texts(3))
+    splits = zoo.load_data(
+        "preference", path=str(tmp_path), tokenizer=str(CHECKPOINT), buckets=[384], packing=True
+    )
+    pieces = pairs_by_name(splits)
+    train = splits.train
+    batch = train.examples(np.arange(len(train)), None, 0)
+    slots = batch["pair_slots"]
+    assert len(train) <= 24 // 3 and slots.shape[1] >= 3
+    assert all(np.all(np.diff(row.astype(int)) <= 0) for row in slots)
+    assert batch["tokens"].shape == (len(train), 2, 385)
+    assert "segment_ids" not in splits.eval.examples(np.arange(3), None, 0)
+    seen = []
+    for example, held in enumerate(train.packs):
+        assert slots[example].sum() == len(held)
+        for slot, pair in enumerate(held, start=1):
+            where = name(train.pairs.wheres[train.rows[pair]])
+            seen.append(where)
+            for side, (ids, marks) in enumerate(pieces[where]):
+                segment = batch["segment_ids"][example, side] == slot  # its inputs
+                n, start = int(segment.sum()), int(np.argmax(segment))
+                assert n == len(ids) - (start + len(ids) == 385)
+                row = batch["tokens"][example, side]
+                np.testing.assert_array_equal(row[start : start + len(ids)], ids)
+                np.testing.assert_array_equal(
+                    batch["positions"][example, side][segment], np.arange(n)
+                )
+                trained = batch["loss_mask"][example, side][start : start + len(ids) - 1]
+                np.testing.assert_array_equal(trained, marks[1:])
+    assert sorted(seen) == sorted(f"p.jsonl:{i}" for i in range(1, 25))
+    train_batches, _ = pipeline.process_pipelines(splits, batch_size=2, seed=0)
+    first = next(iter(train_batches))
+    assert first["pair_slots"].shape == (2, slots.shape[1])
+    assert first["segment_ids"].shape == first["loss_mask"].shape == (2, 2, 384)
+
+
 def test_held_out_rows_by_name_as_chat_holds_them_out(tmp_path):
     file = write_jsonl(tmp_path / "a" / "p.jsonl", texts(40))
     splits = zoo.load_data(

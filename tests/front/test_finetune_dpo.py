@@ -108,6 +108,44 @@ def test_tensorboard_shows_what_preference_runs_watch(learned):
     assert any(tag.startswith("replies/") for tag in events.Tags()["tensors"])
 
 
+def test_packed_pairs_learn_from_the_same_reference(pair_file, tmp_path):
+    """`data.packing=true`: several pairs to an example, each pair's loss its own (a first
+    loss of exactly log 2 with LoRA: every pair at the reference), and the held-out pairs
+    (one to an example) ranked as the unpacked run ranks them."""
+    done = zoo.finetune(
+        CHECKPOINT,
+        *LEARNING,
+        "data.packing=true",
+        "data.buckets=[256]",
+        f"workdir={tmp_path / 'run'}",
+        data=pair_file,
+        method="dpo",
+        lora_rank=8,
+    )
+    events = read_events(done.workdir)
+    assert scalar_steps(events, "train/loss")[1] == pytest.approx(math.log(2), abs=1e-7)
+    assert scalar_steps(events, "train/packing_efficiency")[1] > 0.7
+    assert done.eval_metrics["rewards/accuracies"] >= ACCURACY, done.eval_metrics
+
+
+def test_a_precomputed_reference_scores_each_packed_pair(pair_file, tmp_path):
+    """A full fine-tune's reference computed once over packed examples: a value per pair, so
+    that IPO starts at its value at the reference, ((0 - 0) - 1 / (2 beta))^2 = 25."""
+    done = zoo.finetune(
+        CHECKPOINT,
+        *SHORT,
+        "data.packing=true",
+        "data.buckets=[256]",
+        "finetune.dpo.reference=precomputed",
+        "finetune.dpo.loss_type=ipo",
+        f"workdir={tmp_path / 'run'}",
+        data=pair_file,
+        method="dpo",
+    )
+    losses = scalar_steps(read_events(done.workdir), "train/loss")
+    assert losses[1] == pytest.approx(25.0, rel=1e-5) and losses[2] < losses[1]
+
+
 @pytest.mark.parametrize("reference", ["precomputed", "copy"])
 def test_a_full_fine_tune_from_the_command_line_has_a_reference(pair_file, tmp_path, reference):
     workdir = tmp_path / "run"

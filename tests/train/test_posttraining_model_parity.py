@@ -4,8 +4,8 @@ tests/fixtures/posttraining/model_losses.json (made by make_model_losses.py with
 trainers on the same checkpoint read by transformers), zoo's training objectives give TRL's
 loss within 1e-5 and the gradients of the named params within 1e-5 of their largest entry, in
 float32, on one device and on the 2x2x2 mesh: DPO (`sigmoid`, `ipo`, `hinge`), SimPO and ORPO
-over pairs, GRPO under each aggregation over completions with fixed advantages and old
-log-probabilities.
+over pairs (one to a row, and packed several to a row as `data.packing=true` packs them), GRPO
+under each aggregation over completions with fixed advantages and old log-probabilities.
 
 The reference model is the checkpoint itself, the policy the checkpoint with its final norm's
 scale set to the fixture's values. The reference's log-probabilities reach the loss as
@@ -24,6 +24,7 @@ import pytest
 from conformance.checks import MESH, ONE_DEVICE
 from flax import nnx
 from helpers import ROOT
+from zoo.data.packing import pack, packed_rows
 from zoo.engine.posttraining import GRPOOptions, PreferenceOptions
 from zoo.engine.posttraining.objectives import (
     REFERENCE_LOGPS,
@@ -32,7 +33,7 @@ from zoo.engine.posttraining.objectives import (
     preference_objective,
 )
 from zoo.engine.posttraining.rollouts import OLD_LOGPS
-from zoo.engine.registry import WEIGHT
+from zoo.engine.registry import PAIR_SLOTS, WEIGHT
 from zoo.engine.sharding import mesh as sharding
 from zoo.engine.weights import pretrained as weights
 
@@ -42,6 +43,8 @@ FIXTURE = json.loads((ROOT / "tests/fixtures/posttraining/model_losses.json").re
 CHECKPOINT = ROOT / "tests/fixtures/pretrained" / FIXTURE["checkpoint"]
 PREFERENCE, POLICY = FIXTURE["preference"], FIXTURE["policy"]
 WITH_REFERENCE = ("sigmoid", "ipo", "hinge")
+ONE_TO_A_ROW, PACKED = "one-to-a-row", "packed"
+PACKED_WIDTH = 20
 LOSS_TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
 GRAD_TOLERANCE = 1e-5
 """Each gradient's largest difference from TRL's, relative to its largest entry."""
@@ -90,15 +93,43 @@ def placed(request):
             ("old_logps", np.float32),
         )
     }
+    packed = packed_pairs(pairs)
     with sharding.activate(planned.mesh, planned.rules), jax.default_matmul_precision("highest"):
         pairs = sharding.shard_batch(pairs, planned.mesh, planned.rules)
-        reference = nnx.jit(pair_logps)(model, pairs)
-        pairs[REFERENCE_LOGPS] = reference
+        pairs[REFERENCE_LOGPS] = nnx.jit(pair_logps)(model, pairs)
+        packed = sharding.shard_batch(packed, planned.mesh, planned.rules)
+        packed[REFERENCE_LOGPS] = nnx.jit(pair_logps)(model, packed)
         completions = sharding.shard_batch(completions, planned.mesh, planned.rules)
         for name, values in FIXTURE["policy_params"].items():
             variable = param(model, FIXTURE["params"][name])
             variable.set_value(jax.device_put(np.float32(values), variable.get_value().sharding))
-    return planned, model, pairs, completions
+    return planned, model, {ONE_TO_A_ROW: pairs, PACKED: packed}, completions
+
+
+def packed_layout() -> list[list[int]]:
+    """The fixture's pairs as `data.packing=true` places them (first-fit into rows of
+    `PACKED_WIDTH` targets: two rows of two pairs), with a row of no pair after each."""
+    sizes = np.asarray(PREFERENCE["inputs"]["length"]).max(1) + 1
+    rows = [[int(i) for i in row] for row in packed_rows(sizes, PACKED_WIDTH + 1)]
+    assert [len(row) for row in rows] == [2, 2]
+    return [rows[0], [], rows[1], []]
+
+
+def packed_pairs(pairs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The fixture's pairs packed as `packed_layout` places them."""
+    layout, tokens, marks = packed_layout(), pairs["tokens"], pairs["loss_mask"]
+    sides = []
+    for side in (0, 1):
+        pieces = [
+            [
+                (tokens[i, side, : n + 1], np.concatenate([[0], marks[i, side, :n]]))
+                for i, n in ((i, pairs["length"][i, side]) for i in row)
+            ]
+            for row in layout
+        ]
+        sides.append(pack(pieces, PACKED_WIDTH))
+    slots = np.array([[1] * len(row) + [0] * (2 - len(row)) for row in layout], np.uint8)
+    return {**{c: np.stack([s[c] for s in sides], 1) for c in sides[0]}, PAIR_SLOTS: slots}
 
 
 def objective_of(section: str, options: dict):
@@ -121,11 +152,14 @@ def mean_loss(objective, model: nnx.Module, batch) -> jax.Array:
     return jnp.sum(losses * weight) / jnp.sum(weight)
 
 
-def loss_and_grads(placed, section: str, options: dict) -> tuple[float, dict[str, np.ndarray]]:
-    """Zoo's loss of a case over its batch and the named params' gradients."""
+def loss_and_grads(
+    placed, section: str, options: dict, layout: str = ONE_TO_A_ROW
+) -> tuple[float, dict[str, np.ndarray]]:
+    """Zoo's loss of a case over its batch (pairs laid out as `layout` says) and the named
+    params' gradients."""
     planned, model, pairs, completions = placed
     objective, reads_old = objective_of(section, options)
-    batch = pairs if section == "preference" else dict(completions)
+    batch = pairs[layout] if section == "preference" else dict(completions)
     if section == "policy" and not reads_old:
         del batch[OLD_LOGPS]
     with sharding.activate(planned.mesh, planned.rules), jax.default_matmul_precision("highest"):
@@ -153,12 +187,18 @@ def assert_matches(loss: float, grads: dict[str, np.ndarray], case: dict) -> Non
 def test_the_reference_log_probabilities_equal_trl(placed):
     _, _, pairs, _ = placed
     expected = np.asarray(PREFERENCE["inputs"]["reference_logps"], np.float32)
-    np.testing.assert_allclose(np.asarray(pairs[REFERENCE_LOGPS]), expected, rtol=1e-6, atol=0)
+    got = pairs[ONE_TO_A_ROW][REFERENCE_LOGPS]
+    np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-6, atol=0)
+    packed = np.asarray(pairs[PACKED][REFERENCE_LOGPS])  # [row, side, slot]
+    for row, held in enumerate(packed_layout()):
+        for slot, pair in enumerate(held):
+            np.testing.assert_allclose(packed[row, :, slot], expected[pair], rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("layout", [ONE_TO_A_ROW, PACKED])
 @pytest.mark.parametrize("case", PREFERENCE["cases"], ids=case_id)
-def test_preference_losses_and_gradients_match_trl(placed, case):
-    assert_matches(*loss_and_grads(placed, "preference", case["options"]), case)
+def test_preference_losses_and_gradients_match_trl(placed, case, layout):
+    assert_matches(*loss_and_grads(placed, "preference", case["options"], layout), case)
 
 
 @pytest.mark.parametrize("case", POLICY["cases"], ids=case_id)

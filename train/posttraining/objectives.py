@@ -4,7 +4,12 @@ model's own loss is (`zoo.engine.registry.LossFn`), made from the run's `finetun
 `finetune.method=dpo` trains on preference pairs: each example's `tokens` hold two sequences,
 the prompt with the chosen reply and the prompt with the rejected one (`[batch, 2, length + 1]`,
 as `data=preference` makes them), with their `length`s and the `loss_mask` of the replies'
-tokens. Both sequences of every pair go through the model in one call (as `2 x batch` rows);
+tokens; packed pairs (`data.packing=true`) hold several pairs per example, the chosen
+sequences of pairs 1, 2, ... as the segments 1, 2, ... of its first row, their rejected ones as
+the same segments of its second, with the `segment_ids`, `positions` and `pair_slots` columns
+(`zoo.engine.registry.PAIR_SLOTS`): the loss is each pair's, the example's its pairs' mean,
+weighted by their number. Both sequences of every pair go through the model in one call (as
+`2 x batch` rows);
 the reference model's log-probabilities, where the loss needs them, come from the same weights
 with the LoRA adapters off (their params set to zero in a copy of the model's graph, which
 holds no second copy of the weights): an adapter then adds exactly zero, so the reference is
@@ -14,7 +19,7 @@ the starting checkpoint bit for bit, and no gradient flows through it.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,12 +34,21 @@ from zoo.engine.posttraining.preference import (
     COPY,
     ORPO,
     PRECOMPUTED,
+    Metrics,
     PreferenceOptions,
+    SequenceLogps,
     preference_loss,
     sequence_logps,
 )
 from zoo.engine.posttraining.rollouts import ADVANTAGES, COMPLETION_MASK, LOGGED, OLD_LOGPS, ROW
-from zoo.engine.registry import LOSS_MASK, loss_contract
+from zoo.engine.registry import (
+    LOSS_MASK,
+    PAIR_SLOTS,
+    POSITIONS,
+    SEGMENT_IDS,
+    WEIGHT,
+    loss_contract,
+)
 
 SFT, DPO, GRPO = "sft", "dpo", "grpo"
 PAIR = 2
@@ -108,7 +122,11 @@ def reference_placeholder(finetune: Any, batch: Mapping[str, Any]) -> dict[str, 
     if reference_source(finetune) is None:
         return dict(batch)
     rows, width = batch["tokens"].shape[:2]
-    shape = (rows, width - 1) if method_of(finetune) == GRPO else (rows, PAIR)
+    if method_of(finetune) == GRPO:
+        shape = (rows, width - 1)
+    else:  # packed pairs: a value per slot
+        slots = (np.shape(batch[PAIR_SLOTS])[1],) if PAIR_SLOTS in batch else ()
+        shape = (rows, PAIR, *slots)
     return {**batch, REFERENCE_LOGPS: np.zeros(shape, np.float32)}
 
 
@@ -165,38 +183,45 @@ def shown_examples(finetune: Any, batch: Mapping[str, Any]) -> Mapping[str, Any]
 
 
 def preference_objective(options: PreferenceOptions) -> Callable:
-    """Per pair: the preference loss of `options` and TRL's metrics (`preference_loss`)."""
+    """Per example: the preference loss of `options` and TRL's metrics (`preference_loss`) of
+    its pair, or of a packed row's pairs their mean, weighted by their number (`WEIGHT`), so
+    that the trainer's means are means over pairs whether or not they are packed."""
     metrics = (*REWARDS, *LOGPS, *(ORPO_METRICS if options.loss_type == ORPO else ()))
 
     @loss_contract(columns=PAIR_COLUMNS, metrics=metrics)
     def loss(model: Any, batch: Mapping[str, jax.Array], rngs: nnx.Rngs):
-        rows, real, replies = _rows_and_masks(batch)
-        policy = _as_pairs(token_logps(model, rows, rngs))
-        chosen, rejected = (sequence_logps(policy[:, i], replies[:, i]) for i in range(PAIR))
+        rows, packed = _as_rows(batch["tokens"].astype(jnp.int32)), _packed_rows(batch)
+        masks = _pair_masks(batch)
+        policy = _as_pairs(token_logps(model, rows, rngs, packed))
+        chosen, rejected = (masks.reply_logps(policy, i) for i in range(PAIR))
         reference = None
         if options.uses_reference and options.reference != ADAPTERS:  # given as a column
-            reference = (batch[REFERENCE_LOGPS][:, 0], batch[REFERENCE_LOGPS][:, 1])
+            given = batch[REFERENCE_LOGPS]
+            given = given if PAIR_SLOTS in batch else given[..., None]
+            reference = (given[:, 0], given[:, 1])
         elif options.uses_reference:
-            base = _as_pairs(jax.lax.stop_gradient(token_logps(adapters_off(model), rows, rngs)))
-            reference = tuple(sequence_logps(base[:, i], replies[:, i]).total for i in (0, 1))
+            base = token_logps(adapters_off(model), rows, rngs, packed)
+            base = _as_pairs(jax.lax.stop_gradient(base))
+            reference = tuple(masks.reply_logps(base, i).total for i in range(PAIR))
         whole = None
-        if options.loss_type == ORPO:
-            # the chosen sequence's prompt and reply; a padding row (no reply) counts nowhere
-            trains = jnp.any(replies[:, 0], axis=-1, keepdims=True)
-            whole = sequence_logps(policy[:, 0], real[:, 0] & trains)
-        return preference_loss(
+        if options.loss_type == ORPO:  # the chosen sequences' prompts and replies
+            whole = sequence_logps(policy[:, 0, None], masks.sequences[:, 0])
+        losses, values = preference_loss(
             options, chosen, rejected, reference=reference, chosen_sequence=whole
         )
+        return masks.per_example(losses, values, packed=PAIR_SLOTS in batch)
 
     return loss
 
 
 def pair_logps(model: Any, batch: Mapping[str, jax.Array]) -> jax.Array:
-    """Each pair's replies' log-probabilities [B, 2] (chosen, rejected) as `model` scores
-    them in eval mode: what `reference=precomputed` computes once with the starting model."""
-    rows, _, replies = _rows_and_masks(batch)
-    logps = _as_pairs(token_logps(model, rows, nnx.Rngs(0)))
-    return jnp.stack([sequence_logps(logps[:, i], replies[:, i]).total for i in range(PAIR)], 1)
+    """Each pair's replies' log-probabilities [B, 2] (chosen, rejected), or for packed pairs
+    each slot's [B, 2, slots], as `model` scores them in eval mode: what
+    `reference=precomputed` computes once with the starting model."""
+    rows, masks = _as_rows(batch["tokens"].astype(jnp.int32)), _pair_masks(batch)
+    logps = _as_pairs(token_logps(model, rows, nnx.Rngs(0), _packed_rows(batch)))
+    totals = jnp.stack([masks.reply_logps(logps, i).total for i in range(PAIR)], 1)
+    return totals if PAIR_SLOTS in batch else totals[..., 0]
 
 
 def sampled_logps(model: Any, batch: Mapping[str, jax.Array]) -> jax.Array:
@@ -205,12 +230,67 @@ def sampled_logps(model: Any, batch: Mapping[str, jax.Array]) -> jax.Array:
     return token_logps(model, batch["tokens"].astype(jnp.int32), nnx.Rngs(0))
 
 
-def _rows_and_masks(batch: Mapping[str, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The pairs' sequences as rows [2B, T + 1]; which of each pair's targets are real, and
-    which of those are a reply's (the loss mask) [B, 2, T]."""
-    rows = _as_rows(batch["tokens"].astype(jnp.int32))
-    real = jnp.arange(rows.shape[1] - 1) < batch["length"][..., None]
-    return rows, real, real & (batch[LOSS_MASK] > 0)
+class PairMasks(NamedTuple):
+    """Which targets of a batch of pairs [B, 2, T] belong to each pair slot of its rows: one
+    slot per row, or a packed row's segments (`PAIR_SLOTS`)."""
+
+    replies: jax.Array  # [B, 2, S, T]: the targets that are slot s's replies' tokens
+    sequences: jax.Array  # [B, 2, S, T]: all the real targets of slot s's sequences
+    present: jax.Array  # [B, S]: whether slot s holds a pair
+    real: jax.Array  # [B, 2, T]: the real targets (not padding)
+
+    def reply_logps(self, logps: jax.Array, side: int) -> SequenceLogps:
+        """Each slot's reply on `side` (0: chosen, 1: rejected) as `logps` [B, 2, T] score it;
+        an empty slot's log-probability is -1, so that every loss of it is finite (and left
+        out by `per_example`) and no NaN reaches a gradient."""
+        scored = sequence_logps(logps[:, side, None], self.replies[:, side])
+        return scored._replace(total=jnp.where(self.present, scored.total, -1.0))
+
+    def per_example(
+        self, losses: jax.Array, metrics: Metrics, packed: bool
+    ) -> tuple[jax.Array, Metrics]:
+        """The per-slot values [B, S] as per-example ones [B]: a row's one pair's, or the mean
+        over a packed row's pairs, weighted by their number, with `packing_efficiency`, the
+        share of the batch's targets that are real (not padding)."""
+        if not packed:
+            return losses[:, 0], {name: value[:, 0] for name, value in metrics.items()}
+        count = jnp.sum(self.present, -1).astype(losses.dtype)
+
+        def mean(value: jax.Array) -> jax.Array:
+            return jnp.sum(jnp.where(self.present, value, 0.0), -1) / jnp.maximum(count, 1.0)
+
+        per_example = {name: mean(value) for name, value in metrics.items()}
+        per_example["packing_efficiency"] = jnp.zeros_like(count) + jnp.mean(self.real)
+        return mean(losses), {**per_example, WEIGHT: count}
+
+
+def _pair_masks(batch: Mapping[str, jax.Array]) -> PairMasks:
+    """The `PairMasks` of a batch of pairs: unpacked, one slot per row, which holds a pair
+    where its chosen reply has a token (an eval batch's padding rows have none)."""
+    real = jnp.arange(batch["tokens"].shape[-1] - 1) < batch["length"][..., None]
+    replies = real & (batch[LOSS_MASK] > 0)
+    if PAIR_SLOTS not in batch:
+        present = jnp.any(replies[:, 0], axis=-1, keepdims=True)
+        whole = (real & present[:, :, None])[:, :, None]
+        return PairMasks(replies[:, :, None], whole, present, real)
+    present = batch[PAIR_SLOTS] > 0
+    slots = jnp.arange(1, present.shape[-1] + 1)
+    in_slot = _target_segments(batch[SEGMENT_IDS], real)[:, :, None] == slots[:, None]
+    return PairMasks(in_slot & replies[:, :, None], in_slot, present, real)
+
+
+def _target_segments(segment_ids: jax.Array, real: jax.Array) -> jax.Array:
+    """The segment of each real next-token target of packed rows [..., T] (0: none): its input
+    token's, where the token it predicts is of the same segment (a segment's last token does
+    not predict the next one's first). A row's last target predicts a token outside the
+    column, which is of the last input's segment (every segment holds at least two tokens)."""
+    following = jnp.concatenate([segment_ids[..., 1:], segment_ids[..., -1:]], axis=-1)
+    return jnp.where(real & (segment_ids == following), segment_ids, 0)
+
+
+def _packed_rows(batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+    """The columns that keep packed pairs' sequences apart in the model, as rows [2B, T]."""
+    return {name: _as_rows(batch[name]) for name in (SEGMENT_IDS, POSITIONS) if name in batch}
 
 
 def policy_objective(options: GRPOOptions) -> Callable:
@@ -249,13 +329,18 @@ def policy_objective(options: GRPOOptions) -> Callable:
 
 
 def token_logps(
-    model: Any, rows: jax.Array, rngs: nnx.Rngs, entropy: bool = False
+    model: Any,
+    rows: jax.Array,
+    rngs: nnx.Rngs,
+    packed: Mapping[str, jax.Array] | None = None,
+    entropy: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """The model's log-probability of each next token of `rows` [N, T + 1]: [N, T], in
     float32 (a one-hot contraction, as the language models' loss takes it, which shards over
-    the vocabulary); with `entropy`, also the entropy of each next-token distribution [N, T]
-    (reported, not trained)."""
-    logits = model(rows[:, :-1], rngs=rngs)
+    the vocabulary); `packed`: packed rows' `SEGMENT_IDS` and `POSITIONS` [N, T]; with
+    `entropy`, also the entropy of each next-token distribution [N, T] (reported, not
+    trained)."""
+    logits = model(rows[:, :-1], rngs=rngs, **(packed or {}))
     log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     one_hot = jax.nn.one_hot(rows[:, 1:], log_probs.shape[-1], dtype=log_probs.dtype)
     chosen = jnp.sum(one_hot * log_probs, axis=-1)

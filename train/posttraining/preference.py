@@ -2,10 +2,11 @@
 reply, which the policy (and, for the DPO family, the reference model) scores as each reply's
 log-probability, its tokens' log-probabilities summed.
 
-`preference_loss` returns per-example losses (shape [B]) and per-example metrics, which the
-trainer averages over the batch (`zoo.engine.registry.LossFn`); the batch's mean of each equals
-what TRL 1.16's trainers compute and log for the same log-probabilities (their own code run on
-fixed inputs by tests/fixtures/posttraining/make_losses.py):
+`preference_loss` returns per-pair losses and metrics (the log-probabilities' shape: [B], or
+[B, slots] for packed rows), which the trainer averages over the batch's pairs
+(`zoo.engine.registry.LossFn`); the batch's mean of each equals what TRL 1.16's trainers compute
+and log for the same log-probabilities (their own code run on fixed inputs by
+tests/fixtures/posttraining/make_losses.py):
 
 - against a reference (TRL's `DPOTrainer`): `sigmoid` (DPO), `ipo`, `hinge` and `robust`;
 - reference-free: `simpo` (TRL's `CPOTrainer`, `loss_type="simpo"`, `cpo_alpha=0`) and `orpo`
@@ -84,8 +85,8 @@ class PreferenceOptions:
 class SequenceLogps(NamedTuple):
     """One side (chosen, rejected) of a batch of pairs as a model scores it."""
 
-    total: jax.Array  # [B] each reply's log-probability: its tokens' log-probabilities summed
-    tokens: jax.Array  # [B] each reply's number of tokens
+    total: jax.Array  # [B, ...] each reply's log-probability: its tokens' log-probabilities summed
+    tokens: jax.Array  # [B, ...] each reply's number of tokens
 
 
 def sequence_logps(token_logps: jax.Array, mask: jax.Array) -> SequenceLogps:
@@ -105,7 +106,7 @@ def preference_loss(
     reference: tuple[jax.Array, jax.Array] | None = None,
     chosen_sequence: SequenceLogps | None = None,
 ) -> tuple[jax.Array, Metrics]:
-    """Per-example losses [B] and metrics of the policy's `chosen` and `rejected` replies.
+    """Per-pair losses and metrics of the policy's `chosen` and `rejected` replies.
 
     `reference`: the reference model's log-probabilities (summed) of the chosen and of the
     rejected replies, which the methods of `WITH_REFERENCE` need. `chosen_sequence`: the
@@ -179,13 +180,14 @@ def _orpo(
     the log odds ratio of the replies' average log-probabilities.
 
     TRL's NLL term is a mean over all the batch's trained tokens, not over each example's: each
-    example's share of it is its summed NLL times B / (the batch's trained tokens), so that the
-    batch's mean of the per-example losses is TRL's loss."""
+    pair's share of it is its summed NLL times P / (the batch's trained tokens), P the batch's
+    pairs (those with a chosen reply: not an eval batch's padding rows, nor a packed row's
+    empty slots), so that the batch's mean of the per-pair losses is TRL's loss."""
     chosen_mean, rejected_mean = chosen.total / _count(chosen), rejected.total / _count(rejected)
     log_odds = (chosen_mean - rejected_mean) - (_log1mexp(chosen_mean) - _log1mexp(rejected_mean))
     ratio = jax.nn.log_sigmoid(log_odds)
-    rows = chosen_sequence.total.shape[0]
-    nll = -chosen_sequence.total * rows / jnp.maximum(jnp.sum(chosen_sequence.tokens), 1.0)
+    pairs = jnp.sum(chosen.tokens > 0).astype(chosen.total.dtype)
+    nll = -chosen_sequence.total * pairs / jnp.maximum(jnp.sum(chosen_sequence.tokens), 1.0)
     metrics = _reward_metrics(options.beta * chosen_mean, options.beta * rejected_mean)
     return nll - options.beta * ratio, {
         **metrics,
