@@ -4,8 +4,8 @@ uninterrupted fine-tune: GPT-2 with every param trained, and Qwen 3 with LoRA ad
 attention and MLP projections over its own kernels, and Qwen 3 with adapters over the nf4 codes of
 its kernels (QLoRA) on conversations packed several to a row (`data.packing`) (the adapters,
 their optimizer state, the codes and the data position are what the resume must restore), and
-Qwen 2.5 with adapters trained on preference pairs (`finetune.method=dpo`, its reference the
-model with the adapters off), and Qwen 2.5 with adapters over nf4 codes trained on the rewards
+Qwen 2.5 with adapters trained on preference pairs packed several to an example
+(`finetune.method=dpo`, its reference the model with the adapters off), and Qwen 2.5 with adapters over nf4 codes trained on the rewards
 of completions it samples (`finetune.method=grpo`). The packed run logs its packing efficiency to TensorBoard."""
 
 from __future__ import annotations
@@ -58,13 +58,14 @@ STARTS = {
         "data.buckets=[64]",  # rows of 64 targets, about 3 conversations each
     ),
 }
-PACKED, DPO, GRPO = "qwen3-qlora-packed", "qwen2-dpo-lora", "qwen2-grpo-qlora"
+PACKED, DPO, GRPO = "qwen3-qlora-packed", "qwen2-dpo-lora-packed", "qwen2-grpo-qlora"
 STARTS[DPO] = (
     f"finetune.init_from={FIXTURES / 'qwen25-chat'}",
     "finetune.lora_rank=4",
     "finetune.method=dpo",
     "data=preference",
-    "data.buckets=[128]",
+    "data.packing=true",
+    "data.buckets=[256]",  # rows of 256 targets, 1 to 3 pairs each (pairs of 85 tokens a side)
 )
 STARTS[GRPO] = (
     f"finetune.init_from={FIXTURES / 'qwen25-chat'}",
