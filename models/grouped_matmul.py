@@ -9,7 +9,8 @@ each group's rows are laid out from a tile boundary (`tile` rows to a tile; a gr
 padded with zero rows), every tile holds rows of one group, and one batched product multiplies
 each tile by its group's matrix. The padding is at most `tile - 1` rows per group, so the work
 is that of (rows + experts x (tile - 1)) rows, whatever the routing; the padded layout has a
-size known when tracing, as XLA needs.
+size known when tracing, as XLA needs. The tiles go through a few at a time, each with its
+group's kernel gathered, so the gathered kernels never outgrow the experts' own.
 """
 
 from __future__ import annotations
@@ -29,23 +30,43 @@ def tile_rows(rows: int, groups: int) -> int:
     return int(min(LARGEST_TILE, max(8, 1 << (mean - 1).bit_length())))
 
 
+def tiles_per_step(tiles: int, groups: int) -> int:
+    """How many tiles one step of the product multiplies: at most a quarter of the groups, so
+    that the kernels gathered for a step (one per tile) stay a fraction of the experts' own,
+    and at least 8 (or all of them), so that a step's product is not a sliver."""
+    return max(1, min(tiles, max(8, groups // 4)))
+
+
 @jax.checkpoint
 def grouped_matmul(rows: jax.Array, kernels: jax.Array, sizes: jax.Array) -> jax.Array:
     """rows [M, in] sorted by group, kernels [G, out, in] (each (out, in), as the checkpoints
     hold them), sizes [G] (the rows of each group, summing to M) -> [M, out]: each row times
-    its group's kernel, transposed. The backward pass lays the rows and the tiles' kernels out
-    again rather than keep them (`jax.checkpoint`): the tiles' kernels are about twice a
-    layer's expert weights."""
+    its group's kernel, transposed.
+
+    The tiles are multiplied a few at a time (`tiles_per_step`, a `lax.scan`): each step
+    gathers its tiles' kernels, so what is held is a step's kernels, not a kernel per tile (for
+    Qwen3-30B-A3B's 128 experts and 4,096 tokens, 384 tiles: three times the layer's expert
+    weights, kept per layer). The backward pass lays the rows out again rather than keep them
+    (`jax.checkpoint`)."""
     count, width = rows.shape
     groups = kernels.shape[0]
     tile = tile_rows(count, groups)
     tiles = -(-(count + groups * (tile - 1)) // tile)  # enough for any sizes summing to M
+    step = tiles_per_step(tiles, groups)
+    tiles = -(-tiles // step) * step
     padded = (sizes + tile - 1) // tile * tile
     padded_ends = jnp.cumsum(padded)
     group = jnp.repeat(jnp.arange(groups), sizes, total_repeat_length=count)
     slot = (padded_ends - padded)[group] + jnp.arange(count) - (jnp.cumsum(sizes) - sizes)[group]
     laid_out = jnp.zeros((tiles * tile, width), rows.dtype).at[slot].set(rows)
     tile_group = jnp.searchsorted(padded_ends, jnp.arange(tiles) * tile, side="right")
-    tile_kernels = kernels[jnp.minimum(tile_group, groups - 1)]  # tiles past the last: zeros in
-    products = jnp.einsum("tri,toi->tro", laid_out.reshape(tiles, tile, width), tile_kernels)
+    tile_group = jnp.minimum(tile_group, groups - 1)  # tiles past the last: zeros in
+
+    @jax.checkpoint  # the backward pass gathers a step's kernels again, not keep every step's
+    def multiply(_, inputs):
+        block, block_groups = inputs
+        return None, jnp.einsum("tri,toi->tro", block, kernels[block_groups])
+
+    steps = (laid_out.reshape(tiles // step, step, tile, width), tile_group.reshape(-1, step))
+    _, products = jax.lax.scan(multiply, None, steps)
     return products.reshape(tiles * tile, -1)[slot]
