@@ -47,6 +47,10 @@ class ExpertOptions:
     aux_loss_weight: float = 0.0
 
 
+PROJECTIONS = ("gate", "up", "down")
+"""An expert's kernels, each stacked over the experts: [experts, out, in]."""
+
+
 class Router(nnx.Module):
     """Each token's `experts_per_token` likeliest experts under softmax(x W^T) (computed in
     float32) and their weights, in the dtype of x."""
@@ -84,13 +88,69 @@ class Experts(nnx.Module):
         outward = partitioned(init, ("expert", "embed", "mlp"))
         self.down = nnx.Param(outward(rngs.params(), (count, dim, hidden), dtype))
         self.activation = activation
+        self.adapted = False
+
+    def add_lora(self, rank: int, rngs: nnx.Rngs) -> None:
+        """LoRA adapters per expert, stacked as the kernels are (`zoo.engine.weights.lora`'s
+        self-adapting modules): for each projection an `A` [experts, rank, in] and a `B`
+        [experts, out, rank], float32, sharded along the kernel's axes, `B` zero, so that
+        expert e's kernel acts as kernel[e] + B[e] A[e] and the adapted model starts as the
+        model. The kernels keep their paths (a checkpoint fills them as before)."""
+        for name in PROJECTIONS:
+            kernel = getattr(self, name)
+            count, out, inputs = kernel.shape
+            _, out_axis, in_axis = kernel.get_metadata()["out_sharding"]
+            a = partitioned(
+                nnx.initializers.he_uniform(in_axis=-1, out_axis=-2, batch_axis=(0,)),
+                ("expert", None, in_axis),
+            )
+            b = partitioned(nnx.initializers.zeros_init(), ("expert", out_axis, None))
+            setattr(
+                self,
+                f"{name}_lora_a",
+                nnx.LoRAParam(a(rngs.params(), (count, rank, inputs), jnp.float32)),
+            )
+            setattr(
+                self,
+                f"{name}_lora_b",
+                nnx.LoRAParam(b(rngs.params(), (count, out, rank), jnp.float32)),
+            )
+        self.adapted = True
+
+    def merge_lora(self) -> None:
+        """Fold each adapter into its kernel (kernel[e] + B[e] A[e], in the kernel's dtype) and
+        drop it: the module is then as it was built."""
+        if not self.adapted:
+            return
+        for name in PROJECTIONS:
+            kernel = getattr(self, name)
+            a, b = (getattr(self, f"{name}_lora_{part}") for part in "ab")
+            delta = jnp.einsum(
+                "eor,eri->eoi", b[...], a[...], out_sharding=jax.typeof(kernel[...]).sharding.spec
+            )
+            kernel[...] = kernel[...] + delta.astype(kernel.dtype)
+            delattr(self, f"{name}_lora_a")
+            delattr(self, f"{name}_lora_b")
+        self.adapted = False
+
+    def projections(self, hidden: Any) -> dict[str, tuple[jax.Array, ...]]:
+        """Each projection's kernel, and its adapter's `A` and `B` where adapted, gathered as a
+        device computes its tokens with whole experts: each expert's hidden width split over
+        the mesh axes `hidden`."""
+        wanted = {"gate": (hidden, None), "up": (hidden, None), "down": (None, hidden)}
+        found = {}
+        for name, (out_axis, in_axis) in wanted.items():
+            arrays = [jax.sharding.reshard(getattr(self, name)[...], P(None, out_axis, in_axis))]
+            if self.adapted:
+                a, b = (getattr(self, f"{name}_lora_{part}")[...] for part in "ab")
+                arrays.append(jax.sharding.reshard(a, P(None, None, in_axis)))
+                arrays.append(jax.sharding.reshard(b, P(None, out_axis, None)))
+            found[name] = tuple(arrays)
+        return found
 
 
 class MixtureOfExperts(nnx.Module):
     """The router and the experts of one layer (`__call__`: [batch, length, dim] in and out)."""
-
-    NOT_ADAPTED = "a mixture of experts (its router and stacked expert kernels)"
-    """Why LoRA does not wrap it (`zoo.engine.weights.lora`): no adapters per expert yet."""
 
     def __init__(self, dim: int, options: ExpertOptions, activation, *, dtype, rngs: nnx.Rngs):
         self.router = Router(dim, options, dtype=dtype, rngs=rngs)
@@ -107,35 +167,41 @@ class MixtureOfExperts(nnx.Module):
         if self.recording:
             self.sow(Routing, "routing", (probs, chosen))
         hidden = logical_spec("mlp")[0]  # the mesh axes that split each expert's hidden width
-        inward, outward = P(None, hidden, None), P(None, None, hidden)
-        kernels = (  # gathered from fsdp: each device computes its tokens with whole experts
-            jax.sharding.reshard(self.experts.gate[...], inward),
-            jax.sharding.reshard(self.experts.up[...], inward),
-            jax.sharding.reshard(self.experts.down[...], outward),
-        )
+        projections = self.experts.projections(hidden)  # gathered from fsdp
+        specs = jax.tree.map(lambda a: jax.typeof(a).sharding.spec, projections)
         combine = jax.shard_map(
             functools.partial(_combine, self.experts.activation, self.num_experts, hidden),
-            in_specs=(rows, rows, rows, inward, inward, outward),
+            in_specs=(rows, rows, rows, specs),
             out_specs=rows,
         )
         routed = (jax.sharding.reshard(a, rows) for a in (tokens, weights, chosen))
-        combined = combine(*routed, *kernels)
+        combined = combine(*routed, projections)
         return jnp.reshape(combined, x.shape, out_sharding=logical_spec("batch", None, None))
 
 
-def _combine(activation, count: int, hidden, tokens, weights, chosen, gate, up, down) -> jax.Array:
+def _combine(activation, count: int, hidden, tokens, weights, chosen, projections) -> jax.Array:
     """One device's tokens [N, dim]: each one's chosen experts' outputs, weighted and summed.
     The (token, expert) pairs are sorted by expert (stably: within an expert, in token order),
     computed as groups, and added back to their tokens; with the hidden width split over
-    `hidden`, each device's partial sums are summed."""
+    `hidden`, each device's partial sums are summed (an adapter's too: its product is linear
+    in the split width)."""
     top_k = chosen.shape[1]
     flat = chosen.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     token_of = order // top_k
     sizes = jnp.bincount(flat, length=count).astype(jnp.int32)
+
+    def project(x: jax.Array, name: str) -> jax.Array:
+        kernel, *adapter = projections[name]
+        y = grouped_matmul(x, kernel, sizes)
+        if adapter:
+            a, b = adapter
+            y = y + grouped_matmul(grouped_matmul(x, a, sizes), b, sizes).astype(y.dtype)
+        return y
+
     rows = tokens[token_of]
-    middle = activation(grouped_matmul(rows, gate, sizes)) * grouped_matmul(rows, up, sizes)
-    outputs = grouped_matmul(middle, down, sizes)
+    middle = activation(project(rows, "gate")) * project(rows, "up")
+    outputs = project(middle, "down")
     if hidden is not None:
         outputs = jax.lax.psum(outputs, hidden)
     outputs = outputs * weights.reshape(-1)[order][:, None]

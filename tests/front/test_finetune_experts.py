@@ -1,8 +1,9 @@
 """Fine-tuning a mixture-of-experts checkpoint (the tiny Qwen3-MoE fixture, written by
 transformers): every param trained, experts and router included; LoRA over the attention
-projections with the experts frozen; the router's load-balancing loss kept to the method that
-trains with it; and LoRA asked of the experts, which adapters cannot wrap
-yet, refused by name before anything is written."""
+projections with the experts frozen, and over each expert (adapters stacked as the experts'
+kernels), merged back into the kernels; the router's load-balancing loss kept to the method
+that trains with it; and QLoRA asked of the experts, whose kernels are not held quantized yet,
+refused by name before anything is written."""
 
 from __future__ import annotations
 
@@ -84,13 +85,47 @@ def test_lora_on_the_attention_leaves_the_experts_as_they_were(pretrained, tmp_p
         np.testing.assert_array_equal(tuned[path], value, err_msg=path)
 
 
-def test_lora_asked_of_the_experts_is_refused_before_anything_is_written(tmp_path):
+def test_lora_on_the_experts_adapts_each_expert_and_merges_into_its_kernels(pretrained, tmp_path):
+    """The default `lora_layers` (every layer) adapts each expert's three projections, stacked
+    as the kernels are, on the 2x2x2 mesh (each expert's hidden width split over `tensor`); the
+    kernels and the router stay frozen; merged, each expert's kernel is kernel + B A, and the
+    merged model computes what the adapted one does."""
+    mesh = ("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
+    result = zoo.finetune(
+        CHECKPOINT, *TINY_TEXT_FINETUNE, *mesh, f"workdir={tmp_path}", lora_rank=4
+    )
+    adapters = {
+        ".".join(map(str, path)): np.asarray(v[...])
+        for path, v in nnx.to_flat_state(nnx.state(result.model, nnx.LoRAParam))
+    }
+    gate_a, gate_b = (adapters[f"layers.1.mlp.experts.gate_lora_{part}"] for part in "ab")
+    experts, hidden, dim = pretrained["layers.1.mlp.experts.gate"].shape
+    assert gate_a.shape == (experts, 4, dim) and gate_b.shape == (experts, hidden, 4)
+    assert np.abs(gate_b).max() > 0  # trained from zero
+    assert "layers.0.mlp.up.lora_a" in adapters  # the dense first layer's MLP, as ever
+    tuned = params(result.model)
+    for path, value in pretrained.items():
+        np.testing.assert_array_equal(tuned[path], value, err_msg=path)
+    merged = zoo.merge_lora(result)
+    folded = params(merged.model)["layers.1.mlp.experts.gate"]
+    expected = pretrained["layers.1.mlp.experts.gate"] + np.einsum("eor,eri->eoi", gate_b, gate_a)
+    np.testing.assert_allclose(folded, expected, rtol=1e-6, atol=1e-6)
+    assert not nnx.state(merged.model, nnx.LoRAParam)
+    prompt = np.arange(1, 17, dtype=np.int32)[None]
+    np.testing.assert_allclose(
+        zoo.predict(merged, prompt), zoo.predict(result, prompt), rtol=1e-4, atol=1e-4
+    )
+
+
+def test_qlora_asked_of_the_experts_is_refused_before_anything_is_written(tmp_path):
     workdir = tmp_path / "run"
     with pytest.raises(ZooError) as refused:
-        zoo.finetune(CHECKPOINT, *TINY_TEXT_FINETUNE, f"workdir={workdir}", lora_rank=4)
+        zoo.finetune(
+            CHECKPOINT, *TINY_TEXT_FINETUNE, f"workdir={workdir}", lora_rank=4, quantize="nf4"
+        )
     message = str(refused.value)
-    assert "lora_layers='.*' matches layers.1.mlp, layers.2.mlp" in message, message
-    assert "a mixture of experts" in message and "attention" in message
+    assert "quantize=nf4" in message and "layers.1.mlp.experts" in message, message
+    assert "attention" in message
     assert not workdir.exists()
 
 

@@ -13,11 +13,16 @@ checkpoint fills it through `QuantizedFill`. `merge_adapters` folds each adapter
 layer's kernel (dequantized first) and puts the plain layer back. A model's layers stacked for
 `nnx.scan` (`scan_layers`) hold each kernel with a leading layer axis; their adapters get the
 same leading axis, so that the scan hands each step its own layer's adapter.
+
+A module whose kernels are not dense layers' (a mixture of experts' stacked expert kernels)
+adapts itself: one that has `add_lora(rank, rngs)` and `merge_lora()` (`SelfAdapting`) and
+whose path `finetune.lora_layers` matches is given its own adapters (`nnx.LoRAParam`s beside its
+kernels, which keep their paths) and merges them itself.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -198,6 +203,16 @@ ADAPTED = (nnx.Linear, nnx.LinearGeneral, TransposedLinear)
 """The layers that take adapters: dense layers and attention's projections to and from heads."""
 
 
+@runtime_checkable
+class SelfAdapting(Protocol):
+    """A module that adds LoRA adapters to its own kernels (`nnx.LoRAParam`s, starting at an
+    exact zero update) and folds them back in."""
+
+    def add_lora(self, rank: int, rngs: nnx.Rngs) -> None: ...
+
+    def merge_lora(self) -> None: ...
+
+
 def add_adapters(
     model: nnx.Module,
     rank: int,
@@ -211,11 +226,10 @@ def add_adapters(
     quantized (QLoRA); `filled`: a checkpoint fills every kernel next (`QuantizedFill`), so
     the model's own initialisation is not quantized. Call it where the model is built (under
     the mesh), so the adapters are born sharded."""
-    _refuse_unadapted(model, layers)
     chosen = [
         (path, module)
         for path, module in nnx.iter_modules(model)
-        if _adaptable(module) and path and matches(layers, path)
+        if path and matches(layers, path) and (_adaptable(module) or _self_adapting(module))
     ]
     if not chosen:
         linears = [dotted(p) for p, m in nnx.iter_modules(model) if isinstance(m, ADAPTED)]
@@ -223,33 +237,44 @@ def add_adapters(
             f"finetune.lora_layers='{layers}' matches none of the model's Linear layers: "
             f"{', '.join(linears) or 'it has none'}."
         )
-    for path, linear in chosen:
-        _replace(model, path, ShardedLoRA(linear, rank, rngs, quantize, filled))
+    _refuse_quantized_self_adapting(chosen, layers, quantize)
+    for path, module in chosen:
+        if _self_adapting(module):
+            module.add_lora(rank, rngs)
+        else:
+            _replace(model, path, ShardedLoRA(module, rank, rngs, quantize, filled))
     return [dotted(path) for path, _ in chosen]
 
 
-def _refuse_unadapted(model: nnx.Module, layers: str) -> None:
-    """Refuse a pattern that matches a module whose kernels adapters cannot wrap yet (one that
-    says so in its `NOT_ADAPTED`), rather than leave them out of the fine-tune unsaid."""
-    refused = [
-        (dotted(path), module.NOT_ADAPTED)
-        for path, module in nnx.iter_modules(model)
-        if path and getattr(module, "NOT_ADAPTED", None) and matches(layers, path)
-    ]
-    if refused:
-        paths = ", ".join(path for path, _ in refused[:4]) + (" ..." if len(refused) > 4 else "")
-        raise ZooError(
-            f"finetune.lora_layers='{layers}' matches {paths}: {refused[0][1]}, which LoRA "
-            "adapters cannot wrap yet (nor finetune.quantize hold quantized). Choose "
-            "finetune.lora_layers that leaves them out, e.g. 'layers\\.\\d+\\.attention' for "
-            "the attention projections, or finetune.lora_rank=0 for a full fine-tune."
-        )
+def _self_adapting(module: nnx.Module) -> bool:
+    return isinstance(module, SelfAdapting)
+
+
+def _refuse_quantized_self_adapting(
+    chosen: list[tuple[tuple, nnx.Module]], layers: str, quantize: str | None
+) -> None:
+    """Refuse QLoRA over modules that adapt themselves: their kernels (a mixture's experts)
+    are not held quantized yet, and leaving them in full precision would be unsaid."""
+    own = [dotted(path) for path, module in chosen if _self_adapting(module)]
+    if quantize is None or not own:
+        return
+    paths = ", ".join(own[:3]) + (" ..." if len(own) > 3 else "")
+    raise ZooError(
+        f"finetune.quantize={quantize} holds the adapted dense layers' kernels quantized, and "
+        f"finetune.lora_layers='{layers}' matches {paths}, a mixture of experts' stacked "
+        "expert kernels, which zoo does not hold quantized yet. Choose finetune.lora_layers "
+        "that leaves the experts out, e.g. 'layers\\.\\d+\\.attention', or "
+        "finetune.quantize=null (LoRA on the experts in the model's dtype)."
+    )
 
 
 def merge_adapters(model: nnx.Module) -> nnx.Module:
     """Fold every adapter into its layer (`kernel + lora_a @ lora_b`) and put the plain layer
     back in its place; the model then has its original structure. In place; returns `model`.
     Call it under the model's mesh (`with result.activate():`)."""
+    for _, module in nnx.iter_modules(model):
+        if _self_adapting(module):
+            module.merge_lora()
     adapters = [(p, m) for p, m in nnx.iter_modules(model) if isinstance(m, ShardedLoRA)]
     for path, adapter in adapters:
         layer, merged = adapter.base_module, adapter.merged_kernel()
