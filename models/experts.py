@@ -88,7 +88,11 @@ class Experts(nnx.Module):
         outward = partitioned(init, ("expert", "embed", "mlp"))
         self.down = nnx.Param(outward(rngs.params(), (count, dim, hidden), dtype))
         self.activation = activation
-        self.adapted = False
+
+    @property
+    def adapted(self) -> bool:
+        """Whether the experts hold LoRA adapters (`add_lora`)."""
+        return hasattr(self, f"{PROJECTIONS[0]}_lora_a")
 
     def add_lora(self, rank: int, rngs: nnx.Rngs) -> None:
         """LoRA adapters per expert, stacked as the kernels are (`zoo.engine.weights.lora`'s
@@ -115,7 +119,6 @@ class Experts(nnx.Module):
                 f"{name}_lora_b",
                 nnx.LoRAParam(b(rngs.params(), (count, out, rank), jnp.float32)),
             )
-        self.adapted = True
 
     def merge_lora(self) -> None:
         """Fold each adapter into its kernel (kernel[e] + B[e] A[e], in the kernel's dtype) and
@@ -131,7 +134,6 @@ class Experts(nnx.Module):
             kernel[...] = kernel[...] + delta.astype(kernel.dtype)
             delattr(self, f"{name}_lora_a")
             delattr(self, f"{name}_lora_b")
-        self.adapted = False
 
     def projections(self, hidden: Any) -> dict[str, tuple[jax.Array, ...]]:
         """Each projection's kernel, and its adapter's `A` and `B` where adapted, gathered as a
