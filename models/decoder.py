@@ -237,6 +237,9 @@ def _layer_options(o: DecoderOptions) -> LayerOptions:
             o.expert_mlp_dim,
             o.normalize_expert_weights,
             o.router_aux_loss_coef,
+            router_bias=o.router_bias,
+            router_softmax=o.router_softmax,
+            bias=o.mlp_bias,
         )
     return LayerOptions(
         dim=o.dim,
@@ -245,6 +248,8 @@ def _layer_options(o: DecoderOptions) -> LayerOptions:
         head_dim=o.head_dim,
         mlp_dim=o.mlp_dim,
         activation=o.activation,
+        swiglu_limit=o.swiglu_limit,
+        swiglu_alpha=o.swiglu_alpha,
         norm_epsilon=o.norm_epsilon,
         norm_unit_offset=o.norm_unit_offset,
         post_norms=o.post_norms,
@@ -252,6 +257,7 @@ def _layer_options(o: DecoderOptions) -> LayerOptions:
         qkv_bias=o.qkv_bias,
         out_bias=o.out_bias,
         mlp_bias=o.mlp_bias,
+        attention_sinks=o.attention_sinks,
         query_scale=o.query_scale,
         attention_softcap=o.attention_softcap,
         dropout_rate=o.dropout_rate,
@@ -276,5 +282,9 @@ def _ropes(o: DecoderOptions) -> tuple[Rope, Rope]:
         o.rope_low_freq_factor,
         o.rope_high_freq_factor,
         o.rope_original_context,
+        o.rope_beta_fast,
+        o.rope_beta_slow,
+        o.rope_truncate,
+        o.rope_attention_factor,
     )
     return rope, Rope(o.local_rope_theta) if o.local_rope_theta else rope

@@ -13,7 +13,8 @@ import math
 
 import jax.numpy as jnp
 from zoo.models import hparams
-from zoo.models.decoder_parts import ACTIVATIONS, FULL, LAYER_TYPES, SLIDING
+from zoo.models.decoder_parts import ACTIVATION_NAMES, FULL, LAYER_TYPES, SLIDING
+from zoo.models.experts import ROUTER_SOFTMAX
 from zoo.models.language_model import VOCAB
 from zoo.models.rope import ROPE_TYPES
 
@@ -44,9 +45,13 @@ class DecoderOptions:
     # Hidden width of the gated MLP (intermediate_size); 0: 8/3 of dim rounded up to a multiple
     # of 64, which holds about the weights of a 4 x dim two-layer MLP.
     mlp_dim: int = 0
-    # The gated MLP's activation: `silu` (SwiGLU: Llama, Mistral, Qwen) or `gelu_tanh` (GeGLU
-    # with tanh-approximated GELU: Gemma).
+    # The gated MLP's activation: `silu` (SwiGLU: Llama, Mistral, Qwen), `gelu_tanh` (GeGLU
+    # with tanh-approximated GELU: Gemma) or `clamped_swiglu` (gpt-oss: the gate capped at
+    # swiglu_limit, the up projection clipped to +-swiglu_limit, then
+    # (up + 1) * gate * sigmoid(swiglu_alpha * gate)).
     activation: str = "silu"
+    swiglu_limit: float = 7.0  # `clamped_swiglu`: the cap of the gate and the up projection
+    swiglu_alpha: float = 1.702  # `clamped_swiglu`: the gain of its sigmoid
     norm_epsilon: float = 1e-6  # epsilon of every RMSNorm (rms_norm_eps)
     # RMSNorm scales by 1 + w instead of w (Gemma), w held as the checkpoint stores it.
     norm_unit_offset: bool = False
@@ -55,15 +60,30 @@ class DecoderOptions:
     qk_norm: bool = False  # RMSNorm of each query and key head before the rotation (Qwen 3)
     qkv_bias: bool = False  # biases on the query, key and value projections (Qwen 2)
     out_bias: bool = False  # a bias on attention's output projection
-    mlp_bias: bool = False  # biases on the MLP's gate, up and down projections
+    # Biases on the MLP's gate, up and down projections (and on each expert's, gpt-oss).
+    mlp_bias: bool = False
+    # A learned logit per query head in each query's softmax, with no value (gpt-oss's
+    # attention sinks): a head may give the keys less than all of its weight.
+    attention_sinks: bool = False
     rope_theta: float = 10000.0  # base of the rotary frequencies of full-attention layers
-    # Scaling of those frequencies: `default` (none), `linear` (divided by rope_factor) or
-    # `llama3` (Llama 3.1's, with the three parameters below).
+    # Scaling of those frequencies: `default` (none), `linear` (divided by rope_factor),
+    # `llama3` (Llama 3.1's, with the three parameters below) or `yarn` (YaRN, gpt-oss's).
     rope_type: str = "default"
-    rope_factor: float = 1.0  # the `linear` and `llama3` scaling factor
+    rope_factor: float = 1.0  # the `linear`, `llama3` and `yarn` scaling factor
     rope_low_freq_factor: float = 1.0  # `llama3`: low_freq_factor
     rope_high_freq_factor: float = 4.0  # `llama3`: high_freq_factor
-    rope_original_context: int = 8192  # `llama3`: original_max_position_embeddings
+    # `llama3` and `yarn`: original_max_position_embeddings, the context trained before scaling.
+    rope_original_context: int = 8192
+    # `yarn`: frequencies turning more than this many times over the original context are kept
+    # (beta_fast), a linear ramp down to those of rope_beta_slow.
+    rope_beta_fast: float = 32.0
+    # `yarn`: frequencies turning fewer than this many times over the original context are
+    # divided by rope_factor (beta_slow).
+    rope_beta_slow: float = 1.0
+    rope_truncate: bool = True  # `yarn`: the ramp's ends rounded outwards to whole features
+    # `yarn`: the factor of the rotation's cosines and sines (attention_factor); 0: from
+    # rope_factor, 0.1 ln(rope_factor) + 1.
+    rope_attention_factor: float = 0.0
     # Base of sliding-window layers' rotary frequencies, unscaled (Gemma 3: 10000); 0: those of
     # the full-attention layers, scaling included.
     local_rope_theta: float = 0.0
@@ -99,6 +119,11 @@ class DecoderOptions:
     # The weight of the router's load-balancing loss added to the training loss
     # (router_aux_loss_coef, where output_router_logits is true); 0: none.
     router_aux_loss_coef: float = 0.0
+    router_bias: bool = False  # a bias on the router's logits (gpt-oss)
+    # The experts' weights: `all`, the softmax over every expert (then the top ones kept;
+    # Qwen3-MoE, Mixtral); `chosen`, the top experts by logit, then the softmax over their
+    # logits alone (gpt-oss).
+    router_softmax: str = "all"
     # Store the layers stacked (a leading layer axis) and run them with `nnx.scan`: compile time
     # no longer grows with depth; the same weights, another checkpoint layout.
     scan_layers: bool = False
@@ -159,18 +184,26 @@ def _check_values(o: DecoderOptions) -> None:
         value = getattr(o, key)
         if not isinstance(value, int) or value < 0:
             raise ZooError(f"model.{key}={value} must be a whole number >= 0 (0: the default).")
-    for key in ("norm_epsilon", "rope_theta", "rope_factor"):
+    positive = ("norm_epsilon", "rope_theta", "rope_factor", "rope_beta_fast", "rope_beta_slow")
+    for key in (*positive, "swiglu_limit", "swiglu_alpha"):
         if not getattr(o, key) > 0:
             raise ZooError(f"model.{key}={getattr(o, key)} must be positive (decoder).")
-    for key in ("local_rope_theta", "query_scale", "attention_softcap", "final_softcap"):
+    for key in (
+        "local_rope_theta",
+        "query_scale",
+        "attention_softcap",
+        "final_softcap",
+        "rope_attention_factor",
+    ):
         value = getattr(o, key)
         if not (math.isfinite(value) and value >= 0):
             raise ZooError(f"model.{key}={value} must be >= 0 (0: off, or the default).")
     hparams.rates("decoder", dropout_rate=o.dropout_rate)
     hparams.choice(
         "decoder",
-        activation=(o.activation, tuple(ACTIVATIONS)),
+        activation=(o.activation, ACTIVATION_NAMES),
         rope_type=(o.rope_type, ROPE_TYPES),
+        router_softmax=(o.router_softmax, ROUTER_SOFTMAX),
         param_dtype=(o.param_dtype, tuple(PARAM_DTYPES)),
     )
 
@@ -213,13 +246,15 @@ def _check_experts(o: DecoderOptions) -> None:
             f"model.router_aux_loss_coef={coef} must be a number >= 0 (0: no load-balancing loss)."
         )
     if not o.num_experts:
-        if coef:
-            raise ZooError(
-                f"model.router_aux_loss_coef={coef} weighs the load-balancing loss of a mixture of "
-                "experts' router, and this model has none (model.num_experts=0): set it to 0, "
-                "or set model.num_experts."
-            )
+        _check_no_router(o)
         return
+    if o.router_softmax == "chosen" and not o.normalize_expert_weights:
+        raise ZooError(
+            "model.normalize_expert_weights=false keeps the chosen experts' probabilities of a "
+            "softmax over every expert, but model.router_softmax='chosen' takes the softmax over "
+            "the chosen experts alone, whose weights sum to 1 already: set "
+            "model.normalize_expert_weights=true, or model.router_softmax='all'."
+        )
     if not 1 <= o.experts_per_token <= o.num_experts:
         raise ZooError(
             f"model.experts_per_token={o.experts_per_token} must be between 1 and "
@@ -238,6 +273,23 @@ def _check_experts(o: DecoderOptions) -> None:
             f"model.dense_layers={dense} mixes dense layers with mixture-of-experts ones: set "
             "model.scan_layers=false."
         )
+
+
+def _check_no_router(o: DecoderOptions) -> None:
+    """Refuse a router's setting on a model without a mixture of experts, naming it."""
+    if o.router_aux_loss_coef:
+        raise ZooError(
+            f"model.router_aux_loss_coef={o.router_aux_loss_coef} weighs the load-balancing loss "
+            "of a mixture of experts' router, and this model has none (model.num_experts=0): "
+            "set it to 0, or set model.num_experts."
+        )
+    given = {"router_bias": (o.router_bias, False), "router_softmax": (o.router_softmax, "all")}
+    for key, (value, off) in given.items():
+        if value != off:
+            raise ZooError(
+                f"model.{key}={value!r} sets a mixture of experts' router, and this model has "
+                f"none (model.num_experts=0): set it to {off!r}, or set model.num_experts."
+            )
 
 
 def _layer_types(given: list[str] | None, depth: int, window: int) -> list[str]:

@@ -28,11 +28,13 @@ the output layer's columns are padded to `decoder`'s padded vocabulary.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy as np
 from zoo.models.decoder_options import DecoderOptions
-from zoo.models.decoder_parts import FULL, SLIDING
+from zoo.models.decoder_parts import CLAMPED_SWIGLU, FULL, SLIDING
 from zoo.models.language_model import padded_vocab
 from zoo.models.rope import ROPE_TYPES
 
@@ -54,6 +56,20 @@ _ROPE_KEYS = {
         "low_freq_factor",
         "high_freq_factor",
         "original_max_position_embeddings",
+    },
+    "yarn": {
+        "rope_type",
+        "type",
+        "rope_theta",
+        "partial_rotary_factor",
+        "factor",
+        "original_max_position_embeddings",
+        "beta_fast",
+        "beta_slow",
+        "truncate",
+        "attention_factor",
+        "mscale",
+        "mscale_all_dim",
     },
 }
 
@@ -228,6 +244,72 @@ def _mixtral_export(hparams: Mapping[str, Any]) -> dict[str, Any]:
         "num_experts_per_tok": hparams["experts_per_token"],
         **_router_loss_export(hparams),
         "router_jitter_noise": 0.0,
+    }
+
+
+def _gpt_oss_options(config: Mapping[str, Any], read: Callable[[str], Any]) -> dict[str, Any]:
+    """gpt-oss: sinks in every attention layer, biases on all four projections
+    (`attention_bias`), sliding and full layers alternating (`layer_types`, by default sliding
+    first), YaRN (transformers' default where the config gives no RoPE), and on every layer
+    a mixture of biased experts, routed by the softmax over the chosen logits of a biased
+    router, joined by the clamped SwiGLU."""
+    given = config.get("rope_scaling") or config.get("rope_parameters")
+    rope_config = config if given else {**config, "rope_parameters": dict(_GPT_OSS_ROPE)}
+    bias = bool(read("attention_bias"))
+    return {
+        "activation": CLAMPED_SWIGLU,
+        "swiglu_limit": float(read("swiglu_limit")),
+        "swiglu_alpha": float(read("swiglu_alpha")),
+        "qkv_bias": bias,
+        "out_bias": bias,
+        "mlp_bias": True,
+        "attention_sinks": True,
+        **_global_rope(rope_config, read),
+        **_gpt_oss_windows(config, read),
+        "num_experts": _expert_count(config, read),
+        "experts_per_token": int(read("num_experts_per_tok")),
+        "expert_mlp_dim": int(read("intermediate_size")),
+        "normalize_expert_weights": True,
+        "router_bias": True,
+        "router_softmax": "chosen",
+        "dense_layers": None,
+        "router_aux_loss_coef": _router_loss(read),
+    }
+
+
+def _gpt_oss_windows(config: Mapping[str, Any], read) -> dict[str, Any]:
+    """`layer_types` as given, else transformers' default (sliding layers at even indices);
+    `sliding_window` for the sliding ones, which a config with sliding layers must give."""
+    depth = int(read("num_hidden_layers"))
+    if config.get("layer_types") is not None:
+        kinds = _checked_layer_types(config["layer_types"], read)
+    else:
+        kinds = [SLIDING if i % 2 == 0 else FULL for i in range(depth)]
+    window = read("sliding_window")
+    if SLIDING not in kinds:
+        return {"sliding_window": 0, "layer_types": kinds}
+    if not window:
+        raise ZooError(
+            f"This gpt_oss config has sliding_window={window!r} and sliding layers "
+            f"(layer_types={kinds!r}): give the window's length in positions, or make every "
+            "layer full_attention."
+        )
+    return {"sliding_window": int(window), "layer_types": kinds}
+
+
+def _gpt_oss_export(hparams: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        "hidden_act": "silu",
+        "attention_bias": hparams["qkv_bias"],
+        "sliding_window": hparams["sliding_window"] or None,
+        "layer_types": list(hparams["layer_types"]),
+        "rope_parameters": _rope_parameters(hparams),
+        "num_local_experts": _experts_to_export(hparams, "gpt_oss", "llama"),
+        "num_experts_per_tok": hparams["experts_per_token"],
+        "intermediate_size": hparams["expert_mlp_dim"],
+        "swiglu_limit": hparams["swiglu_limit"],
+        "swiglu_alpha": hparams["swiglu_alpha"],
+        **_router_loss_export(hparams),
     }
 
 
@@ -468,7 +550,40 @@ def _rope(rope: Mapping[str, Any], where: str, read) -> dict[str, Any]:
             rope_high_freq_factor=float(_required(rope, "high_freq_factor", where)),
             rope_original_context=int(context),
         )
+    if kind == "yarn":
+        out.update(_yarn(rope, where, read))
     return out
+
+
+def _yarn(rope: Mapping[str, Any], where: str, read) -> dict[str, Any]:
+    """YaRN's arguments as transformers' `_compute_yarn_parameters` reads them: the original
+    context (a top-level `original_max_position_embeddings` first, as transformers 5 moves it
+    into the dict), `factor` (null: the contexts' ratio), `beta_fast` and `beta_slow` (null or
+    0: 32 and 1), `truncate` (absent: true) and the attention factor: `attention_factor`, else
+    DeepSeek's `mscale` over `mscale_all_dim` where both are given, else 0 (`decoder` derives
+    it from the factor, as transformers does)."""
+    context = read("original_max_position_embeddings")
+    if context is None:
+        context = _required(rope, "original_max_position_embeddings", where)
+    factor = rope.get("factor")
+    if factor is None:
+        factor = read("max_position_embeddings") / context
+    attention = rope.get("attention_factor")
+    mscale, all_dims = rope.get("mscale"), rope.get("mscale_all_dim")
+    if attention is None and mscale and all_dims:
+        attention = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, all_dims)
+    return {
+        "rope_factor": float(factor),
+        "rope_original_context": int(context),
+        "rope_beta_fast": float(rope.get("beta_fast") or 32.0),
+        "rope_beta_slow": float(rope.get("beta_slow") or 1.0),
+        "rope_truncate": bool(rope.get("truncate", True)),
+        "rope_attention_factor": float(attention or 0.0),
+    }
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def _required(rope: Mapping[str, Any], key: str, where: str) -> Any:
@@ -483,8 +598,17 @@ def _required(rope: Mapping[str, Any], key: str, where: str) -> Any:
 def _rope_parameters(hparams: Mapping[str, Any]) -> dict[str, Any]:
     """The global layers' RoPE in transformers 5's `rope_parameters` form."""
     rope = {"rope_type": hparams["rope_type"], "rope_theta": hparams["rope_theta"]}
-    if hparams["rope_type"] in ("linear", "llama3"):
+    if hparams["rope_type"] in ("linear", "llama3", "yarn"):
         rope["factor"] = hparams["rope_factor"]
+    if hparams["rope_type"] == "yarn":
+        rope.update(
+            original_max_position_embeddings=hparams["rope_original_context"],
+            beta_fast=hparams["rope_beta_fast"],
+            beta_slow=hparams["rope_beta_slow"],
+            truncate=hparams["rope_truncate"],
+        )
+        if hparams["rope_attention_factor"]:
+            rope["attention_factor"] = hparams["rope_attention_factor"]
     if hparams["rope_type"] == "llama3":
         rope.update(
             low_freq_factor=hparams["rope_low_freq_factor"],
@@ -517,12 +641,7 @@ def _hparams(kind: _Kind) -> Callable[[Mapping[str, Any]], dict[str, Any]]:
             return config[key] if key in config else kind.defaults.get(key)
 
         if config.get("quantization_config") is not None:
-            method = (config["quantization_config"] or {}).get("quant_method", "?")
-            raise ZooError(
-                f"This {kind.name} checkpoint is quantized (quantization_config with "
-                f"quant_method={method!r}); decoder loads float weights (float32, bfloat16, "
-                "float16) only."
-            )
+            _refuse_quantized(kind, config["quantization_config"] or {})
         dim, heads = int(read("hidden_size")), int(read("num_attention_heads"))
         kv_heads = int(read("num_key_value_heads") or heads)
         if heads % kv_heads:
@@ -549,6 +668,27 @@ def _hparams(kind: _Kind) -> Callable[[Mapping[str, Any]], dict[str, Any]]:
     return hparams
 
 
+def _refuse_quantized(kind: _Kind, quantization: Mapping[str, Any]) -> None:
+    """Refuse a quantized checkpoint by its method, saying how to load it: gpt-oss's hub files
+    hold their experts in MXFP4 (`*_blocks` and `*_scales` tensors), which transformers
+    dequantizes to float weights that `decoder` loads."""
+    method = quantization.get("quant_method", "?")
+    if method == "mxfp4":
+        raise ZooError(
+            f"This {kind.name} checkpoint holds its experts in MXFP4 (quantization_config with "
+            "quant_method='mxfp4': mlp.experts.*_blocks and *_scales tensors), which decoder "
+            "does not dequantize yet. Dequantize it once with transformers "
+            "(GptOssForCausalLM.from_pretrained(path, quantization_config=Mxfp4Config("
+            "dequantize=True), dtype=torch.bfloat16).save_pretrained(out)) and load that "
+            "directory."
+        )
+    raise ZooError(
+        f"This {kind.name} checkpoint is quantized (quantization_config with "
+        f"quant_method={method!r}); decoder loads float weights (float32, bfloat16, "
+        "float16) only."
+    )
+
+
 _PLAIN = {
     "num_experts": 0,
     "dense_layers": None,
@@ -565,6 +705,9 @@ _PLAIN = {
     "attention_softcap": 0.0,
     "final_softcap": 0.0,
     "embed_scale": False,
+    "attention_sinks": False,
+    "router_bias": False,
+    "router_softmax": "all",
 }
 """The options of a plain Llama: what a family does not set stays at these."""
 
@@ -670,11 +813,13 @@ def _rules(kind: _Kind) -> Callable[[Mapping[str, Any]], list[Rule]]:
         kv_heads = hparams["num_kv_heads"] or heads
         pad = padded_vocab(vocab) - vocab
         experts = _EXPERT_KEYS.get(kind.name) if hparams.get("num_experts") else None
+        stacked = kind.name == "gpt_oss" and hparams.get("num_experts")
         return [
             *_core_rules(dim, heads, kv_heads, head_dim, pad),
             *_norm_rules(gemma=kind.name == "gemma3_text"),
             *_optional_rules(hparams, heads, kv_heads, head_dim, pad),
             *(_expert_rules(*experts) if experts else ()),
+            *(_stacked_expert_rules() if stacked else ()),
         ]
 
     return rules
@@ -733,6 +878,8 @@ def _optional_rules(
         table.append(_layer("self_attn.o_proj.bias", "attention.out.bias"))
     if hparams.get("mlp_bias"):
         table += [_layer(f"mlp.{n}_proj.bias", f"mlp.{n}.bias") for n in MLP]
+    if hparams.get("attention_sinks"):
+        table.append(_layer("self_attn.sinks", "attention.sinks"))
     if not hparams.get("tie_embeddings", True):
         table.append(_rule("lm_head.weight", "unembed.kernel", pad_rows=pad))
     return table
@@ -754,6 +901,43 @@ def _expert_rules(block: str, names: Mapping[str, str]) -> list[Rule]:
             for param in MLP
         ],
     ]
+
+
+def _stacked_expert_rules() -> list[Rule]:
+    """gpt-oss's experts, stored stacked as transformers 5 holds them: `gate_up_proj`
+    [experts, dim, 2 x hidden] (inputs first, the gate's and up's outputs interleaved: gate
+    the even columns, up the odd), `down_proj` [experts, hidden, dim], their biases, and the
+    router's weight and bias; each kernel transposed to `decoder`'s (outputs, inputs)."""
+    return [
+        _layer("mlp.router.weight", "mlp.router.kernel"),
+        _layer("mlp.router.bias", "mlp.router.bias"),
+        Rule(
+            r"model\.layers\.(\d+)\.mlp\.experts\.gate_up_proj",
+            (r"layers.\1.mlp.experts.gate", r"layers.\1.mlp.experts.up"),
+            load=lambda w: (w[..., ::2].transpose(0, 2, 1), w[..., 1::2].transpose(0, 2, 1)),
+            save=lambda gate, up: _interleaved(gate.transpose(0, 2, 1), up.transpose(0, 2, 1)),
+            export_key=r"model.layers.\1.mlp.experts.gate_up_proj",
+        ),
+        Rule(
+            r"model\.layers\.(\d+)\.mlp\.experts\.gate_up_proj_bias",
+            (r"layers.\1.mlp.experts.gate_bias", r"layers.\1.mlp.experts.up_bias"),
+            load=lambda b: (b[..., ::2], b[..., 1::2]),
+            save=_interleaved,
+            export_key=r"model.layers.\1.mlp.experts.gate_up_proj_bias",
+        ),
+        _layer(
+            "mlp.experts.down_proj",
+            "mlp.experts.down",
+            load=lambda w: (w.transpose(0, 2, 1),),
+            save=lambda kernel: kernel.transpose(0, 2, 1),
+        ),
+        _layer("mlp.experts.down_proj_bias", "mlp.experts.down_bias"),
+    ]
+
+
+def _interleaved(even: np.ndarray, odd: np.ndarray) -> np.ndarray:
+    """`even` and `odd` [..., n] as one [..., 2n] array, taking turns along the last axis."""
+    return np.stack([even, odd], axis=-1).reshape(*even.shape[:-1], -1)
 
 
 MLP = ("gate", "up", "down")
@@ -990,6 +1174,61 @@ KINDS += (
     ),
 )
 
+_GPT_OSS_ROPE = {
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+}
+"""transformers' RoPE for a gpt_oss config that gives none (`GptOssConfig.__post_init__`)."""
+KINDS += (
+    _Kind(
+        "gpt_oss",
+        "GptOssForCausalLM",
+        "gpt-oss (gpt-oss-20b, gpt-oss-120b), transformers GptOssForCausalLM",
+        {
+            **_LLAMA_DEFAULTS,
+            **_MOE_DEFAULTS,
+            "vocab_size": 201088,
+            "hidden_size": 2880,
+            "intermediate_size": 2880,
+            "num_hidden_layers": 36,
+            "num_attention_heads": 64,
+            "num_key_value_heads": 8,
+            "head_dim": 64,
+            "max_position_embeddings": 131072,
+            "rms_norm_eps": 1e-5,
+            "attention_bias": True,
+            "sliding_window": 128,
+            "num_local_experts": 128,
+            "num_experts_per_tok": 4,
+            "swiglu_limit": 7.0,
+            "swiglu_alpha": 1.702,
+            "rope_theta": 150000.0,
+        },
+        (
+            "attention_bias",
+            "sliding_window",
+            "layer_types",
+            "num_experts",
+            "num_local_experts",
+            "num_experts_per_tok",
+            "swiglu_limit",
+            "swiglu_alpha",
+            "output_router_logits",
+            "router_aux_loss_coef",
+        ),
+        # transformers' gpt-oss reads neither hidden_act (its experts' clamped SwiGLU is its
+        # own) nor the original release's experts_per_token and initial_context_length, which
+        # repeat num_experts_per_tok and the YaRN original_max_position_embeddings.
+        ("hidden_act", "experts_per_token", "initial_context_length"),
+        _gpt_oss_options,
+        _gpt_oss_export,
+    ),
+)
+
 HONOURED = {kind.name: (*_SIZES, *kind.honoured) for kind in KINDS}
 """Per family: the config.json keys that `hparams` reads (or refuses by value)."""
 INERT = {kind.name: (*_INERT, *kind.inert) for kind in KINDS}
@@ -1011,10 +1250,18 @@ def _family(kind: _Kind) -> Family:
         ignore=(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",),
         export_config=_export_config(kind),
         description=kind.description,
-        stacked=_stacked,
+        stacked=_stacked_of(kind),
         honoured=HONOURED[kind.name],
         inert=INERT[kind.name],
     )
+
+
+def _stacked_of(kind: _Kind) -> Callable[[Mapping[str, Any]], tuple[str, ...]]:
+    """`_stacked`, for a family whose checkpoints keep each expert apart (gpt-oss's hold them
+    stacked already, as `decoder` does: nothing to count)."""
+    if kind.name != "gpt_oss":
+        return _stacked
+    return lambda hparams: tuple(p for p in _stacked(hparams) if ".mlp.experts" not in p)
 
 
 def _stacked(hparams: Mapping[str, Any]) -> tuple[str, ...]:

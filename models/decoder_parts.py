@@ -32,6 +32,9 @@ ACTIVATIONS = {
     "silu": jax.nn.silu,  # SwiGLU (Llama, Mistral, Qwen)
     "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),  # GeGLU (Gemma's gelu_pytorch_tanh)
 }
+CLAMPED_SWIGLU = "clamped_swiglu"
+"""gpt-oss's gate: (clip(up) + 1) * g * sigmoid(alpha * g), g the gate capped above (`Gated`)."""
+ACTIVATION_NAMES = (*ACTIVATIONS, CLAMPED_SWIGLU)
 FULL, SLIDING = "full_attention", "sliding_attention"
 LAYER_TYPES = (FULL, SLIDING)
 
@@ -57,6 +60,9 @@ class LayerOptions:
     qkv_bias: bool = False
     out_bias: bool = False
     mlp_bias: bool = False
+    attention_sinks: bool = False
+    swiglu_limit: float = 7.0  # `clamped_swiglu` only
+    swiglu_alpha: float = 1.702  # `clamped_swiglu` only
     query_scale: float = 0.0  # 0: head_dim
     attention_softcap: float = 0.0
     dropout_rate: float = 0.0
@@ -66,6 +72,31 @@ class LayerOptions:
     def norm(self, features: int, rngs: nnx.Rngs) -> RMSNorm:
         offset, dtype = self.norm_unit_offset, self.dtype
         return RMSNorm(features, self.norm_epsilon, unit_offset=offset, dtype=dtype, rngs=rngs)
+
+    @property
+    def gated(self) -> Gated:
+        """How the MLP's (or each expert's) gate and up projections are joined."""
+        return Gated(self.activation, self.swiglu_limit, self.swiglu_alpha)
+
+
+@dataclasses.dataclass(frozen=True)
+class Gated:
+    """The join of a gated MLP's two projections: act(gate) * up (SwiGLU, GeGLU), or gpt-oss's
+    clamped SwiGLU, which caps the gate at `limit` and the up projection at +-`limit` (so that
+    no feature grows without bound) and computes (up + 1) * gate * sigmoid(`alpha` * gate), in
+    the order of transformers' `GptOssExperts`. A value, not a function, so that layers built
+    alike compare equal."""
+
+    activation: str = "silu"
+    limit: float = 7.0
+    alpha: float = 1.702
+
+    def __call__(self, gate: jax.Array, up: jax.Array) -> jax.Array:
+        if self.activation != CLAMPED_SWIGLU:
+            return ACTIVATIONS[self.activation](gate) * up
+        gate = jnp.minimum(gate, self.limit)
+        up = jnp.clip(up, -self.limit, self.limit)
+        return (up + 1) * (gate * jax.nn.sigmoid(gate * self.alpha))
 
 
 class RMSNorm(nnx.Module):
@@ -122,7 +153,9 @@ class Attention(nnx.Module):
     """Causal self-attention with `num_kv_heads` key/value heads shared by groups of the
     `num_heads` query heads (grouped-query; 1: multi-query), rotary positions, and optional
     q/k/v and output biases, RMSNorm of each query and key head (`qk_norm`), logits scaled by
-    `query_scale ** -0.5` and soft-capped (`attention_softcap`)."""
+    `query_scale ** -0.5` and soft-capped (`attention_softcap`), and a learned sink per query
+    head (`attention_sinks`, gpt-oss): a logit that joins each query's softmax without a value,
+    so that a head may give less than all of its weight to the keys."""
 
     def __init__(self, options: LayerOptions, *, rngs: nnx.Rngs):
         o, dtype = options, options.dtype
@@ -138,6 +171,7 @@ class Attention(nnx.Module):
         self.out = _dense(heads, o.dim, out_axes, (None,), bias=o.out_bias, dtype=dtype, rngs=rngs)
         self.query_norm = o.norm(o.head_dim, rngs) if o.qk_norm else None
         self.key_norm = o.norm(o.head_dim, rngs) if o.qk_norm else None
+        self.sinks = _sinks(o, rngs) if o.attention_sinks else None
         self.num_kv_heads, self.softcap = o.num_kv_heads, o.attention_softcap
         self.scale = (o.query_scale or o.head_dim) ** -0.5
 
@@ -173,8 +207,15 @@ class Attention(nnx.Module):
             causal=True,
             softcap=self.softcap,
             segments=segments,
+            sinks=None if self.sinks is None else self.sinks[...],
         )
         return self.out(mixed, out_sharding=tokens_spec()), cache
+
+
+def _sinks(o: LayerOptions, rngs: nnx.Rngs) -> nnx.Param:
+    """One sink logit per query head, split as the query heads are."""
+    init = partitioned(nnx.initializers.normal(0.02), ("heads",))
+    return nnx.Param(init(rngs.params(), (o.num_heads,), o.dtype))
 
 
 def _as_tuple(axes: str | tuple[str, ...]) -> tuple[str, ...]:
@@ -182,7 +223,8 @@ def _as_tuple(axes: str | tuple[str, ...]) -> tuple[str, ...]:
 
 
 class GatedMLP(nnx.Module):
-    """down(act(gate(x)) * up(x)): SwiGLU with silu, GeGLU with tanh-approximated GELU."""
+    """down(act(gate(x)) * up(x)): SwiGLU with silu, GeGLU with tanh-approximated GELU (or the
+    clamped SwiGLU of `Gated`)."""
 
     def __init__(self, options: LayerOptions, *, rngs: nnx.Rngs):
         o = options
@@ -194,12 +236,12 @@ class GatedMLP(nnx.Module):
         self.down = _dense(
             o.mlp_dim, o.dim, ("embed", "mlp"), (None,), bias=bias, dtype=dtype, rngs=rngs
         )
-        self.activation = o.activation
+        self.gated = o.gated
 
     def __call__(self, x: jax.Array) -> jax.Array:
         hidden = logical_spec("batch", None, "mlp")
-        gate = ACTIVATIONS[self.activation](self.gate(x, out_sharding=hidden))
-        return self.down(gate * self.up(x, out_sharding=hidden), out_sharding=tokens_spec())
+        gate, up = self.gate(x, out_sharding=hidden), self.up(x, out_sharding=hidden)
+        return self.down(self.gated(gate, up), out_sharding=tokens_spec())
 
 
 class DecoderLayer(nnx.Module):
@@ -236,8 +278,7 @@ class DecoderLayer(nnx.Module):
 def _mlp(o: LayerOptions, rngs: nnx.Rngs) -> GatedMLP | MixtureOfExperts:
     if o.experts is None:
         return GatedMLP(o, rngs=rngs)
-    activation = ACTIVATIONS[o.activation]
-    return MixtureOfExperts(o.dim, o.experts, activation, dtype=o.dtype, rngs=rngs)
+    return MixtureOfExperts(o.dim, o.experts, o.gated, dtype=o.dtype, rngs=rngs)
 
 
 def _after(norm: RMSNorm | None, h: jax.Array) -> jax.Array:

@@ -1,6 +1,6 @@
-"""A mixture of experts in place of a layer's MLP (Qwen3-MoE, Mixtral): a router scores every
-expert for each token, the token goes to the `experts_per_token` likeliest, and its output is
-their gated MLPs' outputs weighted by the router's probabilities.
+"""A mixture of experts in place of a layer's MLP (Qwen3-MoE, Mixtral, gpt-oss): a router
+scores every expert for each token, the token goes to the `experts_per_token` likeliest, and its
+output is their gated MLPs' outputs weighted by the router's probabilities.
 
 The experts compute dropless: each token reaches every expert it chose, and no expert computes a
 token it was not chosen for. The (token, expert) pairs are sorted by expert, and each of the
@@ -45,27 +45,50 @@ class ExpertOptions:
     # The weight of the router's load-balancing loss in the training loss
     # (router_aux_loss_coef); 0: none.
     aux_loss_weight: float = 0.0
+    router_bias: bool = False  # a bias on the router's logits (gpt-oss)
+    # The weights: `all`, the softmax over every expert's logit (Qwen3-MoE, Mixtral); `chosen`,
+    # the softmax over the chosen experts' logits alone, picked by logit (gpt-oss).
+    router_softmax: str = "all"
+    bias: bool = False  # biases on each expert's gate, up and down projections (gpt-oss)
 
 
 PROJECTIONS = ("gate", "up", "down")
 """An expert's kernels, each stacked over the experts: [experts, out, in]."""
+ROUTER_SOFTMAX = ("all", "chosen")
 
 
 class Router(nnx.Module):
-    """Each token's `experts_per_token` likeliest experts under softmax(x W^T) (computed in
-    float32) and their weights, in the dtype of x."""
+    """Each token's `experts_per_token` likeliest experts under softmax(x W^T + b) (computed in
+    float32; the bias b with `router_bias`) and their weights, in the dtype of x: the chosen
+    experts' probabilities (divided by their sum with `normalize_weights`), or with
+    `router_softmax=chosen` the softmax over the chosen experts' logits alone (gpt-oss's
+    `GptOssTopKRouter`: top-k of the logits first)."""
 
     def __init__(self, dim: int, options: ExpertOptions, *, dtype, rngs: nnx.Rngs):
         init = partitioned(nnx.initializers.normal(0.02), (None, "embed"))
         self.kernel = nnx.Param(init(rngs.params(), (options.num_experts, dim), dtype))
+        zeros = partitioned(nnx.initializers.zeros_init(), (None,))
+        self.bias = (
+            nnx.Param(zeros(rngs.params(), (options.num_experts,), dtype))
+            if options.router_bias
+            else None
+        )
         self.top_k, self.normalize = options.experts_per_token, options.normalize_weights
+        self.over_chosen = options.router_softmax == "chosen"
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [N, dim] -> (weights [N, k], experts [N, k] int32, probabilities [N, E] float32)."""
         logits = x @ self.kernel[...].T
-        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-        weights, experts = jax.lax.top_k(probs, self.top_k)
-        if self.normalize:
+        if self.bias is not None:
+            logits = logits + self.bias[...]
+        logits = logits.astype(jnp.float32)
+        probs = jax.nn.softmax(logits, axis=-1)
+        if self.over_chosen:
+            chosen, experts = jax.lax.top_k(logits, self.top_k)
+            weights = jax.nn.softmax(chosen, axis=-1)
+        else:
+            weights, experts = jax.lax.top_k(probs, self.top_k)
+        if self.normalize and not self.over_chosen:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
         return weights.astype(x.dtype), experts.astype(jnp.int32), probs
 
@@ -76,10 +99,12 @@ class Routing(nnx.Intermediate):
 
 
 class Experts(nnx.Module):
-    """`num_experts` gated MLPs, down(act(gate(x)) * up(x)), their kernels stacked on a leading
-    expert axis, each (out, in) as the checkpoints hold it."""
+    """`num_experts` gated MLPs, down(gated(gate(x), up(x))) (`gated`: act(gate) * up, or
+    gpt-oss's clamped SwiGLU), their kernels stacked on a leading expert axis, each (out, in) as
+    the checkpoints hold it; with `bias`, each projection's bias stacked the same way
+    (`gate_bias`, `up_bias` [experts, hidden], `down_bias` [experts, dim])."""
 
-    def __init__(self, dim: int, options: ExpertOptions, activation, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, dim: int, options: ExpertOptions, gated, *, dtype, rngs: nnx.Rngs):
         count, hidden = options.num_experts, options.mlp_dim
         init = nnx.initializers.normal(0.02)
         inward = partitioned(init, ("expert", "mlp", "embed"))
@@ -87,7 +112,13 @@ class Experts(nnx.Module):
         self.up = nnx.Param(inward(rngs.params(), (count, hidden, dim), dtype))
         outward = partitioned(init, ("expert", "embed", "mlp"))
         self.down = nnx.Param(outward(rngs.params(), (count, dim, hidden), dtype))
-        self.activation = activation
+        if options.bias:
+            widths = {"gate": (hidden, "mlp"), "up": (hidden, "mlp"), "down": (dim, "embed")}
+            for name, (width, axis) in widths.items():
+                zeros = partitioned(nnx.initializers.zeros_init(), ("expert", axis))
+                bias = nnx.Param(zeros(rngs.params(), (count, width), dtype))
+                setattr(self, f"{name}_bias", bias)
+        self.gated = gated
 
     @property
     def adapted(self) -> bool:
@@ -150,13 +181,26 @@ class Experts(nnx.Module):
             found[name] = tuple(arrays)
         return found
 
+    def biases(self, hidden: Any) -> dict[str, jax.Array]:
+        """Each projection's biases where the experts have them ({} otherwise), gathered as
+        `projections` gathers the kernels: the gate's and up's split over `hidden` as their
+        outputs are, the down projection's whole (it is added once the partial outputs are
+        summed)."""
+        if not hasattr(self, "down_bias"):
+            return {}
+        wanted = {"gate": P(None, hidden), "up": P(None, hidden), "down": P(None, None)}
+        return {
+            name: jax.sharding.reshard(getattr(self, f"{name}_bias")[...], spec)
+            for name, spec in wanted.items()
+        }
+
 
 class MixtureOfExperts(nnx.Module):
     """The router and the experts of one layer (`__call__`: [batch, length, dim] in and out)."""
 
-    def __init__(self, dim: int, options: ExpertOptions, activation, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, dim: int, options: ExpertOptions, gated, *, dtype, rngs: nnx.Rngs):
         self.router = Router(dim, options, dtype=dtype, rngs=rngs)
-        self.experts = Experts(dim, options, activation, dtype=dtype, rngs=rngs)
+        self.experts = Experts(dim, options, gated, dtype=dtype, rngs=rngs)
         self.num_experts = options.num_experts
         self.aux_loss_weight = options.aux_loss_weight
         self.recording = False  # `routed_call`
@@ -170,27 +214,28 @@ class MixtureOfExperts(nnx.Module):
             self.sow(Routing, "routing", (probs, chosen))
         hidden = logical_spec("mlp")[0]  # the mesh axes that split each expert's hidden width
         projections = self.experts.projections(hidden)  # gathered from fsdp
-        specs = jax.tree.map(lambda a: jax.typeof(a).sharding.spec, projections)
+        biases = self.experts.biases(hidden)
+        specs = jax.tree.map(lambda a: jax.typeof(a).sharding.spec, (projections, biases))
         combine = jax.shard_map(
-            functools.partial(_combine, self.experts.activation, self.num_experts, hidden),
-            in_specs=(rows, rows, rows, specs),
+            functools.partial(_combine, self.experts.gated, self.num_experts, hidden),
+            in_specs=(rows, rows, rows, *specs),
             out_specs=rows,
         )
         routed = (jax.sharding.reshard(a, rows) for a in (tokens, weights, chosen))
-        combined = combine(*routed, projections)
+        combined = combine(*routed, projections, biases)
         return jnp.reshape(combined, x.shape, out_sharding=logical_spec("batch", None, None))
 
 
-def _combine(activation, count: int, hidden, tokens, weights, chosen, projections) -> jax.Array:
+def _combine(gated, count: int, hidden, tokens, weights, chosen, projections, biases) -> jax.Array:
     """One device's tokens [N, dim]: each one's chosen experts' outputs, weighted and summed.
     The (token, expert) pairs are sorted by expert (stably: within an expert, in token order),
     computed as groups, and added back to their tokens; with the hidden width split over
     `hidden`, each device's partial sums are summed (an adapter's too: its product is linear
-    in the split width)."""
+    in the split width), and the down projection's bias, where there is one, added after."""
     top_k = chosen.shape[1]
     flat = chosen.reshape(-1)
     order = jnp.argsort(flat, stable=True)
-    token_of = order // top_k
+    token_of, expert_of = order // top_k, flat[order]
     sizes = jnp.bincount(flat, length=count).astype(jnp.int32)
 
     def project(x: jax.Array, name: str) -> jax.Array:
@@ -201,12 +246,15 @@ def _combine(activation, count: int, hidden, tokens, weights, chosen, projection
             y = y + grouped_matmul(grouped_matmul(x, a, sizes), b, sizes).astype(y.dtype)
         return y
 
+    def biased(y: jax.Array, name: str) -> jax.Array:
+        return y + biases[name][expert_of] if biases else y
+
     rows = tokens[token_of]
-    middle = activation(project(rows, "gate")) * project(rows, "up")
+    middle = gated(biased(project(rows, "gate"), "gate"), biased(project(rows, "up"), "up"))
     outputs = project(middle, "down")
     if hidden is not None:
         outputs = jax.lax.psum(outputs, hidden)
-    outputs = outputs * weights.reshape(-1)[order][:, None]
+    outputs = biased(outputs, "down") * weights.reshape(-1)[order][:, None]
     return jnp.zeros_like(tokens).at[token_of].add(outputs)
 
 

@@ -10,7 +10,12 @@ transformers' `modeling_rope_utils` so that a checkpoint's angles come out the s
 - `default`: `1 / theta ** (2i / head_dim)`;
 - `linear`: the default divided by `factor` (positions stretched `factor` times);
 - `llama3`: Llama 3.1's: wavelengths longer than `original_context / low_freq_factor` divided by
-  `factor`, shorter than `original_context / high_freq_factor` kept, those between interpolated.
+  `factor`, shorter than `original_context / high_freq_factor` kept, those between interpolated;
+- `yarn` (YaRN, gpt-oss): the frequencies that turn fewer than `beta_slow` times over
+  `original_context` positions divided by `factor`, those that turn more than `beta_fast` times
+  kept, a linear ramp between them (its ends rounded outwards with `truncate`); and the cosines
+  and sines multiplied by an attention factor (`attention_factor`, or 0.1 ln(factor) + 1),
+  which scales every attention logit by its square.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 Rotation = tuple[jax.Array, jax.Array]
 """The cosines and sines of every position's angles: two arrays of length x head_dim."""
@@ -39,6 +44,20 @@ class Rope:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_context: int = 8192
+    beta_fast: float = 32.0  # `yarn`: rotations above which a frequency is kept
+    beta_slow: float = 1.0  # `yarn`: rotations below which it is divided by `factor`
+    truncate: bool = True  # `yarn`: the ramp's ends rounded to whole features
+    attention_factor: float = 0.0  # `yarn`: the cosines' and sines' factor; 0: from `factor`
+
+    @property
+    def scaling(self) -> float:
+        """The factor of the cosines and sines: YaRN's attention factor (transformers'
+        `_compute_yarn_parameters`), 1 for the other kinds."""
+        if self.kind != "yarn":
+            return 1.0
+        if self.attention_factor:
+            return self.attention_factor
+        return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
 
 
 @functools.cache
@@ -50,6 +69,8 @@ def inverse_frequencies(rope: Rope, head_dim: int) -> np.ndarray:
         return inv_freq / np.float32(rope.factor)
     if rope.kind == "llama3":
         return _llama3(inv_freq, rope)
+    if rope.kind == "yarn":
+        return _yarn(np.float32(rope.theta) ** exponents, rope, head_dim)
     return inv_freq
 
 
@@ -63,6 +84,28 @@ def _llama3(inv_freq: np.ndarray, rope: Rope) -> np.ndarray:
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = ~(wavelength < context / high) & ~long_waves
     return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def _yarn(powers: np.ndarray, rope: Rope, head_dim: int) -> np.ndarray:
+    """YaRN's frequencies from `powers` (theta ** (2i / head_dim)), in float32 with the
+    operations of transformers' `_compute_yarn_parameters`: the ramp's ends are the features
+    whose frequencies turn `beta_fast` and `beta_slow` times over `original_context`."""
+    extrapolated = np.float32(1.0) / powers
+    interpolated = np.float32(1.0) / (np.float32(rope.factor) * powers)
+
+    def feature(rotations: float) -> float:
+        turns = math.log(rope.original_context / (rotations * 2 * math.pi))
+        return head_dim * turns / (2 * math.log(rope.theta))
+
+    low, high = feature(rope.beta_fast), feature(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # as transformers does, against a zero-width ramp
+    ramp = (np.arange(head_dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low)
+    kept = np.float32(1.0) - np.clip(ramp, np.float32(0.0), np.float32(1.0))
+    return (interpolated * (np.float32(1.0) - kept) + extrapolated * kept).astype(np.float32)
 
 
 def rotation(
@@ -82,7 +125,10 @@ def rotation(
     inv_freq = jnp.asarray(inverse_frequencies(rope, head_dim))
     angles = positions.astype(jnp.float32)[..., None] * inv_freq
     angles = jnp.concatenate([angles, angles], axis=-1)
-    return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    if rope.scaling != 1.0:  # YaRN: in float32, before the rounding, as transformers does
+        cos, sin = cos * np.float32(rope.scaling), sin * np.float32(rope.scaling)
+    return cos.astype(dtype), sin.astype(dtype)
 
 
 def rotate(x: jax.Array, angles: Rotation) -> jax.Array:

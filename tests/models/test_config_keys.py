@@ -158,6 +158,17 @@ def test_a_hugging_face_resnet_takes_images_of_any_size():
         ("gpt2-tiny", {"add_cross_attention": True}, "add_cross_attention=True"),
         ("resnet18-timm", {"global_pool": "max"}, "global_pool='max'"),
         ("vit-hf", {"qkv_bias": False}, "qkv_bias=False"),
+        (
+            "gpt-oss-tiny",
+            {"quantization_config": {"quant_method": "mxfp4"}},
+            r"quant_method='mxfp4'.*Mxfp4Config\(dequantize=True\)",
+        ),
+        (
+            "gpt-oss-tiny",
+            {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}},
+            "rope_type 'yarn' but no original_max_position_embeddings",
+        ),
+        ("gpt-oss-tiny", {"layer_types": ["full_attention"]}, "num_hidden_layers=3"),
     ],
 )
 def test_a_setting_zoo_does_not_build_is_refused_by_name(tmp_path, name, changes, named):

@@ -30,6 +30,7 @@ from pretrained_checks import (
 from zoo.engine import registry
 from zoo.engine.sharding import mesh as sharding
 from zoo.engine.weights import pretrained as weights
+from zoo.models.experts import PROJECTIONS, mixture_layers
 from zoo.models.language_model import language_model_loss
 from zoo.models.text_completion import generate_tokens
 
@@ -66,7 +67,9 @@ def test_each_family_and_option_has_a_fixture():
         "separate": any(not h["tie_embeddings"] for h in hparams),
         "qk_norm": any(h["qk_norm"] and not h["post_norms"] for h in hparams),
         "biases": any(h["qkv_bias"] and not h["out_bias"] for h in hparams),
-        "rope": {h["rope_type"] for h in hparams} == {"default", "linear", "llama3"},
+        "rope": {h["rope_type"] for h in hparams} == {"default", "linear", "llama3", "yarn"},
+        "sinks": any(h.get("attention_sinks") for h in hparams),
+        "biased experts": any(h["num_experts"] and h["mlp_bias"] for h in hparams),
         "local_rope": any(h["local_rope_theta"] for h in hparams),
         "window": any(0 < h["sliding_window"] < 16 and not h["layer_types"] for h in hparams),
         "pattern": any(len(set(h["layer_types"] or ())) == 2 for h in hparams),
@@ -104,6 +107,27 @@ def test_scanned_layers_of_experts_are_refused_by_name(name):
     hparams = {**checkpoint_hparams(pretrained), "scan_layers": True}
     with pytest.raises(zoo.ZooError, match="model.scan_layers=false"):
         plan_pretrained(pretrained, hparams, MESH, None).fill()
+
+
+def test_lora_on_gpt_oss_experts_merges_into_their_kernels():
+    """Adapters on gpt-oss's experts, whose biases and clamped SwiGLU sit beside the kernels:
+    merged into the kernels, the model computes what the adapted one does."""
+    trained = zoo.load(FIXTURES / "gpt-oss-tiny", devices=jax.devices()[:1])
+    tokens = reference("gpt-oss-tiny")["tokens"]
+    experts = [mixture.experts for mixture in mixture_layers(trained.model).values()]
+    with trained.activate(), jax.default_matmul_precision("highest"):
+        plain = np.asarray(trained.model(tokens))
+        for i, module in enumerate(experts):
+            module.add_lora(2, nnx.Rngs(i))
+            for name in PROJECTIONS:
+                b = getattr(module, f"{name}_lora_b")
+                b[...] = 0.1 * jax.random.normal(jax.random.key(i), b.shape)
+        adapted = np.asarray(trained.model(tokens))
+        for module in experts:
+            module.merge_lora()
+        merged = np.asarray(trained.model(tokens))
+    assert np.abs(adapted - plain).max() > 1e-2  # the adapters change the experts
+    np.testing.assert_allclose(merged, adapted, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("mesh", ["one device", "2x2x2"])
@@ -375,8 +399,70 @@ PUBLISHED = {
     },
 }
 
+PUBLISHED["gpt-oss-20b"] = {  # its quantization_config (MXFP4 experts) left out: refused
+    "architectures": ["GptOssForCausalLM"],
+    "attention_bias": True,
+    "attention_dropout": 0.0,
+    "eos_token_id": 200002,
+    "experts_per_token": 4,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "hidden_size": 2880,
+    "initial_context_length": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 2880,
+    "layer_types": ["sliding_attention", "full_attention"] * 12,
+    "max_position_embeddings": 131072,
+    "model_type": "gpt_oss",
+    "num_attention_heads": 64,
+    "num_experts_per_tok": 4,
+    "num_hidden_layers": 24,
+    "num_key_value_heads": 8,
+    "num_local_experts": 32,
+    "output_router_logits": False,
+    "pad_token_id": 199999,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "factor": 32.0,
+        "original_max_position_embeddings": 4096,
+        "rope_type": "yarn",
+        "truncate": False,
+    },
+    "rope_theta": 150000,
+    "router_aux_loss_coef": 0.9,
+    "sliding_window": 128,
+    "swiglu_limit": 7.0,
+    "tie_word_embeddings": False,
+    "transformers_version": "4.55.0.dev0",
+    "use_cache": True,
+    "vocab_size": 201088,
+}
+
 # What each published config implies that a misreading would change.
 PUBLISHED_HPARAMS = {
+    "gpt-oss-20b": {
+        "num_experts": 32,
+        "experts_per_token": 4,
+        "expert_mlp_dim": 2880,
+        "sliding_window": 128,
+        "attention_sinks": True,
+        "qkv_bias": True,
+        "out_bias": True,
+        "mlp_bias": True,
+        "router_bias": True,
+        "router_softmax": "chosen",
+        "activation": "clamped_swiglu",
+        "swiglu_limit": 7.0,
+        "swiglu_alpha": 1.702,
+        "rope_type": "yarn",
+        "rope_theta": 150000.0,
+        "rope_factor": 32.0,
+        "rope_original_context": 4096,
+        "rope_truncate": False,
+        "router_aux_loss_coef": 0.0,  # output_router_logits is false
+    },
     "Llama-3.2-1B": {
         "head_dim": 64,
         "num_kv_heads": 8,
@@ -494,13 +580,17 @@ def edited(name: str, **changes) -> dict:
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
 REFUSED = {
-    "yarn (transformers 4)": (
-        edited("llama3-rope", rope_scaling=YARN),
-        r"rope_scaling\.rope_type is 'yarn'.*'default', 'linear', 'llama3'",
-    ),
-    "yarn (transformers 5)": (
+    "yarn without its original context": (
         edited("llama-tiny", rope_parameters__rope_type="yarn"),
-        r"rope_parameters\.rope_type is 'yarn'",
+        r"rope_type 'yarn' but no original_max_position_embeddings",
+    ),
+    "a yarn key decoder does not read": (
+        edited("llama3-rope", rope_scaling={**YARN, "low_freq_factor": 1.0}),
+        r"rope_scaling has low_freq_factor=1\.0.*rope_type 'yarn'",
+    ),
+    "gpt_oss sliding layers without a window": (
+        {**config_of("gpt-oss-tiny"), "sliding_window": None},
+        r"gpt_oss config has sliding_window=None and sliding layers",
     ),
     "dynamic": (
         edited("qwen2-tiny", rope_scaling={"type": "dynamic", "factor": 2.0}),
@@ -510,9 +600,9 @@ REFUSED = {
         edited("qwen3-tiny", rope_parameters__rope_type="longrope"),
         r"rope_type is 'longrope'",
     ),
-    "gemma3 global yarn": (
-        edited("gemma3-tiny", rope_parameters__full_attention=YARN),
-        r"rope_parameters\.full_attention\.rope_type is 'yarn'",
+    "gemma3 global dynamic": (
+        edited("gemma3-tiny", rope_parameters__full_attention={**YARN, "rope_type": "dynamic"}),
+        r"rope_parameters\.full_attention\.rope_type is 'dynamic'",
     ),
     "gemma3 local scaling": (
         edited("gemma3-v4", rope_local_base_freq=None, rope_scaling=None)
@@ -584,10 +674,10 @@ def test_a_setting_decoder_does_not_implement_is_refused_by_name(config, message
 
 
 def test_a_refused_setting_stops_the_load_before_anything_is_built(tmp_path):
-    directory = tmp_path / "yarn"
-    shutil.copytree(FIXTURES / "llama3-rope", directory)
-    (directory / "config.json").write_text(json.dumps(REFUSED["yarn (transformers 4)"][0]))
-    with pytest.raises(zoo.ZooError, match=r"rope_scaling\.rope_type is 'yarn'"):
+    directory = tmp_path / "dynamic"
+    shutil.copytree(FIXTURES / "qwen2-tiny", directory)
+    (directory / "config.json").write_text(json.dumps(REFUSED["dynamic"][0]))
+    with pytest.raises(zoo.ZooError, match=r"rope_scaling\.rope_type is 'dynamic'"):
         zoo.load(directory)
 
 

@@ -26,7 +26,7 @@ Kernel = Literal["cudnn", "xla", "cpu", "cpu_decode", "einsum"]
 """`cudnn`, `xla`: `jax.nn.dot_product_attention(implementation=...)`; `cpu`: zoo's written-out
 attention (`attention_cpu.attend`); `cpu_decode`: a decoding step's sums over the cache
 (`attention_cpu.attend_one`); `einsum`: attention written out in two einsums, for Dropout on
-its weights or soft-capped logits."""
+its weights, soft-capped logits or attention sinks."""
 
 Mask = Literal["none", "causal", "positions"]
 """`none`: every key visible; `causal`: `is_causal=True` and no mask array (cuDNN's causal
@@ -79,7 +79,8 @@ class Call:
     key/value cache (decoding); `dropout`: Dropout on the attention weights; `softcap`:
     soft-capped logits; `window`: a sliding window; `packed`: rows of several sequences, each
     attending within itself; `one_query`: one query a row; `grouped`: key/value heads shared
-    by groups of query heads; `one_device`: no mesh of more than one device."""
+    by groups of query heads; `one_device`: no mesh of more than one device; `sinks`: a sink
+    logit per head in each softmax."""
 
     dtype: jnp.dtype
     head_dim: int
@@ -92,6 +93,7 @@ class Call:
     one_query: bool = False
     grouped: bool = False
     one_device: bool = True
+    sinks: bool = False
 
 
 def attend(
@@ -106,6 +108,7 @@ def attend(
     segments: jax.Array | None = None,
     cache_mask: jax.Array | None = None,
     dropout: Dropout | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """softmax(q.k * scale) . v: queries (batch, queries, heads, features) to keys and values
     (batch, keys, key/value heads, features; grouped-query heads share them). `scale` None:
@@ -114,11 +117,13 @@ def attend(
     none); `segments` (batch x length): a packed row's sequence of each token, which sees its
     own sequence's only; `cache_mask` (batch, 1, queries, keys): which keys of a key/value
     cache each query sees, given when the keys are a cache's; `dropout`: Dropout of the
-    attention weights (training). Logits and softmax in float32.
+    attention weights (training); `sinks` (heads): a logit per query head that joins each
+    query's softmax with no value (gpt-oss's attention sinks: a head's weights on the keys then
+    sum to less than 1). Logits and softmax in float32.
 
     The kernel, first match wins (`route`):
-    1. Dropout on the weights: `einsum`, written out, on every platform (the fused calls have
-       none on their weights).
+    1. Dropout on the weights, or sinks: `einsum`, written out, on every platform (the fused
+       calls have no Dropout on their weights, nor a sink in their softmax).
     2. A CPU, a decoding step against a cache (one query a row, on one device) whose key/value
        heads are grouped or held in half precision: `cpu_decode`, sums over the cache as it is
        held.
@@ -130,7 +135,7 @@ def attend(
        flash attention (a causal mask is cuDNN's own, `is_causal`).
     6. Everything else: `xla`, jax's kernel: TPUs, ROCm, float32 on a GPU, other head sizes,
        a cache (with its mask), packed rows, a sliding window on a CPU."""
-    call = _call(q, k, causal, cache_mask, dropout, softcap, window, segments)
+    call = _call(q, k, causal, cache_mask, dropout, softcap, window, segments, sinks)
     path = route(current_platform(), call)
     if path.kernel == "cpu_decode":
         scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
@@ -142,7 +147,7 @@ def attend(
         return attention_cpu.attend(q, k, v, scale=scale, causal=causal, segments=segments)
     visible = _visible(q, k, path.mask, window, segments, cache_mask)
     if path.kernel == "einsum":
-        return _written_out(q, k, v, visible, scale, softcap, dropout)
+        return _written_out(q, k, v, visible, scale, softcap, dropout, sinks)
     return _dot_product_attention(
         q,
         k,
@@ -155,7 +160,7 @@ def attend(
     )
 
 
-def _call(q, k, causal, cache_mask, dropout, softcap, window, segments) -> Call:
+def _call(q, k, causal, cache_mask, dropout, softcap, window, segments, sinks) -> Call:
     return Call(
         jnp.dtype(q.dtype),
         q.shape[-1],
@@ -168,6 +173,7 @@ def _call(q, k, causal, cache_mask, dropout, softcap, window, segments) -> Call:
         one_query=q.shape[1] == 1,
         grouped=k.shape[2] != q.shape[2],
         one_device=jax.sharding.get_abstract_mesh().size <= 1,
+        sinks=sinks is not None,
     )
 
 
@@ -176,6 +182,7 @@ def route(platform: Platform, call: Call) -> Route:
     0.10's cuDNN path, `jax/_src/cudnn/fused_attention_stablehlo.py`, and measurements):
     - `dropout` takes the einsum path on every platform: the fused call has no Dropout on its
       weights (cuDNN has one, but jax does not expose it through `dot_product_attention`).
+      `sinks` too: no fused call here takes a logit without a key.
     - `cpu_decode`: on a 2-core CPU, Qwen3-0.6B's decoding (16 query heads, 8 key/value heads)
       at batch 8 ran 1.3x faster in float32 and 1.1x in bfloat16, while GPT-2 small's (12
       heads each their own, float32) ran 1.2x slower than through jax's kernel, whose copies
@@ -200,7 +207,7 @@ def route(platform: Platform, call: Call) -> Route:
     sequence or head dimension, and zoo splits only batch and heads."""
     mask = _mask(call)
     cpu = platform.backend == "cpu"
-    if call.dropout:
+    if call.dropout or call.sinks:
         return Route("einsum", mask)
     if cpu and _decode_step(call):
         return Route("cpu_decode", mask)
@@ -218,7 +225,8 @@ def _mask(call: Call) -> Mask:
     against a cache and on the written-out path."""
     if not call.causal:
         return "none"
-    return "positions" if call.cached or call.dropout or call.softcap else "causal"
+    written_out = call.dropout or call.softcap or call.sinks
+    return "positions" if call.cached or written_out else "causal"
 
 
 def _decode_step(call: Call) -> bool:
@@ -248,16 +256,24 @@ def _visible(q, k, mask: Mask, window: int, segments, cache_mask) -> jax.Array |
     return visible
 
 
-def _written_out(q, k, v, visible, scale, softcap: float, dropout: Dropout | None) -> jax.Array:
-    """Attention in two einsums and a float32 softmax: the path of Dropout on its weights and
-    of soft-capped logits, which the fused calls lack."""
+def _written_out(
+    q, k, v, visible, scale, softcap: float, dropout: Dropout | None, sinks: jax.Array | None
+) -> jax.Array:
+    """Attention in two einsums and a float32 softmax: the path of Dropout on its weights, of
+    soft-capped logits and of sinks, which the fused calls lack. A head's sink is one more
+    logit in each of its queries' softmax, never masked, whose weight is dropped (it has no
+    value), as transformers' `eager_attention_forward` of gpt-oss computes it."""
     logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
     logits = logits / math.sqrt(q.shape[-1]) if scale is None else logits * scale
     if softcap:
         logits = softcap * jnp.tanh(logits / softcap)
     if visible is not None:
         logits = jnp.where(visible, logits, _NO_ATTENTION)
-    weights = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    if sinks is not None:
+        column = jnp.zeros_like(logits[..., :1]) + sinks.astype(jnp.float32)[:, None, None]
+        logits = jnp.concatenate([logits, column], axis=-1)
+    weights = jax.nn.softmax(logits, axis=-1)
+    weights = (weights if sinks is None else weights[..., :-1]).astype(v.dtype)
     if dropout is not None:
         weights = dropout(weights)
     return jnp.einsum("bhqk,bkhd->bqhd", weights, v)
