@@ -6,14 +6,18 @@ from __future__ import annotations
 import deep_mlp
 import jax
 import numpy as np
+import optax
 import pytest
+from conformance.checks import make_mesh
 from flax import nnx
 from helpers import one_step, overriding, read_events, run_cli
 from jax.sharding import PartitionSpec as P
 from zoo.engine.loop.trainer import Trainer
 from zoo.engine.sharding import mesh as sharding
+from zoo.engine.sharding.plan import create_sharded
 
 import zoo
+from zoo.plugin import partitioned
 
 MESHES = [
     {"data": 8},
@@ -156,3 +160,46 @@ def test_unsharded_activation_spec_needs_rules():
     mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     with sharding.activate(mesh, rules):
         assert sharding.logical_spec("batch", "mlp") == P(("data", "fsdp"), "tensor")
+
+
+class TwoLayers(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        init = partitioned(nnx.initializers.lecun_normal(), ("embed", "mlp"))
+        self.inward = nnx.Param(init(rngs.params(), (16, 32)))
+        self.outward = nnx.Param(init(rngs.params(), (16, 32)))
+
+
+def test_a_prefilled_param_is_taken_without_a_copy_and_the_rest_born_as_ever():
+    """`create_sharded`'s `prefill` (a fine-tune's starting weights, read before the model is
+    built): the array it sets becomes the model's param, its buffers handed over, not copied,
+    and every other array of the model and its optimizer is the one the plain build makes, to
+    the bit, from the same random streams."""
+    on = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    rules = sharding.AxisRules.from_mapping(sharding.DEFAULT_RULES)
+
+    def create():
+        model = TwoLayers(nnx.Rngs(0))
+        return model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+
+    given = {}
+
+    def prefill(abstract):
+        variable = abstract[0].outward
+        spec = sharding.variable_sharding(variable, "outward", on, rules)
+        given["array"] = jax.device_put(np.full(variable.shape, 3.0, np.float32), spec)
+        variable.set_value(given["array"])
+
+    with sharding.activate(on, rules):
+        (plain, plain_optimizer), _ = create_sharded(create, on, rules)
+        (model, optimizer), plan = create_sharded(create, on, rules, prefill)
+    assert given["array"].is_deleted()  # donated: its buffers are the param's now
+    np.testing.assert_array_equal(model.outward[...], 3.0)
+    assert jax.typeof(model.outward[...]).sharding.spec == plan.row("outward").spec
+    np.testing.assert_array_equal(model.inward[...], plain.inward[...])
+    assert not np.array_equal(model.outward[...], plain.outward[...])
+    for (path, ours), (_, theirs) in zip(
+        nnx.to_flat_state(nnx.state(optimizer)),
+        nnx.to_flat_state(nnx.state(plain_optimizer)),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(ours[...], theirs[...], err_msg=str(path))

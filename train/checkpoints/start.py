@@ -25,14 +25,16 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 from flax import nnx
+from jax.sharding import Mesh
 from omegaconf import DictConfig
 from zoo.engine.checkpoints import resume
 from zoo.engine.checkpoints.failures import reason
 from zoo.engine.checkpoints.manager import FORMATS, Checkpointer
-from zoo.engine.checkpoints.reader import abstract_like, read_json
+from zoo.engine.checkpoints.reader import abstract_like, read_json, saved_steps
 from zoo.engine.checkpoints.warm_start import read_first, warm_start
 from zoo.engine.config import resume_step
 from zoo.engine.errors import ZooError
+from zoo.engine.sharding.mesh import AxisRules
 from zoo.engine.steps.functions import Metrics
 from zoo.engine.weights import pretrained as weights
 
@@ -71,6 +73,7 @@ class RunStart:
     zeros: Metrics
     base_key: jax.Array
     hparams: Mapping[str, Any]
+    warm_start: WarmStart | None = None  # step 3, done as the model was built
 
 
 def start_run(run: RunStart, checkpointer: Checkpointer) -> tuple[Any, Progress]:
@@ -81,6 +84,9 @@ def start_run(run: RunStart, checkpointer: Checkpointer) -> tuple[Any, Progress]
         return resumed
     fresh = Progress(step=0, window=run.zeros, window_start=0, eval_step=0, eval_metrics={})
     if run.cfg.finetune.init_from is None:
+        return run.state, fresh
+    if run.warm_start is not None and run.warm_start.said:
+        log.info(*run.warm_start.said)  # filled as the model was built
         return run.state, fresh
     return _warm_start(run), fresh
 
@@ -202,18 +208,58 @@ def starting_state(cfg: DictConfig, graphdef: nnx.GraphDef, state: Any, hparams:
 def _warm_start(run: RunStart, say: Callable[..., None] = log.info) -> Any:
     """Step 3: a fresh fine-tune's state, its params and BatchNorm statistics from
     `finetune.init_from`."""
-    finetune, name = run.cfg.finetune, run.cfg.model.name
     model, optimizer = nnx.merge(run.graphdef, run.state)
+    say(*_fill_from_init(run.cfg, run.hparams, model))
+    return nnx.state((model, optimizer))
+
+
+@dataclasses.dataclass
+class WarmStart:
+    """Step 3 done as the model is built: `finetune.init_from`'s weights filled into the
+    abstract model (the `prefill` of `zoo.engine.loop.build.build_on_mesh`), so that the params
+    they fill are never initialised only to be overwritten: not computed, not compiled, and
+    never held twice at once (a 30B-param fine-tune's start would otherwise hold its random
+    weights and its checkpoint's together). `said` is the line `start_run` logs for it."""
+
+    cfg: DictConfig
+    hparams: Mapping[str, Any]
+    mesh: Mesh
+    rules: AxisRules
+    said: tuple[Any, ...] = ()
+
+    def __call__(self, model: nnx.Module) -> None:
+        self.said = _fill_from_init(self.cfg, self.hparams, model, self.mesh, self.rules)
+
+
+def warm_start_on_build(
+    cfg: DictConfig, hparams: Mapping[str, Any], mesh: Mesh, rules: AxisRules, checkpoints: str
+) -> WarmStart | None:
+    """The `WarmStart` of a fine-tune that starts fresh: `finetune.init_from` set and no
+    checkpoint of its own in `checkpoints` (a run that has one resumes from it, step 1 or 2, and
+    its weights are restored over whatever it was built with)."""
+    if cfg.finetune.init_from is None or saved_steps(checkpoints):
+        return None
+    return WarmStart(cfg, hparams, mesh, rules)
+
+
+def _fill_from_init(
+    cfg: DictConfig,
+    hparams: Mapping[str, Any],
+    model: nnx.Module,
+    mesh: Mesh | None = None,
+    rules: AxisRules | None = None,
+) -> tuple[Any, ...]:
+    """Fill `model`'s params and BatchNorm statistics from `finetune.init_from` (an abstract
+    model's: into the shardings `mesh` and `rules` give); the log line that says so."""
+    finetune, name = cfg.finetune, cfg.model.name
+    reinit = list(finetune.reinit)
     if weights.is_pretrained(finetune.init_from):
         pretrained = weights.open_pretrained(finetune.init_from, name)
-        fresh = weights.fill(model, pretrained, hparams=run.hparams, skip=list(finetune.reinit))
-        say(
-            "Starting from the %s checkpoint in %s%s",
-            pretrained.family.name,
-            pretrained.directory,
-            f"; initialised afresh: {', '.join(fresh)}" if fresh else "",
+        fresh = weights.fill(
+            model, pretrained, hparams=hparams, skip=reinit, mesh=mesh, rules=rules
         )
-        return nnx.state((model, optimizer))
+        where = (pretrained.family.name, pretrained.directory)
+        return ("Starting from the %s checkpoint in %s%s", *where, _afresh(fresh))
 
     def read(step: int, path: str) -> list[str]:
         trained = read_json(path, "config")["model"]["name"]
@@ -222,13 +268,11 @@ def _warm_start(run: RunStart, say: Callable[..., None] = log.info) -> Any:
                 f"finetune.init_from={finetune.init_from} holds a '{trained}' model, but this "
                 f"run builds '{name}': use model={trained}."
             )
-        return warm_start(model, path, list(finetune.reinit), option="finetune.reinit")
+        return warm_start(model, path, reinit, "finetune.reinit", mesh, rules)
 
     step, path, fresh = read_first(finetune.init_from, finetune.init_step, read)
-    say(
-        "Starting from %s (step %d)%s",
-        path,
-        step,
-        f"; initialised afresh: {', '.join(fresh)}" if fresh else "",
-    )
-    return nnx.state((model, optimizer))
+    return ("Starting from %s (step %d)%s", path, step, _afresh(fresh))
+
+
+def _afresh(fresh: list[str]) -> str:
+    return f"; initialised afresh: {', '.join(fresh)}" if fresh else ""

@@ -193,13 +193,19 @@ def _ema_link(saved: Mapping[SavedPath, Any]) -> SavedPath:
 
 
 def warm_start(
-    model: nnx.Module, step_path: str, reinit: Sequence[str] = (), option: str = "reinit"
+    model: nnx.Module,
+    step_path: str,
+    reinit: Sequence[str] = (),
+    option: str = "reinit",
+    mesh: Mesh | None = None,
+    rules: AxisRules | None = None,
 ) -> list[str]:
     """Restore `model`'s params and BatchNorm statistics from the checkpoint at `step_path`, in
     place, except those `reinit` matches (and LoRA adapters, which no plain run has); returns
     the paths left as initialised. The model may wrap layers in adapters: a wrapped layer's
     params are looked up by their path without the wrapper's `base_module`, and a quantized
-    kernel (QLoRA) is quantized from the saved one."""
+    kernel (QLoRA) is quantized from the saved one. An abstract model (`nnx.eval_shape`) needs
+    `mesh` and `rules`, which give each param the sharding of its logical axes."""
     saved = {path[1:]: shape for path, shape in saved_shapes(step_path).items() if path[0] == MODEL}
     wanted, fresh, missing, differ = [], [], [], []
     modules: set[str] = set()  # of the params that do not fit
@@ -239,7 +245,8 @@ def warm_start(
             f"number of classes), name them in {option}, e.g. {option}=[{','.join(names)}]; "
             "otherwise build the model as the checkpoint's run did."
         )
-    _restore_into(step_path, [((MODEL, *key), variable) for key, variable in wanted], prefix=False)
+    wanted = [((MODEL, *key), variable) for key, variable in wanted]
+    _restore_into(step_path, wanted, prefix=False, mesh=mesh, rules=rules)
     return fresh
 
 

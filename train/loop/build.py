@@ -11,7 +11,7 @@ full copy of a param that the plan shards.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import optax
@@ -81,14 +81,18 @@ def build_on_mesh(
     finetune: Any = None,
     tx: optax.GradientTransformation | None = None,
     wrt: nnx.filterlib.Filter = nnx.Param,
+    prefill: Callable[[nnx.Module], None] | None = None,
 ) -> Built:
     """The model (and, given `tx`, its optimizer over the params `wrt` selects), every array
-    born with the sharding its plan gives it on `mesh`."""
+    born with the sharding its plan gives it on `mesh`; `prefill(model)`, given, fills some of
+    the abstract model's params first (a fine-tune's starting weights), which are then never
+    initialised (see `create_sharded`)."""
 
     def create():
         model = build_model(entry, hparams, seed, finetune)
         return (model,) if tx is None else (model, master.optimizer_for(model, tx, wrt))
 
     with sharding.activate(mesh, rules):
-        created, plan = create_sharded(create, mesh, rules)
+        filled = None if prefill is None else lambda abstract: prefill(abstract[0])
+        created, plan = create_sharded(create, mesh, rules, filled)
     return Built(created[0], created[1] if tx is not None else None, plan)

@@ -43,7 +43,7 @@ from omegaconf import DictConfig, OmegaConf
 from zoo.engine import posttraining, registry
 from zoo.engine.checkpoints import starting_state
 from zoo.engine.checkpoints.manager import Checkpointer
-from zoo.engine.checkpoints.start import RunStart, start_run
+from zoo.engine.checkpoints.start import RunStart, start_run, warm_start_on_build
 from zoo.engine.errors import ZooError
 from zoo.engine.loop import rundir
 from zoo.engine.loop.build import build_on_mesh
@@ -135,6 +135,8 @@ class Trainer:
         frozen = frozen_filter(cfg.finetune, freeze)
         trainable = trainable_filter(cfg.finetune, frozen)
         tx, self.schedule = make_optimizer(cfg.optimizer, trainer.steps)
+        checkpoints = os.path.join(self.workdir, "checkpoints")
+        self.warm_start = warm_start_on_build(cfg, self.hparams, self.mesh, self.rules, checkpoints)
         built = build_on_mesh(
             entry,
             self.hparams,
@@ -144,6 +146,7 @@ class Trainer:
             finetune=cfg.finetune,
             tx=tx,
             wrt=trainable,
+            prefill=self.warm_start,
         )
         what = f"finetune.freeze={cfg.finetune.freeze}" if freeze is None else f"{freeze!r}"
         check_frozen(built.model, frozen, trainable, what)
@@ -446,6 +449,7 @@ class Trainer:
                 zeros,
                 self.step_key,
                 self.hparams,
+                self.warm_start,
             )
             self.state, self.progress = start_run(how, checkpointer)
         self.resumed_from = self.progress.step

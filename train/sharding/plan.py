@@ -10,6 +10,7 @@ so, one line per reason.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -115,27 +116,51 @@ def plan_state(state: nnx.State, mesh: Mesh, rules: AxisRules) -> ShardingPlan:
 
 
 def create_sharded(
-    create: Callable[[], Any], mesh: Mesh, rules: AxisRules
+    create: Callable[[], Any],
+    mesh: Mesh,
+    rules: AxisRules,
+    prefill: Callable[[Any], None] | None = None,
 ) -> tuple[Any, ShardingPlan]:
     """Run `create()` (returning `(model, optimizer)`) so every array is born where the plan
     puts it; call under `zoo.engine.sharding.mesh.activate(mesh, rules)`. The plan, not Flax's
     renaming of logical axes, places them: only the plan knows the dimensions that a mesh axis
-    cannot divide (see `zoo.engine.sharding.mesh.AxisRules.placement`)."""
+    cannot divide (see `zoo.engine.sharding.mesh.AxisRules.placement`).
+
+    `prefill(abstract)`, given, sets arrays into some variables of the abstract result of
+    `create()` (a fine-tune's weights, read from its checkpoint into their shardings): those
+    arrays are taken as they are, handed over to the result without a copy, and the
+    initialisation they replace is never computed, nor compiled. Every other array is the one
+    `create()` makes, from the same random streams."""
     with nnx.use_eager_sharding(False):
         abstract = eval_shape(create)
         plan = plan_state(nnx.state(abstract), mesh, rules)
         specs = [row.spec for row in plan.rows]
+        given = _prefilled(abstract, prefill)
 
-        @nnx.jit
-        def placed():
+        @functools.partial(nnx.jit, donate_argnums=0)
+        def placed(given: dict[int, jax.Array]):
             created = create()
-            for (_, variable), spec in zip(
-                nnx.to_flat_state(nnx.state(created)), specs, strict=True
-            ):
-                variable.set_value(jax.sharding.reshard(variable.get_value(), spec))
+            flat = nnx.to_flat_state(nnx.state(created))
+            for i, ((_, variable), spec) in enumerate(zip(flat, specs, strict=True)):
+                value = given[i] if i in given else variable.get_value()
+                variable.set_value(jax.sharding.reshard(value, spec))
             return created
 
-        return placed(), plan
+        return placed(given), plan
+
+
+def _prefilled(abstract: Any, prefill: Callable[[Any], None] | None) -> dict[int, jax.Array]:
+    """The arrays `prefill` set into `abstract`, by the index of their variable in its flat
+    state."""
+    if prefill is None:
+        return {}
+    prefill(abstract)
+    flat = nnx.to_flat_state(nnx.state(abstract))
+    return {
+        i: variable.get_value()
+        for i, (_, variable) in enumerate(flat)
+        if isinstance(variable.get_value(), jax.Array)
+    }
 
 
 def _listed(paths: list[str], shown: int = 3) -> str:
