@@ -16,9 +16,10 @@ which inference skips, and the cache transformers generates with), or refused wi
 naming the key, its value and what `decoder` implements: RoPE scalings other than default,
 linear and llama3, a partial rotary factor, an activation other than SiLU and tanh GELU,
 interleaved RoPE, bidirectional attention, Gemma 3's attention soft-capping (which transformers
-does not apply), quantized weights. Export writes the family's config in transformers 5's
-layout with transformers 4's keys beside it (the same RoPE and layers, which both versions
-read), and refuses a model that the layout cannot hold (it would read back as another).
+does not apply), quantized weights (but gpt-oss's MXFP4 experts, decoded at load). Export
+writes the family's config in transformers 5's layout with transformers 4's keys beside it (the
+same RoPE and layers, which both versions read), unquantized, and refuses a model that the
+layout cannot hold (it would read back as another).
 
 Projections are stored (out, in) by torch's `nn.Linear`; `decoder` holds them (in, out) with
 the heads split out: q/k/v (dim, heads, head_dim), o (heads, head_dim, dim). Embedding rows and
@@ -38,7 +39,15 @@ from zoo.models.decoder_parts import CLAMPED_SWIGLU, FULL, SLIDING
 from zoo.models.language_model import padded_vocab
 from zoo.models.rope import ROPE_TYPES
 
-from zoo.plugin import Family, Rule, ZooError, register_family
+from zoo.plugin import (
+    Combine,
+    Family,
+    Rule,
+    ZooError,
+    dequantize_mxfp4,
+    mxfp4_shape,
+    register_family,
+)
 
 DEFAULT_THETA = 10000.0
 _SILU = ("silu", "swish")
@@ -105,7 +114,8 @@ class _Kind:
     """What tells one family apart: its names, transformers' defaults for absent keys, the
     keys it reads besides `_SIZES` and those that do not change the computation, its options
     as `decoder`'s constructor arguments (`options(config, read)`, `read(key)` giving a key's
-    value or its default) and the config keys that write them back (`export(hparams)`)."""
+    value or its default), the config keys that write them back (`export(hparams)`) and the
+    quantized tensors its checkpoints may store in parts, decoded at load (`quantized`)."""
 
     name: str
     architecture: str
@@ -115,6 +125,7 @@ class _Kind:
     inert: tuple[str, ...]
     options: Callable[[Mapping[str, Any], Callable[[str], Any]], dict[str, Any]]
     export: Callable[[Mapping[str, Any]], dict[str, Any]]
+    quantized: tuple[Combine, ...] = ()
 
 
 def _llama_options(config: Mapping[str, Any], read: Callable[[str], Any]) -> dict[str, Any]:
@@ -640,8 +651,9 @@ def _hparams(kind: _Kind) -> Callable[[Mapping[str, Any]], dict[str, Any]]:
             """The key's value (null included, as transformers takes it), else the default."""
             return config[key] if key in config else kind.defaults.get(key)
 
-        if config.get("quantization_config") is not None:
-            _refuse_quantized(kind, config["quantization_config"] or {})
+        quantization = config.get("quantization_config")
+        if quantization is not None:
+            _check_quantized(kind, quantization or {})
         dim, heads = int(read("hidden_size")), int(read("num_attention_heads"))
         kv_heads = int(read("num_key_value_heads") or heads)
         if heads % kv_heads:
@@ -668,24 +680,18 @@ def _hparams(kind: _Kind) -> Callable[[Mapping[str, Any]], dict[str, Any]]:
     return hparams
 
 
-def _refuse_quantized(kind: _Kind, quantization: Mapping[str, Any]) -> None:
-    """Refuse a quantized checkpoint by its method, saying how to load it: gpt-oss's hub files
-    hold their experts in MXFP4 (`*_blocks` and `*_scales` tensors), which transformers
-    dequantizes to float weights that `decoder` loads."""
-    method = quantization.get("quant_method", "?")
-    if method == "mxfp4":
-        raise ZooError(
-            f"This {kind.name} checkpoint holds its experts in MXFP4 (quantization_config with "
-            "quant_method='mxfp4': mlp.experts.*_blocks and *_scales tensors), which decoder "
-            "does not dequantize yet. Dequantize it once with transformers "
-            "(GptOssForCausalLM.from_pretrained(path, quantization_config=Mxfp4Config("
-            "dequantize=True), dtype=torch.bfloat16).save_pretrained(out)) and load that "
-            "directory."
-        )
+def _check_quantized(kind: _Kind, quantization: Mapping[str, Any]) -> None:
+    """Refuse a quantized checkpoint by its method unless the family decodes it at load
+    (gpt-oss's MXFP4 experts): `decoder` loads float weights."""
+    method = quantization.get("quant_method")
+    methods = sorted({combine.quant_method for combine in kind.quantized})
+    if method in methods:
+        return
+    read = f" or, quantized, with quant_method {', '.join(map(repr, methods))}" if methods else ""
     raise ZooError(
         f"This {kind.name} checkpoint is quantized (quantization_config with "
-        f"quant_method={method!r}); decoder loads float weights (float32, bfloat16, "
-        "float16) only."
+        f"quant_method={method!r}); decoder loads {kind.name} checkpoints in float32, bfloat16 "
+        f"or float16{read}. Load the checkpoint it was quantized from."
     )
 
 
@@ -901,6 +907,19 @@ def _expert_rules(block: str, names: Mapping[str, str]) -> list[Rule]:
             for param in MLP
         ],
     ]
+
+
+MXFP4_EXPERTS = Combine(
+    r"model\.layers\.\d+\.mlp\.experts\.(?:gate_up|down)_proj",
+    ("_blocks", "_scales"),
+    "mxfp4",
+    mxfp4_shape,
+    dequantize_mxfp4,
+)
+"""gpt-oss's hub files (`quantization_config` with `quant_method: mxfp4`): each layer's
+`gate_up_proj` and `down_proj` stored as MXFP4 `_blocks` and `_scales`, decoded at load into
+the stacked layout of `_stacked_expert_rules`, as transformers' `Mxfp4Config(dequantize=True)`
+decodes them."""
 
 
 def _stacked_expert_rules() -> list[Rule]:
@@ -1226,6 +1245,7 @@ KINDS += (
         ("hidden_act", "experts_per_token", "initial_context_length"),
         _gpt_oss_options,
         _gpt_oss_export,
+        quantized=(MXFP4_EXPERTS,),
     ),
 )
 
@@ -1253,6 +1273,7 @@ def _family(kind: _Kind) -> Family:
         stacked=_stacked_of(kind),
         honoured=HONOURED[kind.name],
         inert=INERT[kind.name],
+        combine=kind.quantized,
     )
 
 

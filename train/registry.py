@@ -255,6 +255,25 @@ class Rule:
 
 
 @dataclasses.dataclass(frozen=True)
+class Combine:
+    """Tensors that a checkpoint stores as parts of one, such as MXFP4's blocks and scales: the
+    stored keys `<key><part>` for each of `parts` (`("_blocks", "_scales")`) make the tensor
+    `<key>` that the rules' table maps, where `key` (a regex, matched in full) names it and the
+    config's `quantization_config.quant_method` is `quant_method`.
+
+    `shape(*parts)` gives the tensor's shape from each part's (shape, dtype), raising
+    `ValueError` (why) where they do not fit; `decode(*arrays, dtype=...)` gives the tensor, in
+    `dtype`. The reader checks every part present and fitting before anything is built, and
+    decodes each tensor only when it copies it."""
+
+    key: str
+    parts: tuple[str, ...]
+    quant_method: str
+    shape: Callable[..., tuple[int, ...]]
+    decode: Callable[..., np.ndarray]
+
+
+@dataclasses.dataclass(frozen=True)
 class Family:
     """A family of checkpoints of another library that the model `model` loads, e.g. GPT-2 of
     Hugging Face transformers for `gpt`.
@@ -277,7 +296,9 @@ class Family:
       Hugging Face config carries;
     - `sidecars`: other JSON files of a checkpoint directory that `hparams` reads, e.g.
       `preprocessor_config.json`: one that is present reaches `hparams` as the config's entry
-      named by the file's stem (`config["preprocessor_config"]`).
+      named by the file's stem (`config["preprocessor_config"]`);
+    - `combine`: tensors stored as parts when the config says they are quantized (`Combine`),
+      read as the tensors the rules map.
 
     A key of a nested object is named with dots (`model_args.embed_dim`,
     `preprocessor_config.image_mean`); an object named whole is accounted for whole. Every
@@ -298,6 +319,7 @@ class Family:
     honoured: tuple[str, ...] = ()
     inert: tuple[str, ...] = ()
     sidecars: tuple[str, ...] = ()
+    combine: tuple[Combine, ...] = ()
 
     def rules_for(self, hparams: Mapping[str, Any]) -> tuple[Rule, ...]:
         return tuple(self.rules(hparams) if callable(self.rules) else self.rules)

@@ -9,7 +9,9 @@ module alone, as a project's own would be:
   `register_data` (a loader returning `Splits`), `register_family` / `register_families`
   (checkpoints of another library: a `Family` and its table of `Rule`s; the config keys it
   honours and those it lists as inert, besides `COMMON_INERT`; `COMMON_REFUSED`: the keys
-  every Hugging Face config may carry that are refused at other values).
+  every Hugging Face config may carry that are refused at other values; `Combine`: tensors a
+  quantized checkpoint stores in parts, such as MXFP4's, which `mxfp4_shape` and
+  `dequantize_mxfp4` read).
 - The loss contract: `loss(model, batch, rngs) -> (loss[B], {metric: value[B]})`, per example
   (`LossFn`), marked with the batch columns it reads by `loss_contract`; a `WEIGHT` entry among
   the metrics weights the examples (tokens per sequence), `MASK` is the column that marks
@@ -60,6 +62,7 @@ from zoo.engine.registry import (
     SEGMENT_IDS,
     WEIGHT,
     Batch,
+    Combine,
     Family,
     LossFn,
     OnEval,
@@ -74,6 +77,7 @@ from zoo.engine.registry import (
 from zoo.engine.report import EvalReport, ReplyPrompt, image_grid
 from zoo.engine.sharding import logical_spec, partitioned, repeated, unsplit_batch
 from zoo.engine.steps import construction_rngs
+from zoo.engine.weights import dequantize_mxfp4, mxfp4_shape
 
 __all__ = [
     "COMMON_INERT",
@@ -85,6 +89,7 @@ __all__ = [
     "SEGMENT_IDS",
     "WEIGHT",
     "Batch",
+    "Combine",
     "EvalReport",
     "ExampleSource",
     "Family",
@@ -98,9 +103,11 @@ __all__ = [
     "attend",
     "construction_rngs",
     "dense_dot_general",
+    "dequantize_mxfp4",
     "image_grid",
     "logical_spec",
     "loss_contract",
+    "mxfp4_shape",
     "outputs_first_product",
     "partitioned",
     "reading_widened",

@@ -2,7 +2,8 @@
 (a checkpoint the reference library wrote, its `config.json` of the family, and
 `reference.npz`: inputs and the reference library's `logits` for them): `zoo.load` gives the
 reference's outputs (float32, highest matmul precision, 1e-5) on one device and on the 2x2x2
-mesh, and `zoo.export` writes the checkpoint back bit for bit, which loads back bit-identical.
+mesh, and `zoo.export` writes the checkpoint back bit for bit (a tensor stored quantized, such
+as gpt-oss's MXFP4 experts, as its family decodes it), which loads back bit-identical.
 
 A fixture belongs to the family whose `matches` takes its `config.json`; its inputs are the
 entry of `reference.npz` besides `logits` whose name has no underscore (`images`, `tokens`;
@@ -83,7 +84,9 @@ def test_loads_with_the_reference_outputs_on_the_mesh(checkpoint):
 
 def test_exports_back_bit_for_bit(checkpoint, tmp_path):
     """Every tensor of the checkpoint that is a param (not one its family ignores) is written
-    back as it was, and the export loads back bit-identical."""
+    back as the reader reads it (`tensors()`: as stored, or decoded in float32 where the
+    family combines quantized parts, which the export writes unquantized), and the export
+    loads back bit-identical."""
     family, directory, trained = checkpoint
     out = Path(zoo.export(directory, tmp_path / "out", format="hf"))
     written, source = load_file(out / "model.safetensors"), weights.open_pretrained(directory)

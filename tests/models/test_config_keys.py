@@ -159,9 +159,14 @@ def test_a_hugging_face_resnet_takes_images_of_any_size():
         ("resnet18-timm", {"global_pool": "max"}, "global_pool='max'"),
         ("vit-hf", {"qkv_bias": False}, "qkv_bias=False"),
         (
-            "gpt-oss-tiny",
+            "qwen3-moe-tiny",
             {"quantization_config": {"quant_method": "mxfp4"}},
-            r"quant_method='mxfp4'.*Mxfp4Config\(dequantize=True\)",
+            r"quant_method='mxfp4'\); decoder loads qwen3_moe checkpoints in float32",
+        ),
+        (
+            "gpt-oss-tiny",
+            {"quantization_config": {"quant_method": "bitsandbytes_4bit"}},
+            r"quant_method='bitsandbytes_4bit'.*or, quantized, with quant_method 'mxfp4'",
         ),
         (
             "gpt-oss-tiny",

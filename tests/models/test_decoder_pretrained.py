@@ -13,7 +13,9 @@ import contextlib
 import copy
 import dataclasses
 import json
+import pathlib
 import shutil
+import weakref
 
 import jax
 import numpy as np
@@ -27,6 +29,7 @@ from pretrained_checks import (
     reference,
     script,
 )
+from safetensors.numpy import save_file
 from zoo.engine import registry
 from zoo.engine.sharding import mesh as sharding
 from zoo.engine.weights import pretrained as weights
@@ -130,6 +133,140 @@ def test_lora_on_gpt_oss_experts_merges_into_their_kernels():
     np.testing.assert_allclose(merged, adapted, rtol=0, atol=1e-5)
 
 
+MXFP4 = "gpt-oss-mxfp4"
+"""gpt-oss as the hub stores it: its experts in MXFP4 (`_blocks` and `_scales`)."""
+MXFP4_KEY = "model.layers.{layer}.mlp.experts.{name}_proj"
+
+
+def test_mxfp4_experts_load_exactly_in_bfloat16_and_float32():
+    """Every MXFP4 value is a bfloat16 number: the experts decoded into bfloat16 params are the
+    float32 load's, bit for bit, and both the decoded tensors of the checkpoint."""
+    source = dict(weights.open_pretrained(FIXTURES / MXFP4).tensors())
+    loads = [
+        zoo.load(FIXTURES / MXFP4, devices=jax.devices()[:1], model={"param_dtype": dtype})
+        for dtype in ("fp32", "bf16")
+    ]
+    for layer, mixture in enumerate(mixture_layers(loads[0].model).values()):
+        gate_up = source[MXFP4_KEY.format(layer=layer, name="gate_up")]
+        np.testing.assert_array_equal(mixture.experts.gate[...], gate_up[..., ::2].swapaxes(1, 2))
+    full, low = (nnx.state(t.model, nnx.Param) for t in loads)
+    for kept, rounded in zip(jax.tree.leaves(full), jax.tree.leaves(low), strict=True):
+        assert rounded.dtype == jax.numpy.bfloat16
+        np.testing.assert_array_equal(np.asarray(rounded, np.float32), np.asarray(kept))
+
+
+def test_mxfp4_tensors_are_decoded_one_at_a_time(monkeypatch):
+    """Each tensor stored in MXFP4 is decoded once, after the plain tensors are copied, and let
+    go before the next is decoded: the host holds one decoded tensor besides the model."""
+    live: list[weakref.ref] = []
+    decode = weights._Encoded.decode
+
+    def watched(self, dtype):
+        assert all(ref() is None for ref in live), "a decoded tensor is still held"
+        decoded = decode(self, dtype)
+        live.append(weakref.ref(decoded.base))
+        return decoded
+
+    monkeypatch.setattr(weights._Encoded, "decode", watched)
+    pretrained = weights.open_pretrained(FIXTURES / MXFP4)
+    planned = plan_pretrained(pretrained, checkpoint_hparams(pretrained), MESH, None)
+    fill = planned.plan_fill()
+    assert not live  # planning decodes nothing
+    fill.copy()
+    assert len(live) == len(pretrained.combined) == 4  # 2 layers x (gate_up, down)
+
+
+def mxfp4_copy(tmp_path, tensors=None, **config) -> pathlib.Path:
+    """A copy of the MXFP4 fixture with `tensors(dict of key -> array)` edited in place (the
+    rest rewritten in float32, which holds the file's bfloat16 exactly) and `config` set."""
+    directory = tmp_path / MXFP4
+    shutil.copytree(FIXTURES / MXFP4, directory)
+    if tensors is not None:
+        stored = {
+            key: np.asarray(array, np.float32) if array.dtype != np.uint8 else np.asarray(array)
+            for key, array in weights.open_pretrained(directory)._views()
+        }
+        tensors(stored)
+        save_file(stored, directory / "model.safetensors", metadata={"format": "pt"})
+    path = directory / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
+    return directory
+
+
+def without_scales(tensors):
+    del tensors[MXFP4_KEY.format(layer=1, name="down") + "_scales"]
+
+
+def with_a_group_too_many(tensors):
+    key = MXFP4_KEY.format(layer=0, name="gate_up") + "_scales"
+    tensors[key] = np.concatenate([tensors[key]] * 2, axis=-1)
+
+
+def with_signed_blocks(tensors):
+    key = MXFP4_KEY.format(layer=0, name="down") + "_blocks"
+    tensors[key] = tensors[key].view(np.int8)
+
+
+@pytest.mark.parametrize(
+    ("change", "config", "named"),
+    [
+        (
+            without_scales,
+            {},
+            (
+                r"holds model\.layers\.1\.mlp\.experts\.down_proj_blocks without "
+                r"model\.layers\.1\.mlp\.experts\.down_proj_scales"
+            ),
+        ),
+        (
+            with_a_group_too_many,
+            {},
+            (
+                r"model\.layers\.0\.mlp\.experts\.gate_up_proj \(.*_scales \[4, 128, 2\] "
+                r"uint8\) does not fit: the blocks have shape \[4, 128, 1, 16\] and the "
+                r"scales \[4, 128, 2\]"
+            ),
+        ),
+        (
+            with_signed_blocks,
+            {},
+            r"model\.layers\.0\.mlp\.experts\.down_proj .*bytes \(U8\), and these are int8",
+        ),
+        (
+            None,
+            {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
+            r"quantization_config with quant_method='fp8'.*with quant_method 'mxfp4'",
+        ),
+    ],
+    ids=["blocks without scales", "scales that do not fit", "signed blocks", "unknown method"],
+)
+def test_an_mxfp4_checkpoint_that_does_not_fit_is_refused_before_anything_is_built(
+    tmp_path, monkeypatch, change, config, named
+):
+    directory = mxfp4_copy(tmp_path, change, **config)
+    monkeypatch.setattr("zoo.loading.abstract_model", lambda *_: pytest.fail("a model was built"))
+    with pytest.raises(zoo.ZooError, match=named):
+        zoo.load(directory, devices=jax.devices()[:1])
+
+
+def test_mxfp4_experts_of_another_count_are_refused_by_key(tmp_path):
+    """Blocks and scales that fit each other but not the model the config implies: the fill's
+    refusal, before the model changes, names the decoded tensor and both shapes."""
+
+    def one_expert_less(tensors):
+        for part in ("_blocks", "_scales"):
+            key = MXFP4_KEY.format(layer=0, name="down") + part
+            tensors[key] = tensors[key][:3]
+
+    directory = mxfp4_copy(tmp_path, one_expert_less)
+    with pytest.raises(
+        zoo.ZooError,
+        match=r"layers\.0\.mlp\.experts\.down \(from model\.layers\.0\.mlp\.experts\."
+        r"down_proj: \(3, 32, 64\), model \(4, 32, 64\)\)",
+    ):
+        zoo.load(directory, devices=jax.devices()[:1])
+
+
 @pytest.mark.parametrize("mesh", ["one device", "2x2x2"])
 @pytest.mark.parametrize("name", MIXTURES)
 def test_the_router_loss_is_transformers_and_joins_the_training_loss(name, mesh):
@@ -203,6 +340,7 @@ def test_the_exported_config_reads_back_the_same(name):
     hparams = family.hparams(config)
     exported = family.export_config(hparams)
     assert "rope_parameters" in exported
+    assert "quantization_config" not in exported  # written unquantized, MXFP4's decoded
     assert family.hparams(exported) == hparams
     assert family.unaccounted(exported) == {}
 
@@ -399,7 +537,7 @@ PUBLISHED = {
     },
 }
 
-PUBLISHED["gpt-oss-20b"] = {  # its quantization_config (MXFP4 experts) left out: refused
+PUBLISHED["gpt-oss-20b"] = {
     "architectures": ["GptOssForCausalLM"],
     "attention_bias": True,
     "attention_dropout": 0.0,
@@ -421,6 +559,15 @@ PUBLISHED["gpt-oss-20b"] = {  # its quantization_config (MXFP4 experts) left out
     "num_local_experts": 32,
     "output_router_logits": False,
     "pad_token_id": 199999,
+    "quantization_config": {
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+        "quant_method": "mxfp4",
+    },
     "rms_norm_eps": 1e-05,
     "rope_scaling": {
         "beta_fast": 32.0,

@@ -18,6 +18,11 @@ the blocks become the devices' arrays through `jax.make_array_from_callback`). N
 holds a full copy of a sharded param, and the host holds the model and one mapped tensor at a
 time while it copies.
 
+A quantized checkpoint whose family declares how its tensors combine (`Combine`: gpt-oss's
+MXFP4 experts, blocks and scales) is read as the tensors the rules map: each is decoded, into
+the dtype of the params it fills, only when it is copied, after the other tensors and one at a
+time, so that the host holds one decoded tensor besides the model.
+
 Everything is checked before the model changes (`plan_fill`): a key that no rule maps, a param
 no key fills, a shape that differs, a directory of no registered family, a missing shard or a
 truncated file each raise a `ZooError` naming what is wrong. The copies then need no model, so
@@ -48,7 +53,7 @@ from jax.sharding import Mesh
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 from zoo.engine.errors import ZooError, mismatches
-from zoo.engine.registry import Family, Rule, families
+from zoo.engine.registry import Combine, Family, Rule, families
 from zoo.engine.sharding.mesh import AxisRules, variable_sharding
 from zoo.engine.weights.host_memory import page_buffer
 from zoo.engine.weights.lora import filled
@@ -96,6 +101,8 @@ class Pretrained:
     config: Mapping[str, Any]
     family: Family
     files: Mapping[str, str]  # checkpoint key -> the safetensors file that holds it
+    combined: Mapping[str, _Parts] = dataclasses.field(default_factory=dict)
+    """Tensor key -> its stored parts, for a quantized checkpoint's (`Family.combine`)."""
 
     def hparams(self) -> dict[str, Any]:
         """The zoo model's constructor arguments this checkpoint implies."""
@@ -109,20 +116,49 @@ class Pretrained:
 
     def loaded_elements(self) -> int:
         """How many numbers the model's params take from the checkpoint: every tensor's but
-        those of keys its family ignores (from the files' headers)."""
+        those of keys its family ignores (from the files' headers), a tensor stored in parts
+        counted as decoded."""
         headers = {path: _header(path)[1] for path in set(self.files.values())}
         ignore = [re.compile(pattern) for pattern in self.family.ignore]
-        return sum(
+        parts = {key for combined in self.combined.values() for key in combined.keys}
+        stored = sum(
             math.prod(headers[path][key]["shape"])
             for key, path in self.files.items()
-            if not any(pattern.fullmatch(key) for pattern in ignore)
+            if key not in parts and not any(pattern.fullmatch(key) for pattern in ignore)
         )
+        return stored + sum(math.prod(combined.shape) for combined in self.combined.values())
 
-    def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
+    def tensors(self, dtype: Any = np.float32) -> Iterator[tuple[str, np.ndarray]]:
         """(key, array) of every tensor, file by file: each a read-only view of the file's
-        bytes, mapped for as long as it is referenced, so that a reader copies each straight
-        into its own buffers (the library's `get_tensor` holds a second copy while it converts,
-        and `load_file` the whole file besides the arrays)."""
+        bytes (`stored`), a quantized one decoded into `dtype`, one at a time."""
+        for key, tensor in self.stored():
+            yield key, tensor.decode(dtype) if isinstance(tensor, _Encoded) else tensor
+
+    def stored(self) -> Iterator[tuple[str, np.ndarray | _Encoded]]:
+        """(key, tensor) of every tensor: a mapped view of the file, or, for a tensor stored in
+        parts (`combined`), its parts mapped (`_Encoded`), once the last is. A view stays mapped
+        for as long as it is referenced, so that a reader copies each straight into its own
+        buffers (the library's `get_tensor` holds a second copy while it converts, and
+        `load_file` the whole file besides the arrays)."""
+        part_of = {
+            part: (key, combined)
+            for key, combined in self.combined.items()
+            for part in combined.keys
+        }
+        held: dict[str, dict[str, np.ndarray]] = {}
+        for key, array in self._views():
+            if key not in part_of:
+                yield key, array
+                continue
+            whole, combined = part_of[key]
+            parts = held.setdefault(whole, {})
+            parts[key] = array
+            if len(parts) == len(combined.keys):
+                del held[whole]
+                yield whole, _Encoded(combined, tuple(parts[part] for part in combined.keys))
+
+    def _views(self) -> Iterator[tuple[str, np.ndarray]]:
+        """(key, a read-only view of the file's bytes) of every stored tensor, file by file."""
         by_file: dict[str, list[str]] = {}
         for key, path in self.files.items():
             by_file.setdefault(path, []).append(key)
@@ -177,6 +213,36 @@ def _mapped(f: Any, size: int, start: int, entry: Mapping[str, Any], what: str) 
     return np.frombuffer(mapped, dtype, count, begin - first).reshape(shape)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Parts:
+    """A tensor stored in parts: how they combine, their keys (in `combine.parts`' order) and
+    the tensor's shape."""
+
+    combine: Combine
+    keys: tuple[str, ...]
+    shape: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Encoded:
+    """A tensor stored in parts, mapped and not yet decoded."""
+
+    parts: _Parts
+    arrays: tuple[np.ndarray, ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.parts.shape
+
+    def decode(self, dtype: Any) -> np.ndarray:
+        return self.parts.combine.decode(*self.arrays, dtype=dtype)
+
+    def placeholder(self) -> np.ndarray:
+        """An array of the tensor's shape that holds no memory (every element the one zero), for
+        the rules' transforms to give the shapes of their views before anything is decoded."""
+        return np.broadcast_to(np.zeros((), np.float32), self.shape)
+
+
 def open_pretrained(directory: str | os.PathLike, model: str | None = None) -> Pretrained:
     """Open a pretrained directory of a registered family (of `model`'s, if given), checking its
     files: every shard present and readable, every key where the index says."""
@@ -191,7 +257,66 @@ def open_pretrained(directory: str | os.PathLike, model: str | None = None) -> P
     family = _family(root, config, model)
     config = {**config, **_sidecars(root, family)}
     _warn_unaccounted(root, family, config)
-    return Pretrained(root, config, family, _key_files(root))
+    files = _key_files(root)
+    return Pretrained(root, config, family, files, _combined(root, family, config, files))
+
+
+def _combined(
+    root: str, family: Family, config: Mapping[str, Any], files: Mapping[str, str]
+) -> dict[str, _Parts]:
+    """Tensor key -> its parts, for the tensors stored in parts that the family combines under
+    the config's quantization method: each part present and the parts' shapes fitting
+    (`ZooError` naming the keys otherwise)."""
+    method = (config.get("quantization_config") or {}).get("quant_method")
+    combines = [combine for combine in family.combine if combine.quant_method == method]
+    found: dict[str, Combine] = {}
+    for key in files:
+        for combine in combines:
+            for part in combine.parts:
+                whole = key.removesuffix(part)
+                if whole != key and re.fullmatch(combine.key, whole):
+                    found.setdefault(whole, combine)
+    if not found:
+        return {}
+    headers = {path: _header(path)[1] for path in set(files.values())}
+    return {
+        whole: _parts_of(root, method, whole, combine, files, headers)
+        for whole, combine in found.items()
+    }
+
+
+def _parts_of(
+    root: str,
+    method: str,
+    whole: str,
+    combine: Combine,
+    files: Mapping[str, str],
+    headers: Mapping[str, Mapping[str, Any]],
+) -> _Parts:
+    """The parts of the tensor `whole`, checked: each present, none beside a stored `whole`,
+    and their shapes and dtypes as `combine` takes them."""
+    keys = tuple(whole + part for part in combine.parts)
+    missing = [key for key in keys if key not in files]
+    what = f"The {method} checkpoint in {root}"
+    if missing:
+        held = ", ".join(key for key in keys if key in files)
+        raise ZooError(
+            f"{what} holds {held} without {', '.join(missing)}: {whole} is stored as "
+            f"{' and '.join(keys)}, together. Download the checkpoint again, whole."
+        )
+    if whole in files:
+        raise ZooError(
+            f"{what} holds both {whole} and its {method} parts {', '.join(keys)}: it must "
+            "hold one or the other."
+        )
+    entries = [headers[files[key]][key] for key in keys]
+    specs = [(tuple(e["shape"]), np.dtype(_DTYPES.get(e["dtype"], np.void))) for e in entries]
+    try:
+        shape = combine.shape(*specs)
+    except ValueError as e:
+        stored = ", ".join(f"{key} {list(spec[0])} {spec[1]}" for key, spec in zip(keys, specs))
+        raise ZooError(f"{what} cannot be read: {whole} ({stored}) does not fit: {e}.") from None
+    return _Parts(combine, keys, tuple(shape))
 
 
 def _sidecars(root: str, family: Family) -> dict[str, Any]:
@@ -313,17 +438,23 @@ class PlannedFill:
     fillings: dict[str, _Filling]
     skipped: list[str]
     ready: Callable[[], None]
+    decodings: list[_Decoding] = dataclasses.field(default_factory=list)
 
     def copy(self) -> None:
         """Every planned copy, param by param on `_COPY_THREADS` threads, once the buffers are
         `ready` (each tensor's mapping is let go once the params it fills are copied, so the
         host holds at most a tensor of the file per thread). numpy copies without the GIL, and
-        one thread alone copies at well under the memory's speed."""
+        one thread alone copies at well under the memory's speed. Then the tensors stored in
+        parts, one at a time: each decoded, copied and let go before the next is decoded, so
+        that the host never holds two."""
         self.ready()
         fillings = list(self.fillings.values())
         with ThreadPoolExecutor(_COPY_THREADS, thread_name_prefix="zoo-copy") as pool:
             for copied in [pool.submit(filling.copy) for filling in fillings]:
                 copied.result()
+        decodings, self.decodings = self.decodings, []
+        for decoding in decodings:
+            decoding.copy()
 
     @contextlib.contextmanager
     def copied_meanwhile(self) -> Iterator[None]:
@@ -372,7 +503,8 @@ def plan_fill(
     stacked = tuple(pretrained.family.stacked(hparams))
     ignore = [re.compile(pattern) for pattern in pretrained.family.ignore]
     unmapped, absent, differ, filling = [], [], [], {}
-    for key, tensor in pretrained.tensors():
+    decodings: list[_Decoding] = []
+    for key, tensor in pretrained.stored():
         if any(pattern.fullmatch(key) for pattern in ignore):
             continue
         found = _rule_for(table, key)
@@ -380,7 +512,10 @@ def plan_fill(
             unmapped.append(key)
             continue
         rule, paths = found
-        for path, value in zip(paths, rule.load(tensor), strict=True):
+        encoded = tensor if isinstance(tensor, _Encoded) else None
+        decoding = None if encoded is None else _Decoding(encoded, rule)
+        views = rule.load(tensor if encoded is None else encoded.placeholder())
+        for index, (path, value) in enumerate(zip(paths, views, strict=True)):
             target, layer = _unstacked(path, stacked)
             if target in skipped:
                 continue
@@ -398,7 +533,12 @@ def plan_fill(
                 filling[target] = _Filling(
                     variable, variable_sharding(variable, target, mesh, rules), new_buffer
                 )
-            filling[target].plan(value, layer)
+            if decoding is None:
+                filling[target].plan(value, layer)
+            else:
+                decoding.fills(index, filling[target], layer)
+        if decoding is not None and decoding.consumers:
+            decodings.append(decoding)
     unfilled = [
         f"{target} (layer(s) {', '.join(map(str, missing))})"
         for target, param in filling.items()
@@ -406,7 +546,7 @@ def plan_fill(
     ]
     unfilled += [p for p in targets if p not in filling and p not in skipped]
     _refuse(pretrained, unmapped, absent, differ, unfilled)
-    return PlannedFill(targets, filling, skipped, ready)
+    return PlannedFill(targets, filling, skipped, ready, decodings)
 
 
 def _targets(model: nnx.Module) -> dict[str, nnx.Variable]:
@@ -490,6 +630,29 @@ class _Filling:
             self.sharding,
             lambda index: self.block(self.position[_bounds(index, self.shape)]),
         )
+
+
+class _Decoding:
+    """A tensor stored in parts and the params its rule fills from it: decoded when copied, in
+    the params' dtype, and let go once they are filled."""
+
+    def __init__(self, tensor: _Encoded, rule: Rule):
+        self.tensor: _Encoded | None = tensor
+        self.rule = rule
+        self.consumers: list[tuple[int, _Filling, int | None]] = []
+
+    def fills(self, index: int, filling: _Filling, layer: int | None) -> None:
+        """Plan that the rule's `index`-th array fills `filling` (slice `layer` of it)."""
+        self.consumers.append((index, filling, layer))
+        filling.layers.add(layer)
+
+    def copy(self) -> None:
+        tensor, self.tensor = self.tensor, None
+        dtype = np.result_type(*(filling.buffer.dtype for _, filling, _ in self.consumers))
+        views = self.rule.load(tensor.decode(dtype))
+        for index, filling, layer in self.consumers:
+            filling.plan(views[index], layer)
+            filling.copy()
 
 
 _ALIGN = 64
