@@ -374,3 +374,15 @@ def test_nan_loss_skip_drops_those_updates(tmp_path, caplog):
     assert len(skipped) == len(bad_steps)
     for step, line in zip(bad_steps, skipped, strict=True):
         assert f"the first at step {step}" in line
+
+
+def test_checkpoints_gone_between_set_up_and_start_are_named(tmp_path):
+    """A run set up to resume is built abstract (its arrays all come from the checkpoint): if
+    the checkpoints are removed before it starts, it stops saying so, rather than train on
+    nothing."""
+    args = overriding(*XOR, "trainer.steps=10", f"workdir={tmp_path}")
+    zoo.run(zoo.compose(args))
+    trainer = Trainer(zoo.compose(overriding(*args, "trainer.steps=20")))
+    shutil.rmtree(tmp_path / "checkpoints")
+    with pytest.raises(zoo.ZooError, match=r"set up to resume from are gone"):
+        trainer.fit()

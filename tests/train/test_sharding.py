@@ -203,3 +203,23 @@ def test_a_prefilled_param_is_taken_without_a_copy_and_the_rest_born_as_ever():
         strict=True,
     ):
         np.testing.assert_array_equal(ours[...], theirs[...], err_msg=str(path))
+
+
+def test_a_run_that_resumes_is_built_abstract_and_restored_into_its_plan(tmp_path):
+    """Nothing initialised only to be overwritten: a run whose workdir holds a checkpoint is
+    planned abstractly (each array a `ShapeDtypeStruct` with its planned sharding) and every
+    array is then restored into that sharding, ending with the bits of a run never stopped."""
+    mesh = {"fsdp": 4, "tensor": 2}
+    whole = Trainer(config(deep_mlp.MODEL, tmp_path / "whole", mesh, "trainer.steps=4")).fit()
+    zoo.run(config(deep_mlp.MODEL, tmp_path / "run", mesh, "trainer.steps=2"))
+    trainer = Trainer(config(deep_mlp.MODEL, tmp_path / "run", mesh, "trainer.steps=4"))
+    rows = {row.path: row for row in trainer.plan.rows}
+    for path, variable in nnx.to_flat_state(trainer.state):
+        leaf, name = variable.get_value(), ".".join(str(part) for part in path[1:])
+        assert isinstance(leaf, jax.ShapeDtypeStruct), name
+        assert leaf.sharding.spec == rows[name].spec, name
+    resumed = trainer.fit()
+    assert trainer.resumed_from == 2
+    for ours, theirs in zip(jax.tree.leaves(resumed.state), jax.tree.leaves(whole.state)):
+        assert jax.typeof(ours).sharding.spec == jax.typeof(theirs).sharding.spec
+        np.testing.assert_array_equal(jax.device_get(ours), jax.device_get(theirs))

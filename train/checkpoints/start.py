@@ -83,6 +83,11 @@ def start_run(run: RunStart, checkpointer: Checkpointer) -> tuple[Any, Progress]
     if resumed is not None:
         return resumed
     fresh = Progress(step=0, window=run.zeros, window_start=0, eval_step=0, eval_metrics={})
+    if any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(run.state)):
+        raise ZooError(
+            f"The checkpoints in {checkpointer.directory} that this run was set up to resume "
+            "from are gone: nothing was changed; run the same command again to start afresh."
+        )
     if run.cfg.finetune.init_from is None:
         return run.state, fresh
     if run.warm_start is not None and run.warm_start.said:
@@ -229,6 +234,13 @@ class WarmStart:
 
     def __call__(self, model: nnx.Module) -> None:
         self.said = _fill_from_init(self.cfg, self.hparams, model, self.mesh, self.rules)
+
+
+def resumes(cfg: DictConfig, checkpoints: str) -> bool:
+    """Whether the run restores its state from a checkpoint of its own in `checkpoints` (steps
+    1 and 2), or stops saying why it cannot: its state is then built abstract, since every
+    array of it is restored over whatever it was built with (nor is its state held twice)."""
+    return str(cfg.trainer.resume) != "never" and bool(saved_steps(checkpoints))
 
 
 def warm_start_on_build(

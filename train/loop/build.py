@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 from zoo.engine.registry import ModelEntry
 from zoo.engine.sharding import mesh as sharding
 from zoo.engine.sharding.abstract import eval_shape
-from zoo.engine.sharding.plan import ShardingPlan, create_sharded
+from zoo.engine.sharding.plan import ShardingPlan, abstract_sharded, create_sharded
 from zoo.engine.steps import rngs
 from zoo.engine.weights import master
 from zoo.engine.weights.lora import add_adapters
@@ -82,17 +82,23 @@ def build_on_mesh(
     tx: optax.GradientTransformation | None = None,
     wrt: nnx.filterlib.Filter = nnx.Param,
     prefill: Callable[[nnx.Module], None] | None = None,
+    abstract: bool = False,
 ) -> Built:
     """The model (and, given `tx`, its optimizer over the params `wrt` selects), every array
     born with the sharding its plan gives it on `mesh`; `prefill(model)`, given, fills some of
     the abstract model's params first (a fine-tune's starting weights), which are then never
-    initialised (see `create_sharded`)."""
+    initialised (see `create_sharded`). `abstract`: nothing made, every array a
+    `jax.ShapeDtypeStruct` with its planned sharding (a run about to restore them all, see
+    `abstract_sharded`)."""
 
     def create():
         model = build_model(entry, hparams, seed, finetune)
         return (model,) if tx is None else (model, master.optimizer_for(model, tx, wrt))
 
     with sharding.activate(mesh, rules):
-        filled = None if prefill is None else lambda abstract: prefill(abstract[0])
-        created, plan = create_sharded(create, mesh, rules, filled)
+        if abstract:
+            created, plan = abstract_sharded(create, mesh, rules)
+        else:
+            filled = None if prefill is None else lambda made: prefill(made[0])
+            created, plan = create_sharded(create, mesh, rules, filled)
     return Built(created[0], created[1] if tx is not None else None, plan)

@@ -43,7 +43,7 @@ from omegaconf import DictConfig, OmegaConf
 from zoo.engine import posttraining, registry
 from zoo.engine.checkpoints import starting_state
 from zoo.engine.checkpoints.manager import Checkpointer
-from zoo.engine.checkpoints.start import RunStart, start_run, warm_start_on_build
+from zoo.engine.checkpoints.start import RunStart, resumes, start_run, warm_start_on_build
 from zoo.engine.errors import ZooError
 from zoo.engine.loop import rundir
 from zoo.engine.loop.build import build_on_mesh
@@ -137,6 +137,8 @@ class Trainer:
         tx, self.schedule = make_optimizer(cfg.optimizer, trainer.steps)
         checkpoints = os.path.join(self.workdir, "checkpoints")
         self.warm_start = warm_start_on_build(cfg, self.hparams, self.mesh, self.rules, checkpoints)
+        # A reference of the starting weights (preference and reward methods) needs them made.
+        restores = resumes(cfg, checkpoints) and posttraining.reference_source(cfg.finetune) is None
         built = build_on_mesh(
             entry,
             self.hparams,
@@ -147,6 +149,7 @@ class Trainer:
             tx=tx,
             wrt=trainable,
             prefill=self.warm_start,
+            abstract=restores,
         )
         what = f"finetune.freeze={cfg.finetune.freeze}" if freeze is None else f"{freeze!r}"
         check_frozen(built.model, frozen, trainable, what)

@@ -149,6 +149,23 @@ def create_sharded(
         return placed(given), plan
 
 
+def abstract_sharded(
+    create: Callable[[], Any], mesh: Mesh, rules: AxisRules
+) -> tuple[Any, ShardingPlan]:
+    """What `create_sharded` makes, abstract: every array a `jax.ShapeDtypeStruct` with the
+    sharding the plan gives it, nothing computed or allocated: the state of a run that restores
+    every array of it from its checkpoint, straight into those shardings."""
+    with nnx.use_eager_sharding(False):
+        abstract = eval_shape(create)
+        plan = plan_state(nnx.state(abstract), mesh, rules)
+    flat = nnx.to_flat_state(nnx.state(abstract))
+    for (_, variable), row in zip(flat, plan.rows, strict=True):
+        value = variable.get_value()
+        sharding = jax.sharding.NamedSharding(mesh, row.spec)
+        variable.set_value(jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding))
+    return abstract, plan
+
+
 def _prefilled(abstract: Any, prefill: Callable[[Any], None] | None) -> dict[int, jax.Array]:
     """The arrays `prefill` set into `abstract`, by the index of their variable in its flat
     state."""
