@@ -47,7 +47,7 @@ from zoo.models.decoder_parts import (
     kv_heads_spec,
 )
 from zoo.models.expert_load import decoder_on_eval
-from zoo.models.experts import ExpertOptions
+from zoo.models.experts import ExpertOptions, routed_call
 from zoo.models.kv_cache import Cache, DecodesWithCache, empty_cache
 from zoo.models.language_model import (
     LANGUAGE_MODEL_OPTIMIZER,
@@ -126,6 +126,17 @@ class Decoder(nnx.Module, DecodesWithCache):
         key = layers_dropout_key(rngs, self.layers, self.scan_layers, self.dropout_rate, "decoder")
         logits, _ = self._forward(tokens, key, None, None, segment_ids, positions)
         return logits
+
+    def with_auxiliary_loss(self, call, real: jax.Array):
+        """`call(self)`, its mixtures' router load-balancing loss times `router_aux_loss_coef`
+        over the input tokens `real` marks, and what TensorBoard shows of the routing
+        (`zoo.plugin.AuxiliaryLoss`: how the preference and reward objectives train with it);
+        0 and nothing to show without experts."""
+        out, routing = routed_call(self, call)
+        if not routing.layers:
+            return out, jnp.zeros((), jnp.float32), {}
+        loss, metrics = routing.loss_and_metrics(real)
+        return out, loss, metrics
 
     def empty_cache(self, batch_size: int, slots: int) -> Cache:
         """A key/value cache for `decode` of `num_kv_heads` heads, in the dtype the model

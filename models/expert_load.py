@@ -14,9 +14,9 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 from PIL import Image, ImageDraw, ImageFont
 from zoo.models.eval_samples import sample_on_eval
-from zoo.models.experts import load_balancing, mixture_layers, real_inputs, routed_call
+from zoo.models.experts import load_balancing, mixture_layers, routed_call
 
-from zoo.plugin import MASK, POSITIONS, SEGMENT_IDS, EvalReport, logical_spec
+from zoo.plugin import MASK, POSITIONS, SEGMENT_IDS, EvalReport, logical_spec, real_inputs
 
 FONT_SIZE = 12
 MARGIN = 8

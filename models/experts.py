@@ -312,15 +312,6 @@ def routed_call(model: nnx.Module, call: Callable[[nnx.Module], Any]) -> tuple[A
     return out, Recorded(layers, next(iter(mixtures.values())).aux_loss_weight)
 
 
-def real_inputs(length: jax.Array, width: int, segment_ids: jax.Array | None) -> jax.Array:
-    """Which of a batch's `width` input positions hold a sequence's token [rows, width]: those
-    up to each row's `length` real targets (the last target's input included), or for packed
-    rows those of a segment; the tokens whose routing counts."""
-    if segment_ids is not None:
-        return segment_ids > 0
-    return jnp.arange(width)[None, :] <= length[:, None]
-
-
 def load_balancing(
     layers: Sequence[tuple[jax.Array, jax.Array]], real: jax.Array
 ) -> tuple[jax.Array, jax.Array]:

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
-from zoo.models.experts import real_inputs, routed_call
+from zoo.models.experts import routed_call
 from zoo.models.transformer import dropout_key, tokens_spec
 
 from zoo.plugin import (
@@ -28,6 +28,7 @@ from zoo.plugin import (
     logical_spec,
     loss_contract,
     outputs_first_product,
+    real_inputs,
 )
 
 VOCAB = 256

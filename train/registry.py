@@ -33,6 +33,7 @@ import typing
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from zoo.engine.errors import ZooError
@@ -69,6 +70,32 @@ PAIR_SLOTS = "pair_slots"
 """A batch column of packed preference pairs ([batch, slots]): 1 where a row holds a pair as
 segment slot + 1 of both its sequences (the chosen replies' and the rejected replies'), 0 for
 the slots left empty; a fixed number of slots per data set gives the losses a fixed shape."""
+
+
+def real_inputs(length: Any, width: int, segment_ids: Any = None) -> Any:
+    """Which of a batch's `width` input positions hold a sequence's token [rows, width]: those
+    up to each row's `length` real targets (the last target's input included), or for packed
+    rows those of a segment. What a loss over a model's inputs counts (a router's load)."""
+    if segment_ids is not None:
+        return segment_ids > 0
+    return jnp.arange(width)[None, :] <= length[:, None]
+
+
+@typing.runtime_checkable
+class AuxiliaryLoss(typing.Protocol):
+    """A model that adds a loss term of its own to whatever loss trains it (a mixture of
+    experts: its router's load-balancing loss). A model's own loss adds it itself; the
+    post-training objectives (`finetune.method=dpo`, `grpo`) call their policy through
+    `with_auxiliary_loss`, so that the term trains with them as it does with the model's loss.
+
+    `with_auxiliary_loss(call, real)`: (`call(self)`, the weighted term to add to the loss,
+    what TensorBoard shows of it) over the input tokens that `real` [rows, width] marks
+    (`real_inputs`); a term of 0 and no metrics where the model's weight of it is 0."""
+
+    def with_auxiliary_loss(
+        self, call: Callable[[Any], Any], real: Any
+    ) -> tuple[Any, Any, dict[str, Any]]: ...
+
 
 OnEval = Callable[[nnx.Module, Any], None]
 """`on_eval(model, report)`: called after each eval with the model in eval mode and a

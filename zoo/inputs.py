@@ -243,7 +243,7 @@ def check_columns(
     for name in entry.columns or ():
         what = f"The {split} data's '{name}' column holds examples"
         if name == reads.column and pairs:
-            check_method(config.finetune, first, hparams)
+            check_method(config.finetune, first)
             reads.check(_sequences(first[name]), f"{what} (pairs: each of its two rows)", True)
         elif name == reads.column:
             reads.check(first[name], what, examples=True)

@@ -18,7 +18,10 @@ module alone, as a project's own would be:
   an eval batch's padding rows, and `LOSS_MASK` the column that marks which of a sequence's
   next-token targets carry loss (a chat's replies); `SEGMENT_IDS` and `POSITIONS` the columns
   of packed rows, which a model takes when its class sets `PACKED_ROWS = True`, and
-  `PAIR_SLOTS` the column that says which segments of packed preference pairs hold a pair.
+  `PAIR_SLOTS` the column that says which segments of packed preference pairs hold a pair;
+  `real_inputs` marks the input positions that hold tokens. A model that adds a loss term of
+  its own to any loss (a mixture of experts' router loss) implements `AuxiliaryLoss`, through
+  which the preference and reward objectives call it.
 - Sharding by logical axis names (`batch`, `embed`, `mlp`, `heads`, `vocab`, ...), which the
   run's rules map onto its mesh: `partitioned(init, axes)` annotates a param, `logical_spec`
   names an activation's axes, `unsplit_batch()` lifts the batch split for calls on a few
@@ -61,6 +64,7 @@ from zoo.engine.registry import (
     POSITIONS,
     SEGMENT_IDS,
     WEIGHT,
+    AuxiliaryLoss,
     Batch,
     Combine,
     Family,
@@ -69,6 +73,7 @@ from zoo.engine.registry import (
     Rule,
     Splits,
     loss_contract,
+    real_inputs,
     register_data,
     register_families,
     register_family,
@@ -88,6 +93,7 @@ __all__ = [
     "POSITIONS",
     "SEGMENT_IDS",
     "WEIGHT",
+    "AuxiliaryLoss",
     "Batch",
     "Combine",
     "EvalReport",
@@ -111,6 +117,7 @@ __all__ = [
     "outputs_first_product",
     "partitioned",
     "reading_widened",
+    "real_inputs",
     "register_data",
     "register_families",
     "register_family",

@@ -1,26 +1,28 @@
 """Fine-tuning a mixture-of-experts checkpoint (the tiny Qwen3-MoE fixture, written by
 transformers): every param trained, experts and router included; LoRA over the attention
 projections with the experts frozen, and over each expert (adapters stacked as the experts'
-kernels), merged back into the kernels; the router's load-balancing loss kept to the method
-that trains with it; and QLoRA asked of the experts, whose kernels are not held quantized yet,
-refused by name before anything is written."""
+kernels), merged back into the kernels; the router's load-balancing loss trained with a
+preference fine-tune as with the model's own loss; and QLoRA asked of the experts, whose
+kernels are not held quantized yet, refused by name before anything is written."""
 
 from __future__ import annotations
 
 import io
+import json
+import math
 
 import numpy as np
 import pytest
 from flax import nnx
 from helpers import ROOT, TINY_TEXT_FINETUNE, read_events
 from PIL import Image
-from zoo.engine.posttraining import check_method
 
 import zoo
 from zoo.plugin import ZooError
 
 CHECKPOINT = ROOT / "tests" / "fixtures" / "pretrained" / "qwen3-moe-tiny"
 ATTENTION = r"layers\.\d+\.attention"
+TEMPLATE = ROOT / "tests" / "fixtures" / "chat_templates" / "chatml-generation"
 
 
 def params(model: nnx.Module) -> dict[str, np.ndarray]:
@@ -129,9 +131,34 @@ def test_qlora_asked_of_the_experts_is_refused_before_anything_is_written(tmp_pa
     assert not workdir.exists()
 
 
-def test_the_router_loss_is_refused_by_a_method_whose_loss_does_not_add_it():
-    finetune = zoo.compose(["finetune.method=dpo", "finetune.lora_rank=4"]).finetune
-    batch = {"tokens": np.zeros((2, 2, 9), np.int32)}
-    with pytest.raises(ZooError, match=r"model.router_aux_loss_coef=0.001 .* finetune.method=dpo"):
-        check_method(finetune, batch, {"router_aux_loss_coef": 0.001})
-    check_method(finetune, {**batch, "length": np.zeros((2, 2), np.int32)}, {})
+def test_dpo_trains_with_the_router_loss_and_reports_the_routing(tmp_path):
+    """A preference fine-tune of a mixture adds its router's load-balancing loss, over every
+    token of both sequences of each pair, as the model's own loss does: with LoRA the policy is
+    the reference at the first step, so that step's loss is log 2 plus the weighted router
+    loss; TensorBoard shows the router loss and each layer's load, in training and at eval."""
+    pairs = tmp_path / "pairs.jsonl"
+    rows = [{"prompt": f"say {i}", "chosen": "YES", "rejected": "no"} for i in range(32)]
+    pairs.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    workdir = tmp_path / "run"
+    zoo.finetune(
+        CHECKPOINT,
+        "trainer.steps=2",
+        "trainer.batch_size=8",
+        "trainer.log_every=1",
+        "trainer.eval_every=2",
+        f"data.template={TEMPLATE}",
+        "model.router_aux_loss_coef=0.5",
+        f"workdir={workdir}",
+        data=pairs,
+        method="dpo",
+        lora_rank=4,
+    )
+    events = read_events(workdir)
+    first = {tag: events.Scalars(tag)[0].value for tag in ("train/loss", "train/router_aux_loss")}
+    assert first["train/router_aux_loss"] >= 2.0  # experts_per_token: an even routing
+    np.testing.assert_allclose(
+        first["train/loss"], math.log(2) + 0.5 * first["train/router_aux_loss"], rtol=1e-5
+    )
+    tags = set(events.Tags()["scalars"])
+    for split in ("train", "val"):
+        assert {f"{split}/expert_load/layers.{i}.mlp" for i in (1, 2)} <= tags, sorted(tags)

@@ -183,7 +183,7 @@ class Trainer:
         self.train_data, self.eval_data = pipeline.process_pipelines(
             splits, trainer.batch_size, cfg.seed
         )
-        posttraining.check_method(cfg.finetune, self.eval_data[0], self.hparams)
+        posttraining.check_method(cfg.finetune, self.eval_data[0])
         return splits
 
     def _set_up_steps(self, entry: registry.ModelEntry, trainable: Filter) -> None:

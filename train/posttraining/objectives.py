@@ -13,7 +13,10 @@ weighted by their number. Both sequences of every pair go through the model in o
 the reference model's log-probabilities, where the loss needs them, come from the same weights
 with the LoRA adapters off (their params set to zero in a copy of the model's graph, which
 holds no second copy of the weights): an adapter then adds exactly zero, so the reference is
-the starting checkpoint bit for bit, and no gradient flows through it.
+the starting checkpoint bit for bit, and no gradient flows through it. A model that adds a
+loss of its own to any loss (a mixture of experts' router loss, `zoo.engine.registry.
+AuxiliaryLoss`) adds it to these too, over the policy's call: every real token of both
+sequences of each pair, or of each prompt and completion.
 """
 
 from __future__ import annotations
@@ -47,7 +50,9 @@ from zoo.engine.registry import (
     POSITIONS,
     SEGMENT_IDS,
     WEIGHT,
+    AuxiliaryLoss,
     loss_contract,
+    real_inputs,
 )
 
 SFT, DPO, GRPO = "sft", "dpo", "grpo"
@@ -130,19 +135,10 @@ def reference_placeholder(finetune: Any, batch: Mapping[str, Any]) -> dict[str, 
     return {**batch, REFERENCE_LOGPS: np.zeros(shape, np.float32)}
 
 
-def check_method(finetune: Any, batch: Mapping[str, Any], hparams: Mapping[str, Any]) -> None:
+def check_method(finetune: Any, batch: Mapping[str, Any]) -> None:
     """Refuse data whose batches are not what the method trains on, before a model is built:
-    pairs for `dpo`, and no pairs for `sft` (a model's own loss reads sequences); and a
-    model's loss term that the method's loss does not add (the load-balancing loss of a
-    mixture of experts' router, which a model's own loss adds)."""
+    pairs for `dpo`, and no pairs for `sft` (a model's own loss reads sequences)."""
     method = method_of(finetune)
-    if method != SFT and hparams.get("router_aux_loss_coef"):
-        raise ZooError(
-            f"model.router_aux_loss_coef={hparams['router_aux_loss_coef']} adds the router's "
-            "load-balancing loss to a mixture of experts' own loss (finetune.method=sft), which "
-            f"finetune.method={method} does not train with: set model.router_aux_loss_coef=0 "
-            "(a checkpoint whose config.json has output_router_logits=true sets it)."
-        )
     tokens = batch.get("tokens")
     pairs = tokens is not None and tokens.ndim == 3 and tokens.shape[1] == PAIR
     prompts = ROW in batch
@@ -192,7 +188,9 @@ def preference_objective(options: PreferenceOptions) -> Callable:
     def loss(model: Any, batch: Mapping[str, jax.Array], rngs: nnx.Rngs):
         rows, packed = _as_rows(batch["tokens"].astype(jnp.int32)), _packed_rows(batch)
         masks = _pair_masks(batch)
-        policy = _as_pairs(token_logps(model, rows, rngs, packed))
+        length = _as_rows(batch["length"])
+        policy, term, routed = _policy(model, rows, length, rngs, packed)
+        policy = _as_pairs(policy)
         chosen, rejected = (masks.reply_logps(policy, i) for i in range(PAIR))
         reference = None
         if options.uses_reference and options.reference != ADAPTERS:  # given as a column
@@ -209,7 +207,8 @@ def preference_objective(options: PreferenceOptions) -> Callable:
         losses, values = preference_loss(
             options, chosen, rejected, reference=reference, chosen_sequence=whole
         )
-        return masks.per_example(losses, values, packed=PAIR_SLOTS in batch)
+        losses, values = masks.per_example(losses, values, packed=PAIR_SLOTS in batch)
+        return _with_term(losses, values, term, routed)
 
     return loss
 
@@ -304,7 +303,7 @@ def policy_objective(options: GRPOOptions) -> Callable:
         rows = batch["tokens"].astype(jnp.int32)
         real = jnp.arange(rows.shape[1] - 1) < batch["length"][:, None]
         mask = real & (batch[COMPLETION_MASK] > 0)
-        logps, entropy = token_logps(model, rows, rngs, entropy=True)
+        (logps, entropy), term, routed = _policy(model, rows, batch["length"], rngs, entropy=True)
         reference = None
         if options.beta and options.reference == COPY:  # given as a column
             reference = batch[REFERENCE_LOGPS]
@@ -323,9 +322,39 @@ def policy_objective(options: GRPOOptions) -> Callable:
             jnp.sum(entropy * counted, -1) / jnp.maximum(jnp.sum(counted, -1), 1.0)
         )
         logged = {name[len(LOGGED) :]: batch[name] for name in batch if name.startswith(LOGGED)}
-        return losses, {**metrics, **logged}
+        return _with_term(losses, {**metrics, **logged}, term, routed)
 
     return loss
+
+
+def _policy(
+    model: Any,
+    rows: jax.Array,
+    length: jax.Array,
+    rngs: nnx.Rngs,
+    packed: Mapping[str, jax.Array] | None = None,
+    entropy: bool = False,
+) -> tuple[Any, jax.Array, dict[str, jax.Array]]:
+    """(`token_logps` of the policy, the loss term the model adds of its own, what it reports
+    of it) over every real input token of `rows` (`length` real targets each; a packed row's
+    segments): a term of 0 and nothing for a model that adds none."""
+
+    def scores(m: Any) -> Any:
+        return token_logps(m, rows, rngs, packed, entropy)
+
+    if not isinstance(model, AuxiliaryLoss):
+        return scores(model), jnp.zeros((), jnp.float32), {}
+    segments = (packed or {}).get(SEGMENT_IDS)
+    return model.with_auxiliary_loss(scores, real_inputs(length, rows.shape[1] - 1, segments))
+
+
+def _with_term(
+    losses: jax.Array, metrics: dict[str, jax.Array], term: jax.Array, routed: dict
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Each example's loss with the batch's `term` added (so the batch's mean adds it once),
+    and the term's metrics, the same for every example."""
+    shown = {name: jnp.zeros_like(losses) + value for name, value in routed.items()}
+    return losses + term, {**metrics, **shown}
 
 
 def token_logps(
