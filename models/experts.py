@@ -8,7 +8,11 @@ three projections is one grouped matrix product over them (`zoo.models.grouped_m
 rows of expert e multiply expert e's matrix, in tiles of one expert each), not a loop over the
 experts nor a dense product of every token with every expert. On a mesh each device routes the tokens of its batch rows to
 whole experts (`shard_map`); with `tensor` > 1 each device holds a slice of every expert's
-hidden features, and the partial outputs are summed over `tensor`.
+hidden features, and the partial outputs are summed over `tensor`. With `expert` > 1 (expert
+parallelism) each device holds 1/expert of the experts, whole: the devices of one expert group
+gather their tokens and routing, each computes the (token, expert) pairs of its own experts,
+and the partial outputs are summed back onto the devices that hold the tokens
+(`psum_scatter`), still dropless.
 
 Training adds the router's load-balancing loss (Switch Transformer's, as transformers'
 `load_balancing_loss_func` computes it for Qwen3-MoE and Mixtral) times `aux_loss_weight`
@@ -166,29 +170,30 @@ class Experts(nnx.Module):
             delattr(self, f"{name}_lora_a")
             delattr(self, f"{name}_lora_b")
 
-    def projections(self, hidden: Any) -> dict[str, tuple[jax.Array, ...]]:
+    def projections(self, split: Any, hidden: Any) -> dict[str, tuple[jax.Array, ...]]:
         """Each projection's kernel, and its adapter's `A` and `B` where adapted, gathered as a
-        device computes its tokens with whole experts: each expert's hidden width split over
-        the mesh axes `hidden`."""
+        device computes with whole experts: the experts split over the mesh axes `split`, each
+        expert's hidden width over the mesh axes `hidden`."""
         wanted = {"gate": (hidden, None), "up": (hidden, None), "down": (None, hidden)}
         found = {}
         for name, (out_axis, in_axis) in wanted.items():
-            arrays = [jax.sharding.reshard(getattr(self, name)[...], P(None, out_axis, in_axis))]
+            kernel = getattr(self, name)[...]
+            arrays = [jax.sharding.reshard(kernel, P(split, out_axis, in_axis))]
             if self.adapted:
                 a, b = (getattr(self, f"{name}_lora_{part}")[...] for part in "ab")
-                arrays.append(jax.sharding.reshard(a, P(None, None, in_axis)))
-                arrays.append(jax.sharding.reshard(b, P(None, out_axis, None)))
+                arrays.append(jax.sharding.reshard(a, P(split, None, in_axis)))
+                arrays.append(jax.sharding.reshard(b, P(split, out_axis, None)))
             found[name] = tuple(arrays)
         return found
 
-    def biases(self, hidden: Any) -> dict[str, jax.Array]:
+    def biases(self, split: Any, hidden: Any) -> dict[str, jax.Array]:
         """Each projection's biases where the experts have them ({} otherwise), gathered as
         `projections` gathers the kernels: the gate's and up's split over `hidden` as their
         outputs are, the down projection's whole (it is added once the partial outputs are
         summed)."""
         if not hasattr(self, "down_bias"):
             return {}
-        wanted = {"gate": P(None, hidden), "up": P(None, hidden), "down": P(None, None)}
+        wanted = {"gate": P(split, hidden), "up": P(split, hidden), "down": P(split, None)}
         return {
             name: jax.sharding.reshard(getattr(self, f"{name}_bias")[...], spec)
             for name, spec in wanted.items()
@@ -201,7 +206,6 @@ class MixtureOfExperts(nnx.Module):
     def __init__(self, dim: int, options: ExpertOptions, gated, *, dtype, rngs: nnx.Rngs):
         self.router = Router(dim, options, dtype=dtype, rngs=rngs)
         self.experts = Experts(dim, options, gated, dtype=dtype, rngs=rngs)
-        self.num_experts = options.num_experts
         self.aux_loss_weight = options.aux_loss_weight
         self.recording = False  # `routed_call`
 
@@ -213,11 +217,12 @@ class MixtureOfExperts(nnx.Module):
         if self.recording:
             self.sow(Routing, "routing", (probs, chosen))
         hidden = logical_spec("mlp")[0]  # the mesh axes that split each expert's hidden width
-        projections = self.experts.projections(hidden)  # gathered from fsdp
-        biases = self.experts.biases(hidden)
+        split = _expert_split(rows)
+        projections = self.experts.projections(split.experts, hidden)  # gathered from fsdp
+        biases = self.experts.biases(split.experts, hidden)
         specs = jax.tree.map(lambda a: jax.typeof(a).sharding.spec, (projections, biases))
         combine = jax.shard_map(
-            functools.partial(_combine, self.experts.gated, self.num_experts, hidden),
+            functools.partial(_combine, self.experts.gated, hidden, split),
             in_specs=(rows, rows, rows, *specs),
             out_specs=rows,
         )
@@ -226,17 +231,69 @@ class MixtureOfExperts(nnx.Module):
         return jnp.reshape(combined, x.shape, out_sharding=logical_spec("batch", None, None))
 
 
-def _combine(gated, count: int, hidden, tokens, weights, chosen, projections, biases) -> jax.Array:
+@dataclasses.dataclass(frozen=True)
+class ExpertSplit:
+    """How the experts of a mixture layer are split over the mesh (expert parallelism):
+    `experts`, the mesh axes of more than one device that split them (None: every device holds
+    every expert); `gathered`, those of them that also split the tokens (the batch rule names
+    them), whose devices gather each other's tokens and scatter the outputs back; `summed`, the
+    others, whose devices hold the same tokens and sum their partial outputs."""
+
+    experts: tuple[str, ...] | None
+    gathered: tuple[str, ...]
+    summed: tuple[str, ...]
+
+
+def _expert_split(rows: P) -> ExpertSplit:
+    """The `ExpertSplit` of the active rules and mesh for tokens laid out as `rows`."""
+    sizes = jax.sharding.get_abstract_mesh().shape
+    axes = logical_spec("expert")[0]
+    named = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    experts = tuple(axis for axis in named if sizes[axis] > 1)
+    token_axes = rows[0] if isinstance(rows[0], tuple) else (rows[0],)
+    return ExpertSplit(
+        experts or None,
+        tuple(axis for axis in token_axes if axis in experts),
+        tuple(axis for axis in experts if axis not in token_axes),
+    )
+
+
+def _local_experts(
+    chosen: jax.Array, count: int, split: ExpertSplit
+) -> tuple[jax.Array, jax.Array]:
+    """Of the (token, expert) pairs of `chosen` [N, k], flattened: each one's expert among the
+    `count` this device holds (`count` for another device's), and whether this device holds
+    it."""
+    flat = chosen.reshape(-1)
+    first = 0 if split.experts is None else jax.lax.axis_index(split.experts) * count
+    mine = (flat >= first) & (flat < first + count)
+    return jnp.where(mine, flat - first, count), mine
+
+
+def _combine(gated, hidden, split: ExpertSplit, tokens, weights, chosen, projections, biases):
     """One device's tokens [N, dim]: each one's chosen experts' outputs, weighted and summed.
     The (token, expert) pairs are sorted by expert (stably: within an expert, in token order),
     computed as groups, and added back to their tokens; with the hidden width split over
     `hidden`, each device's partial sums are summed (an adapter's too: its product is linear
-    in the split width), and the down projection's bias, where there is one, added after."""
+    in the split width), and the down projection's bias, where there is one, added after.
+
+    With the experts split over devices (`split`), a device computes the pairs of the tokens
+    of its expert group whose experts it holds: the pairs of other devices' experts are sorted
+    last, ride on its last expert's group (a product sized for every pair, as dropless routing
+    needs whatever the routing) and are weighted zero; the outputs go back to their tokens'
+    devices summed. Without a split every pair is this device's: the computation is the
+    unsplit one, bit for bit."""
+    if split.gathered:
+        tokens, weights, chosen = (
+            jax.lax.all_gather(a, split.gathered, tiled=True) for a in (tokens, weights, chosen)
+        )
     top_k = chosen.shape[1]
-    flat = chosen.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    token_of, expert_of = order // top_k, flat[order]
-    sizes = jnp.bincount(flat, length=count).astype(jnp.int32)
+    count = projections["gate"][0].shape[0]  # the experts this device holds
+    local, mine = _local_experts(chosen, count, split)
+    order = jnp.argsort(local, stable=True)
+    token_of, expert_of = order // top_k, jnp.minimum(local[order], count - 1)
+    sizes = jnp.bincount(local, length=count).astype(jnp.int32)
+    sizes = sizes.at[-1].add(local.size - jnp.sum(sizes))  # other devices' pairs, weighted 0
 
     def project(x: jax.Array, name: str) -> jax.Array:
         kernel, *adapter = projections[name]
@@ -254,8 +311,11 @@ def _combine(gated, count: int, hidden, tokens, weights, chosen, projections, bi
     outputs = project(middle, "down")
     if hidden is not None:
         outputs = jax.lax.psum(outputs, hidden)
-    outputs = biased(outputs, "down") * weights.reshape(-1)[order][:, None]
-    return jnp.zeros_like(tokens).at[token_of].add(outputs)
+    weight = jnp.where(mine, weights.reshape(-1), 0)[order]
+    combined = jnp.zeros_like(tokens).at[token_of].add(biased(outputs, "down") * weight[:, None])
+    if split.gathered:
+        combined = jax.lax.psum_scatter(combined, split.gathered, tiled=True)
+    return jax.lax.psum(combined, split.summed) if split.summed else combined
 
 
 @dataclasses.dataclass

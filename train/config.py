@@ -151,12 +151,17 @@ class OptimizerConfig:
 @dataclasses.dataclass
 class MeshConfig:
     # Devices along the mesh's `data` axis (data parallel: each holds a share of the batch).
-    # The three axes' product is the device count; one of them may be -1: all the devices the
-    # others leave.
+    # The axes' product is the device count; one of them may be -1: all the devices the others
+    # leave.
     data: int = -1
     # Devices along the `fsdp` axis: the batch and the params' `embed` dimension are split over
     # them (fully sharded data parallel); -1: all the devices the others leave.
     fsdp: int = 1
+    # Devices along the `expert` axis (expert parallel): a mixture of experts' experts are split
+    # over them, each device holding 1/expert of them, and the batch too (between the mixture
+    # layers they are data parallel); it must divide the number of experts. -1: all the devices
+    # the others leave.
+    expert: int = 1
     # Devices along the `tensor` axis: attention heads, MLP units, the vocabulary and conv output
     # channels are split over them (tensor parallel); -1: all the devices the others leave.
     tensor: int = 1

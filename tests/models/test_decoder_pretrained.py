@@ -13,6 +13,7 @@ import contextlib
 import copy
 import dataclasses
 import json
+import math
 import pathlib
 import shutil
 import weakref
@@ -102,6 +103,52 @@ MIXTURES = [
     name for name in NAMES if family_of(config_of(name)).hparams(config_of(name))["num_experts"]
 ]
 """The fixtures whose layers hold mixtures of experts."""
+EXPERT_MESHES = {
+    "expert2-fsdp2-data2": {"data": 2, "fsdp": 2, "expert": 2},
+    "expert4-tensor2": {"data": 1, "expert": 4, "tensor": 2},
+}
+"""Meshes of 8 devices that split the experts (expert parallelism), with FSDP or tensor
+parallelism beside it: the fixtures hold 4 or 8 experts."""
+
+
+@pytest.mark.parametrize("mesh", EXPERT_MESHES.values(), ids=EXPERT_MESHES)
+@pytest.mark.parametrize("name", MIXTURES)
+def test_experts_split_over_devices_give_transformers_logits(name, mesh):
+    """Each device holds its share of the experts; a layer's tokens are exchanged between the
+    devices of its expert group and its outputs come back to their devices: the logits are
+    transformers' (float32, 1e-5)."""
+    trained = zoo.load(FIXTURES / name, mesh=mesh)
+    expected = reference(name)
+    with jax.default_matmul_precision("highest"):
+        logits = zoo.predict(trained, expected["tokens"])
+    vocab = expected["logits"].shape[-1]
+    np.testing.assert_allclose(logits[..., :vocab], expected["logits"], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("ways", [2, 4])
+def test_each_expert_device_holds_its_share_of_the_experts(ways):
+    """With `expert=N` (and no other axis splitting params), every device holds 1/N of every
+    stacked expert param, kernels and biases (gpt-oss's), by the bytes its shards take."""
+    trained = zoo.load(FIXTURES / "gpt-oss-tiny", mesh={"data": 8 // ways, "expert": ways})
+    for path, variable in nnx.to_flat_state(nnx.state(trained.model, nnx.Param)):
+        if "experts" not in path:
+            continue
+        value = variable[...]
+        held = {shard.data.nbytes for shard in value.addressable_shards}
+        assert held == {value.nbytes // ways}, (path, held, value.nbytes)
+
+
+@pytest.mark.parametrize(
+    "name, mesh, message",
+    [
+        ("llama-tiny", {"data": 4, "expert": 2}, r"mesh.expert=2 splits the experts .* has none"),
+        ("qwen3-moe-tiny", {"data": 1, "expert": 8}, r"\['expert'\] cannot split 8 ways"),
+    ],
+    ids=["no experts", "indivisible"],
+)
+def test_an_expert_axis_that_cannot_split_the_experts_is_refused_by_name(name, mesh, message):
+    with pytest.raises(zoo.ZooError, match=message):
+        zoo.load(FIXTURES / name, mesh=mesh)
 
 
 @pytest.mark.parametrize("name", MIXTURES)
@@ -267,25 +314,29 @@ def test_mxfp4_experts_of_another_count_are_refused_by_key(tmp_path):
         zoo.load(directory, devices=jax.devices()[:1])
 
 
-@pytest.mark.parametrize("mesh", ["one device", "2x2x2"])
+@pytest.mark.parametrize(
+    "mesh", [None, MESH, *EXPERT_MESHES.values()], ids=["one device", "2x2x2", *EXPERT_MESHES]
+)
 @pytest.mark.parametrize("name", MIXTURES)
 def test_the_router_loss_is_transformers_and_joins_the_training_loss(name, mesh):
     """With output_router_logits, the language-model loss of a padded batch holds the router's
     load-balancing loss transformers computes (`router_aux_loss`, over the real tokens alone),
-    weighted by router_aux_loss_coef; each mixture layer's load is reported beside it."""
+    weighted by router_aux_loss_coef; each mixture layer's load is reported beside it. On the
+    meshes too, those splitting the experts included: the loss is over every device's tokens."""
     pretrained = weights.open_pretrained(FIXTURES / name)
     hparams = checkpoint_hparams(pretrained)
     expected = reference(name)
     mask = expected["aux_mask"]
     tokens = np.pad(expected["tokens"], ((0, 0), (0, 1)))  # inputs: the reference's tokens
     batch = {"tokens": tokens, "length": mask.sum(-1).astype(np.int32) - 1}
-    if mesh == "2x2x2":  # a batch that splits 4 ways
-        batch = {key: np.concatenate([value] * 2) for key, value in batch.items()}
-    spec, devices = (None, jax.devices()[:1]) if mesh == "one device" else (MESH, jax.devices())
+    devices = jax.devices()[:1] if mesh is None else jax.devices()
+    if mesh:  # a batch that the batch axes split
+        rows = math.prod(mesh.get(axis, 1) for axis in sharding.DEFAULT_RULES["batch"])
+        batch = {key: np.concatenate([value] * (rows // 2)) for key, value in batch.items()}
     losses = {}
     for coef in (0.0, 0.25):
         planned = plan_pretrained(
-            pretrained, {**hparams, "router_aux_loss_coef": coef}, spec, devices
+            pretrained, {**hparams, "router_aux_loss_coef": coef}, mesh, devices
         )
         model = planned.fill()
         with (

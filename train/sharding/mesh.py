@@ -2,8 +2,8 @@
 
 Models annotate params with logical axis names (`nnx.with_partitioning(init, ("embed", "mlp"))`)
 and activations with `logical_spec("batch", None)`; the rules map those names to the mesh axes
-`data`, `fsdp` and `tensor`, so one model runs data-parallel, fully sharded, tensor-parallel or
-any mix by changing the mesh and the rules alone. Every axis is `AxisType.Explicit`: each
+`data`, `fsdp`, `expert` and `tensor`, so one model runs data-parallel, fully sharded,
+expert-parallel, tensor-parallel or any mix by changing the mesh and the rules alone. Every axis is `AxisType.Explicit`: each
 array's sharding is part of its type and checked at trace time.
 
 The rules are strict: a logical name without a rule, a dimension the mesh cannot divide, or one
@@ -41,13 +41,13 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from zoo.engine.errors import ZooError
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
 
 DEFAULT_RULES: dict[str, Any] = {
-    "batch": ["data", "fsdp"],
+    "batch": ["data", "fsdp", "expert"],
     "embed": "fsdp",
     "mlp": "tensor",
-    "expert": None,
+    "expert": "expert",
     "heads": "tensor",
     "kv_heads": "tensor",
     "vocab": "tensor",
@@ -60,6 +60,7 @@ Logical = str | tuple[str, ...] | None
 """A dimension's logical name: one name, several (split on all of their mesh axes), or None."""
 
 FSDP = "fsdp"
+EXPERT = "expert"
 WHOLE_WHERE_INDIVISIBLE = frozenset({"kv_heads"})
 """Logical axes that stay whole on mesh axes that cannot divide them (see the module
 docstring)."""
@@ -182,8 +183,9 @@ _ACTIVE_RULES: contextvars.ContextVar[AxisRules | None] = contextvars.ContextVar
 
 
 def check_mesh_sizes(sizes: Mapping[str, int]) -> list[int]:
-    """The (data, fsdp, tensor) sizes: positive, or -1 for at most one of them."""
-    shape = [int(sizes[axis]) for axis in MESH_AXES]
+    """The sizes of `MESH_AXES` (1 for an axis `sizes` leaves out): positive, or -1 for at most
+    one of them."""
+    shape = [int(sizes.get(axis, 1)) for axis in MESH_AXES]
     if shape.count(-1) > 1 or any(size == 0 or size < -1 for size in shape):
         given = ", ".join(
             f"mesh.{axis}={size}" for axis, size in zip(MESH_AXES, shape, strict=True)
@@ -196,7 +198,7 @@ def check_mesh_sizes(sizes: Mapping[str, int]) -> list[int]:
 
 
 def resolve_mesh_shape(sizes: Mapping[str, int], device_count: int) -> tuple[int, ...]:
-    """Sizes for (data, fsdp, tensor); one of them may be -1: all the remaining devices."""
+    """Sizes for `MESH_AXES`; one of them may be -1: all the remaining devices."""
     shape = check_mesh_sizes(sizes)
     given = ", ".join(f"{axis}={size}" for axis, size in zip(MESH_AXES, shape, strict=True))
     known = math.prod(size for size in shape if size != -1)
@@ -217,7 +219,7 @@ def resolve_mesh_shape(sizes: Mapping[str, int], device_count: int) -> tuple[int
 
 
 def make_mesh(sizes: Mapping[str, int], devices: Sequence[Any] | None = None) -> Mesh:
-    """A mesh with Explicit axes (data, fsdp, tensor) over `devices` (default: all)."""
+    """A mesh with Explicit axes `MESH_AXES` over `devices` (default: all)."""
     devices = list(jax.devices() if devices is None else devices)
     shape = resolve_mesh_shape(sizes, len(devices))
     return jax.make_mesh(

@@ -19,8 +19,9 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
+from zoo.engine.errors import ZooError
 from zoo.engine.sharding.abstract import eval_shape
-from zoo.engine.sharding.mesh import AxisRules, Placement
+from zoo.engine.sharding.mesh import EXPERT, AxisRules, Placement
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +113,27 @@ def plan_state(state: nnx.State, mesh: Mesh, rules: AxisRules) -> ShardingPlan:
         rows.append(
             PlanRow(name, group, logical, spec, shape, total, total // ways, placement.notes)
         )
+    check_experts_split(state, mesh, rules)
     return ShardingPlan(dict(mesh.shape), rows)
+
+
+def check_experts_split(state: nnx.State, mesh: Mesh, rules: AxisRules) -> None:
+    """Refuse an `expert` axis of more than one device on a model whose params it splits none
+    of: it is there to split a mixture of experts' experts, and on a model without them it
+    would only split the batch, as `data` does, while the run claims expert parallelism."""
+    ways = mesh.shape.get(EXPERT, 1)
+    if ways == 1:
+        return
+    for _, variable in nnx.to_flat_state(state):
+        logical = variable.get_metadata().get("out_sharding") or ()
+        if isinstance(variable, nnx.Param) and any(EXPERT in rules.axes_of(n) for n in logical):
+            return
+    raise ZooError(
+        f"mesh.expert={ways} splits the experts of a mixture of experts, and this model has none "
+        "(no param has a dimension that mesh.rules map to 'expert'). Use mesh.expert=1 and give "
+        f"these devices to another axis (mesh.data={ways} splits the batch as the expert axis "
+        "would), or a model with experts."
+    )
 
 
 def create_sharded(
