@@ -170,7 +170,7 @@ def test_lora_on_another_mesh_trains_only_adapters_and_merges(cli_runs, tmp_path
         np.any(np.asarray(b) != 0) for n, b in adapters.items() if n.endswith("lora_b")
     )
     kernel = result.model.hidden[0].base_module.kernel[...]
-    assert dict(kernel.sharding.mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+    assert dict(kernel.sharding.mesh.shape) == {"data": 2, "fsdp": 2, "expert": 1, "tensor": 2}
     assert jax.typeof(kernel).sharding.spec == jax.P("fsdp", "tensor")  # the new mesh's plan
     lora_a = result.model.hidden[0].lora_a[...]
     assert jax.typeof(lora_a).sharding.spec == jax.P("fsdp", None)  # born sharded

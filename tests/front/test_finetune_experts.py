@@ -87,12 +87,22 @@ def test_lora_on_the_attention_leaves_the_experts_as_they_were(pretrained, tmp_p
         np.testing.assert_array_equal(tuned[path], value, err_msg=path)
 
 
-def test_lora_on_the_experts_adapts_each_expert_and_merges_into_its_kernels(pretrained, tmp_path):
+@pytest.mark.parametrize(
+    "mesh",
+    [
+        ("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"),
+        ("mesh.fsdp=2", "mesh.expert=2", "mesh.tensor=2"),
+    ],
+    ids=["2x2x2", "expert2-fsdp2-tensor2"],
+)
+def test_lora_on_the_experts_adapts_each_expert_and_merges_into_its_kernels(
+    pretrained, mesh, tmp_path
+):
     """The default `lora_layers` (every layer) adapts each expert's three projections, stacked
-    as the kernels are, on the 2x2x2 mesh (each expert's hidden width split over `tensor`); the
-    kernels and the router stay frozen; merged, each expert's kernel is kernel + B A, and the
-    merged model computes what the adapted one does."""
-    mesh = ("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
+    as the kernels are, on the 2x2x2 mesh (each expert's hidden width split over `tensor`) and
+    on a mesh that splits the experts too (adapters split with their experts); the kernels and
+    the router stay frozen; merged, each expert's kernel is kernel + B A, and the merged model
+    computes what the adapted one does."""
     result = zoo.finetune(
         CHECKPOINT, *TINY_TEXT_FINETUNE, *mesh, f"workdir={tmp_path}", lora_rank=4
     )

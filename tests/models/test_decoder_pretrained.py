@@ -356,6 +356,35 @@ def test_the_router_loss_is_transformers_and_joins_the_training_loss(name, mesh)
     )
 
 
+@pytest.mark.parametrize("mesh", EXPERT_MESHES.values(), ids=EXPERT_MESHES)
+def test_gradients_through_the_expert_exchange_are_those_on_one_device(mesh):
+    """Training differentiates through the exchange (the gathers' transposes sum each
+    device's share): every param's gradient of the loss, router loss included, on a mesh that
+    splits the experts is the one on one device (gpt-oss: biased experts too)."""
+    pretrained = weights.open_pretrained(FIXTURES / "gpt-oss-tiny")
+    hparams = {**checkpoint_hparams(pretrained), "router_aux_loss_coef": 0.25}
+    tokens = np.concatenate([reference("gpt-oss-tiny")["tokens"]] * 4)  # 8 rows: any mesh's
+    batch = {"tokens": tokens, "length": np.arange(8, dtype=np.int32) + tokens.shape[1] - 8}
+
+    def total_loss(model):
+        return language_model_loss(model, batch, nnx.Rngs(0))[0].sum()
+
+    grads = []
+    for spec, devices in [(None, jax.devices()[:1]), (mesh, jax.devices())]:
+        planned = plan_pretrained(pretrained, hparams, spec, devices)
+        model = planned.fill()
+        with (
+            sharding.activate(planned.mesh, planned.rules),
+            jax.default_matmul_precision("highest"),
+        ):
+            grad = nnx.jit(nnx.grad(total_loss))(model)
+        grads.append({path: np.asarray(v[...]) for path, v in nnx.to_flat_state(grad)})
+    one, split = grads
+    assert one.keys() == split.keys()
+    for path, value in one.items():
+        np.testing.assert_allclose(split[path], value, rtol=0, atol=1e-5, err_msg=str(path))
+
+
 def hparams_has_experts(hparams: dict):
     """Whether each layer of a decoder with `hparams` is a mixture of experts."""
     dense = set(hparams.get("dense_layers") or ())

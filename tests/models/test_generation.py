@@ -92,7 +92,7 @@ def test_a_ragged_batch_on_the_mesh_equals_transformers(name, rows):
     heads = "tensor" if kv_heads % MESH["tensor"] == 0 else None  # one key/value head: whole
     for keys, values in session._cache:
         assert keys.sharding.spec[2] == values.sharding.spec[2] == heads
-        assert keys.sharding.spec[0] == (("data", "fsdp") if rows == "split" else None)
+        assert keys.sharding.spec[0] == (("data", "fsdp", "expert") if rows == "split" else None)
 
 
 @pytest.mark.parametrize(("name", "windows"), [("mistral-window", 5), ("gemma3-tiny", 4)])

@@ -91,7 +91,8 @@ def test_fsdp_divides_param_and_optimizer_bytes_by_eight(tmp_path):
 
 
 def test_mesh_sizes_fill_and_mismatch():
-    assert sharding.resolve_mesh_shape({"data": -1, "fsdp": 2, "tensor": 1}, 8) == (4, 2, 1)
+    assert sharding.resolve_mesh_shape({"data": -1, "fsdp": 2, "tensor": 1}, 8) == (4, 2, 1, 1)
+    assert sharding.resolve_mesh_shape({"data": -1, "expert": 4}, 8) == (2, 1, 4, 1)
     with pytest.raises(zoo.ZooError, match=r"needs 4 devices but 8 are available.*mesh.data=8"):
         sharding.resolve_mesh_shape({"data": 2, "fsdp": 2, "tensor": 1}, 8)
     with pytest.raises(zoo.ZooError, match="at most one may be -1"):
@@ -145,7 +146,7 @@ def test_cli_trains_on_a_three_axis_mesh_and_logs_the_plan(tmp_path):
         env={"JAX_NUM_CPU_DEVICES": None},
     )
     assert result.returncode == 0, result.stderr
-    assert "Sharding plan on mesh data=2 fsdp=2 tensor=2 (8 devices)" in result.stderr
+    assert "Sharding plan on mesh data=2 fsdp=2 expert=1 tensor=2 (8 devices)" in result.stderr
     assert "hidden.kernel  (None, 'mlp')  P(None, 'tensor')" in result.stderr
     events = read_events(tmp_path)
     plan = events.Tensors("sharding_plan/text_summary")[0].tensor_proto.string_val[0].decode()
