@@ -279,9 +279,9 @@ def _combine(gated, hidden, split: ExpertSplit, tokens, weights, chosen, project
 
     With the experts split over devices (`split`), a device computes the pairs of the tokens
     of its expert group whose experts it holds: the pairs of other devices' experts are sorted
-    last, ride on its last expert's group (a product sized for every pair, as dropless routing
-    needs whatever the routing) and are weighted zero; the outputs go back to their tokens'
-    devices summed. Without a split every pair is this device's: the computation is the
+    last and ride on its last expert's group as zero rows weighted zero (the product is sized
+    for every pair, as dropless routing needs whatever the routing); the outputs go back to
+    their tokens' devices summed. Without a split every pair is this device's: the computation is the
     unsplit one, bit for bit."""
     if split.gathered:
         tokens, weights, chosen = (
@@ -306,7 +306,7 @@ def _combine(gated, hidden, split: ExpertSplit, tokens, weights, chosen, project
     def biased(y: jax.Array, name: str) -> jax.Array:
         return y + biases[name][expert_of] if biases else y
 
-    rows = tokens[token_of]
+    rows = jnp.where(mine[order][:, None], tokens[token_of], 0)  # other devices' pairs: zeros
     middle = gated(biased(project(rows, "gate"), "gate"), biased(project(rows, "up"), "up"))
     outputs = project(middle, "down")
     if hidden is not None:

@@ -113,16 +113,23 @@ parallelism beside it: the fixtures hold 4 or 8 experts."""
 
 @pytest.mark.parametrize("mesh", EXPERT_MESHES.values(), ids=EXPERT_MESHES)
 @pytest.mark.parametrize("name", MIXTURES)
-def test_experts_split_over_devices_give_transformers_logits(name, mesh):
+def test_experts_split_over_devices_give_transformers_logits_and_continuation(name, mesh):
     """Each device holds its share of the experts; a layer's tokens are exchanged between the
     devices of its expert group and its outputs come back to their devices: the logits are
-    transformers' (float32, 1e-5)."""
+    transformers' (float32, 1e-5). A prompt of one, whose batch no axis splits, is computed by
+    every expert device with its experts and the outputs summed: the greedy continuation is
+    transformers'."""
     trained = zoo.load(FIXTURES / name, mesh=mesh)
     expected = reference(name)
     with jax.default_matmul_precision("highest"):
         logits = zoo.predict(trained, expected["tokens"])
+        with trained.activate():
+            new = generate_tokens(
+                trained.model, expected["prompt_tokens"], len(expected["greedy_tokens"]), 0.0
+            )
     vocab = expected["logits"].shape[-1]
     np.testing.assert_allclose(logits[..., :vocab], expected["logits"], rtol=0, atol=1e-5)
+    np.testing.assert_array_equal(new, expected["greedy_tokens"])
 
 
 @pytest.mark.parametrize("ways", [2, 4])
