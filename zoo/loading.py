@@ -26,7 +26,6 @@ from zoo.engine.checkpoints import read_first, read_json, restore_averaged, rest
 from zoo.engine.config import Config, MeshConfig, checked_dict, checked_params
 from zoo.engine.errors import ZooError
 from zoo.engine.loop import abstract_model
-from zoo.engine.sharding.plan import check_experts_split
 from zoo.engine.weights import PAGE, Prefaulted
 from zoo.hub import local
 from zoo.overrides import compose
@@ -135,7 +134,7 @@ def plan_pretrained(
     device_mesh, rules = sharding.mesh_and_rules(mesh_cfg, devices)
     with sharding.activate(device_mesh, rules):
         model = abstract_model(entry, hparams, Config.seed)
-    check_experts_split(nnx.state(model), device_mesh, rules)
+    sharding.check_experts_split(nnx.state(model), device_mesh, rules)
     return PlannedLoad(model, pretrained, dict(hparams), device_mesh, rules, memory)
 
 

@@ -14,12 +14,14 @@ from zoo.engine.sharding.mesh import (
     shard_batch,
     unsplit_batch,
 )
+from zoo.engine.sharding.plan import check_experts_split
 
 __all__ = [
     "DEFAULT_RULES",
     "AxisRules",
     "activate",
     "batch_divisor",
+    "check_experts_split",
     "logical_spec",
     "make_mesh",
     "mesh_and_rules",
