@@ -130,9 +130,9 @@ def check_experts_split(state: nnx.State, mesh: Mesh, rules: AxisRules) -> None:
             return
     raise ZooError(
         f"mesh.expert={ways} splits the experts of a mixture of experts, and this model has none "
-        "(no param has a dimension that mesh.rules map to 'expert'). Use mesh.expert=1 and give "
-        f"these devices to another axis (mesh.data={ways} splits the batch as the expert axis "
-        "would), or a model with experts."
+        "(no param has a dimension that mesh.rules map to 'expert'). Use mesh.expert=1 and "
+        f"multiply another axis by {ways} (mesh.data splits the batch as the expert axis would), "
+        "or a model with experts."
     )
 
 
