@@ -3,8 +3,10 @@
 Models annotate params with logical axis names (`nnx.with_partitioning(init, ("embed", "mlp"))`)
 and activations with `logical_spec("batch", None)`; the rules map those names to the mesh axes
 `data`, `fsdp`, `expert` and `tensor`, so one model runs data-parallel, fully sharded,
-expert-parallel, tensor-parallel or any mix by changing the mesh and the rules alone. Every axis is `AxisType.Explicit`: each
-array's sharding is part of its type and checked at trace time.
+expert-parallel, tensor-parallel or any mix by changing the mesh and the rules alone. Every
+axis is `AxisType.Explicit`: each array's sharding is part of its type and checked at trace
+time. `expert` splits a mixture of experts' experts and, through the `batch` rule, the batch
+(`zoo.models.experts` exchanges each mixture layer's tokens between its devices).
 
 The rules are strict: a logical name without a rule, a dimension the mesh cannot divide, or one
 mesh axis used twice in one array is an error naming the param, the dimension and the axes.
