@@ -367,16 +367,19 @@ def test_the_router_loss_is_transformers_and_joins_the_training_loss(name, mesh)
 def test_gradients_through_the_expert_exchange_are_those_on_one_device(mesh):
     """Training differentiates through the exchange (the gathers' transposes sum each
     device's share): every param's gradient of the loss, router loss included, on a mesh that
-    splits the experts is the one on one device (gpt-oss: biased experts too)."""
+    splits the experts is the one on one device (gpt-oss: biased experts too), and so are the
+    router loss and each layer's expert load, over every device's tokens."""
     pretrained = weights.open_pretrained(FIXTURES / "gpt-oss-tiny")
     hparams = {**checkpoint_hparams(pretrained), "router_aux_loss_coef": 0.25}
     tokens = np.concatenate([reference("gpt-oss-tiny")["tokens"]] * 4)  # 8 rows: any mesh's
     batch = {"tokens": tokens, "length": np.arange(8, dtype=np.int32) + tokens.shape[1] - 8}
 
     def total_loss(model):
-        return language_model_loss(model, batch, nnx.Rngs(0))[0].sum()
+        loss, metrics = language_model_loss(model, batch, nnx.Rngs(0))
+        routing = {k: v for k, v in metrics.items() if k.startswith(("expert_load/", "router"))}
+        return loss.sum(), routing
 
-    grads = []
+    found = []
     for spec, devices in [(None, jax.devices()[:1]), (mesh, jax.devices())]:
         planned = plan_pretrained(pretrained, hparams, spec, devices)
         model = planned.fill()
@@ -384,10 +387,11 @@ def test_gradients_through_the_expert_exchange_are_those_on_one_device(mesh):
             sharding.activate(planned.mesh, planned.rules),
             jax.default_matmul_precision("highest"),
         ):
-            grad = nnx.jit(nnx.grad(total_loss))(model)
-        grads.append({path: np.asarray(v[...]) for path, v in nnx.to_flat_state(grad)})
-    one, split = grads
-    assert one.keys() == split.keys()
+            grad, routing = nnx.jit(nnx.grad(total_loss, has_aux=True))(model)
+        grads = {path: np.asarray(v[...]) for path, v in nnx.to_flat_state(grad)}
+        found.append({**grads, **{key: np.asarray(value) for key, value in routing.items()}})
+    one, split = found
+    assert one.keys() == split.keys() and "router_aux_loss" in one
     for path, value in one.items():
         np.testing.assert_allclose(split[path], value, rtol=0, atol=1e-5, err_msg=str(path))
 
