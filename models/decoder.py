@@ -3,7 +3,8 @@ Gemma 3, trained from scratch (bytes by default, or a tokenizer's ids) or loaded
 checkpoints (`zoo.models.decoder_params`).
 
 Token embedding (times sqrt(dim) with `embed_scale`, Gemma) -> layers of RMSNorm, grouped-query
-attention with rotary positions and a gated MLP (`zoo.models.decoder_parts`) -> final RMSNorm ->
+attention (or DeepSeek V3's multi-head latent attention, `kv_lora_rank`) with rotary positions
+and a gated MLP or a mixture of experts (`zoo.models.decoder_parts`) -> final RMSNorm ->
 logits through the embedding (tied) or a separate output layer, soft-capped with
 `final_softcap`. Its options travel as one typed object, `DecoderOptions`
 (`zoo.models.decoder_options`), whose fields are the `model.*` config keys; those the
@@ -59,10 +60,16 @@ from zoo.models.language_model import (
     padded_vocab,
 )
 from zoo.models.layers import layer_stack
-from zoo.models.rope import Rope, Rotation, rotation
+from zoo.models.rope import Rope, Rotation, rotation, yarn_mscale
 from zoo.models.sampling_loop import sample_completions
 
-from zoo.plugin import TransposedLinear, construction_rngs, partitioned, register_model
+from zoo.plugin import (
+    TransposedLinear,
+    construction_rngs,
+    logical_spec,
+    partitioned,
+    register_model,
+)
 
 
 @register_model(
@@ -107,6 +114,7 @@ class Decoder(nnx.Module, DecodesWithCache):
         self.sliding_window, self.layer_types = o.sliding_window, tuple(o.layer_types)
         self.vocab_size, self.context_length, self.depth = o.vocab_size, o.context_length, o.depth
         self.num_kv_heads, self.head_dim = o.num_kv_heads, o.head_dim
+        self.rotary_dim, self.cached_widths = o.rotary_dim, _cached_widths(o)
         self.embed_scale = float(np.float32(math.sqrt(o.dim))) if o.embed_scale else 0.0
         self.final_softcap = o.final_softcap
         self.scan_layers, self.remat, self.dropout_rate = o.scan_layers, o.remat, o.dropout_rate
@@ -142,15 +150,22 @@ class Decoder(nnx.Module, DecodesWithCache):
         """A key/value cache for `decode` of `num_kv_heads` heads, in the dtype the model
         computes in (its params'): `slots` positions for every full-attention layer, at most
         its window for a sliding one (a ring buffer, `zoo.models.kv_cache`); with
-        `scan_layers`, one array of all layers, `slots` long."""
+        `scan_layers`, one array of all layers, `slots` long. Latent attention's holds one
+        "head" of each token's latent and one of its rotated key (`LatentAttention`)."""
+        heads = 1 if self.cached_widths else self.num_kv_heads
+        keys, values = self.cached_widths or (self.head_dim, self.head_dim)
+        spec = kv_heads_spec(heads, "batch", None, "kv_heads", None)
+        if self.cached_widths:  # one latent "head", split over no devices
+            spec = logical_spec("batch", None, None, None)
         return empty_cache(
             batch_size,
             slots,
-            (self.num_kv_heads, self.head_dim),
+            (heads, keys),
             dtype=self.embedding[...].dtype,
-            spec=kv_heads_spec(self.num_kv_heads, "batch", None, "kv_heads", None),
+            spec=spec,
             windows=[self._window(kind) for kind in self.layer_types],
             stacked=self.scan_layers,
+            value_width=values,
         )
 
     def _forward(self, tokens, key, cache, slots, segments=None, positions=None, last_only=False):
@@ -177,10 +192,10 @@ class Decoder(nnx.Module, DecodesWithCache):
 
     def _angles(self, positions, dtype: jnp.dtype) -> dict[str, Rotation]:
         """The rotation of each kind of layer at `positions`: one, where both kinds share it."""
-        full = rotation(self.rope, self.head_dim, positions, dtype)
+        full = rotation(self.rope, self.rotary_dim, positions, dtype)
         if self.local_rope == self.rope:
             return {FULL: full, SLIDING: full}
-        return {FULL: full, SLIDING: rotation(self.local_rope, self.head_dim, positions, dtype)}
+        return {FULL: full, SLIDING: rotation(self.local_rope, self.rotary_dim, positions, dtype)}
 
     def _window(self, kind: str) -> int:
         return self.sliding_window if kind == SLIDING else 0
@@ -251,6 +266,10 @@ def _layer_options(o: DecoderOptions) -> LayerOptions:
             router_bias=o.router_bias,
             router_softmax=o.router_softmax,
             bias=o.mlp_bias,
+            groups=o.router_groups,
+            groups_kept=o.router_groups_kept,
+            weight_scale=o.expert_weight_scale,
+            shared_mlp_dim=o.shared_expert_mlp_dim,
         )
     return LayerOptions(
         dim=o.dim,
@@ -274,7 +293,25 @@ def _layer_options(o: DecoderOptions) -> LayerOptions:
         dropout_rate=o.dropout_rate,
         dtype=o.dtype,
         experts=experts,
+        rope_interleaved=o.rope_interleaved,
+        kv_lora_rank=o.kv_lora_rank,
+        q_lora_rank=o.q_lora_rank,
+        rope_head_dim=o.rope_head_dim,
+        value_head_dim=o.value_head_dim,
+        logit_mscale=_logit_mscale(o),
     )
+
+
+def _logit_mscale(o: DecoderOptions) -> float:
+    """The factor whose square latent attention's logits are also multiplied by: DeepSeek's
+    YaRN `mscale_all_dim` (1 without it)."""
+    return yarn_mscale(o.rope_factor, o.rope_mscale_all_dim) if o.rope_mscale_all_dim else 1.0
+
+
+def _cached_widths(o: DecoderOptions) -> tuple[int, int] | None:
+    """Latent attention's cache widths (the latent's, the rotated key's); None: keys and
+    values of head_dim."""
+    return (o.kv_lora_rank, o.rope_head_dim) if o.kv_lora_rank else None
 
 
 def _unembed(o: DecoderOptions, rngs: nnx.Rngs) -> TransposedLinear:

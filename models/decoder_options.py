@@ -65,6 +65,22 @@ class DecoderOptions:
     # A learned logit per query head in each query's softmax, with no value (gpt-oss's
     # attention sinks): a head may give the keys less than all of its weight.
     attention_sinks: bool = False
+    # Multi-head latent attention (DeepSeek V3's) when > 0: keys and values are projected
+    # from one compressed latent of this width per token (kv_lora_rank, RMS-normed), which the
+    # key/value cache holds with the rotated key features, in place of every head's keys and
+    # values; 0: grouped-query attention.
+    kv_lora_rank: int = 0
+    # Latent attention: the queries projected through a normed latent of this width
+    # (q_lora_rank); 0: by one projection (a q_lora_rank of null).
+    q_lora_rank: int = 0
+    # Latent attention: the last rope_head_dim of each query and key head's head_dim features
+    # are rotated (qk_rope_head_dim; the key's shared by every head), the others not
+    # (qk_nope_head_dim = head_dim - rope_head_dim).
+    rope_head_dim: int = 0
+    value_head_dim: int = 0  # latent attention: each value head's width (v_head_dim); 0: head_dim
+    # Rotate neighbouring features in pairs, (0, 1), (2, 3), ..., and lay the results out as
+    # halves (DeepSeek V3's rope_interleave); false: feature i with feature i + head_dim / 2.
+    rope_interleaved: bool = False
     rope_theta: float = 10000.0  # base of the rotary frequencies of full-attention layers
     # Scaling of those frequencies: `default` (none), `linear` (divided by rope_factor),
     # `llama3` (Llama 3.1's, with the three parameters below) or `yarn` (YaRN, gpt-oss's).
@@ -84,6 +100,9 @@ class DecoderOptions:
     # `yarn`: the factor of the rotation's cosines and sines (attention_factor); 0: from
     # rope_factor, 0.1 ln(rope_factor) + 1.
     rope_attention_factor: float = 0.0
+    # `yarn`, latent attention: DeepSeek's mscale_all_dim, the attention logits multiplied by
+    # (0.1 rope_mscale_all_dim ln(rope_factor) + 1) ** 2 too; 0: not.
+    rope_mscale_all_dim: float = 0.0
     # Base of sliding-window layers' rotary frequencies, unscaled (Gemma 3: 10000); 0: those of
     # the full-attention layers, scaling included.
     local_rope_theta: float = 0.0
@@ -122,8 +141,19 @@ class DecoderOptions:
     router_bias: bool = False  # a bias on the router's logits (gpt-oss)
     # The experts' weights: `all`, the softmax over every expert (then the top ones kept;
     # Qwen3-MoE, Mixtral); `chosen`, the top experts by logit, then the softmax over their
-    # logits alone (gpt-oss).
+    # logits alone (gpt-oss); `sigmoid`, each expert's sigmoid of its logit, the experts chosen
+    # by it plus a learned correction bias that does not weigh them (DeepSeek V3).
     router_softmax: str = "all"
+    # `sigmoid` routing: the experts split into this many groups, of which each token is routed
+    # within the router_groups_kept whose two best experts score highest (n_group); 1: none.
+    router_groups: int = 1
+    router_groups_kept: int = 1  # the groups a token's experts come from (topk_group)
+    # Every routed expert's weight multiplied by this (routed_scaling_factor).
+    expert_weight_scale: float = 1.0
+    # Hidden width of a gated MLP beside the experts that every token goes through, its output
+    # added to theirs (DeepSeek V3's shared experts: n_shared_experts x moe_intermediate_size);
+    # 0: none.
+    shared_expert_mlp_dim: int = 0
     # Store the layers stacked (a leading layer axis) and run them with `nnx.scan`: compile time
     # no longer grows with depth; the same weights, another checkpoint layout.
     scan_layers: bool = False
@@ -137,6 +167,7 @@ class DecoderOptions:
     def __post_init__(self) -> None:
         _check_values(self)
         _check_heads(self)
+        _check_latent(self)
         _layer_types(self.layer_types, self.depth, self.sliding_window)
         _check_experts(self)
 
@@ -149,13 +180,28 @@ class DecoderOptions:
             head_dim=self.head_dim or self.dim // self.num_heads,
             mlp_dim=self.mlp_dim or default_mlp_dim(self.dim),
             layer_types=_layer_types(self.layer_types, self.depth, self.sliding_window),
+            value_head_dim=self._value_head_dim(),
             expert_mlp_dim=self.expert_mlp_dim or self.mlp_dim or default_mlp_dim(self.dim),
             dense_layers=sorted(set(self.dense_layers or ())),
         )
 
+    def _value_head_dim(self) -> int:
+        """Latent attention's value heads' width (0 without it: the values are head_dim)."""
+        if not self.kv_lora_rank:
+            return 0
+        return self.value_head_dim or self.head_dim or self.dim // self.num_heads
+
     def layer_has_experts(self, index: int) -> bool:
         """Whether layer `index` is a mixture of experts (else one gated MLP)."""
         return self.num_experts > 0 and index not in (self.dense_layers or ())
+
+    @property
+    def rotary_dim(self) -> int:
+        """The features of each head that rotary positions turn: latent attention's
+        `rope_head_dim`, else the whole head."""
+        if self.kv_lora_rank:
+            return self.rope_head_dim
+        return self.head_dim or self.dim // self.num_heads
 
     @property
     def dtype(self) -> jnp.dtype:
@@ -180,11 +226,20 @@ def _check_values(o: DecoderOptions) -> None:
         num_heads=o.num_heads,
         rope_original_context=o.rope_original_context,
     )
-    for key in ("num_kv_heads", "head_dim", "mlp_dim", "sliding_window"):
+    whole = ("num_kv_heads", "head_dim", "mlp_dim", "sliding_window", "shared_expert_mlp_dim")
+    latent = ("kv_lora_rank", "q_lora_rank", "rope_head_dim", "value_head_dim")
+    for key in (*whole, *latent):
         value = getattr(o, key)
         if not isinstance(value, int) or value < 0:
             raise ZooError(f"model.{key}={value} must be a whole number >= 0 (0: the default).")
-    positive = ("norm_epsilon", "rope_theta", "rope_factor", "rope_beta_fast", "rope_beta_slow")
+    positive = (
+        "norm_epsilon",
+        "rope_theta",
+        "rope_factor",
+        "rope_beta_fast",
+        "rope_beta_slow",
+        "expert_weight_scale",
+    )
     for key in (*positive, "swiglu_limit", "swiglu_alpha"):
         if not getattr(o, key) > 0:
             raise ZooError(f"model.{key}={getattr(o, key)} must be positive (decoder).")
@@ -194,6 +249,7 @@ def _check_values(o: DecoderOptions) -> None:
         "attention_softcap",
         "final_softcap",
         "rope_attention_factor",
+        "rope_mscale_all_dim",
     ):
         value = getattr(o, key)
         if not (math.isfinite(value) and value >= 0):
@@ -216,7 +272,7 @@ def _check_heads(o: DecoderOptions) -> None:
             f"model.num_kv_heads={num_kv_heads} must divide model.num_heads={num_heads} "
             "(each key/value head serves an equal group of query heads)."
         )
-    head_dim = o.head_dim or o.dim // num_heads
+    head_dim = o.rotary_dim
     if not o.head_dim and o.dim % num_heads:
         raise ZooError(
             f"model.dim={o.dim} must be a multiple of model.num_heads={num_heads} when "
@@ -224,13 +280,52 @@ def _check_heads(o: DecoderOptions) -> None:
         )
     if head_dim % 2:
         raise ZooError(
-            f"The heads' width {head_dim} (model.head_dim, or dim / num_heads) must be even: "
-            "rotary positions turn pairs of features."
+            f"The rotated width of each head, {head_dim} (model.rope_head_dim with latent "
+            "attention, else model.head_dim, or dim / num_heads), must be even: rotary "
+            "positions turn pairs of features."
         )
     if o.rope_type == "llama3" and not o.rope_high_freq_factor > o.rope_low_freq_factor:
         raise ZooError(
             f"model.rope_high_freq_factor={o.rope_high_freq_factor} must exceed "
             f"model.rope_low_freq_factor={o.rope_low_freq_factor} for rope_type=llama3."
+        )
+
+
+def _check_latent(o: DecoderOptions) -> None:
+    """Refuse latent attention's settings without it, and heads it cannot split."""
+    if not o.kv_lora_rank:
+        given = {
+            "q_lora_rank": o.q_lora_rank,
+            "rope_head_dim": o.rope_head_dim,
+            "value_head_dim": o.value_head_dim,
+            "rope_mscale_all_dim": o.rope_mscale_all_dim,
+        }
+        for key, value in given.items():
+            if value:
+                raise ZooError(
+                    f"model.{key}={value} sets multi-head latent attention, and this model has "
+                    "grouped-query attention (model.kv_lora_rank=0): set it to 0, or give "
+                    "model.kv_lora_rank."
+                )
+        return
+    head_dim = o.head_dim or o.dim // o.num_heads
+    if not 0 < o.rope_head_dim < head_dim:
+        raise ZooError(
+            f"model.rope_head_dim={o.rope_head_dim} must be between 1 and model.head_dim - 1 "
+            f"({head_dim - 1}) with latent attention (model.kv_lora_rank={o.kv_lora_rank}): "
+            "each head has head_dim - rope_head_dim features without rotation."
+        )
+    if o.num_kv_heads not in (0, o.num_heads):
+        raise ZooError(
+            f"model.num_kv_heads={o.num_kv_heads} groups the key/value heads, but latent "
+            f"attention (model.kv_lora_rank={o.kv_lora_rank}) gives every query head its own "
+            "key and value from the shared latent: set model.num_kv_heads to 0 or "
+            f"model.num_heads={o.num_heads}."
+        )
+    if o.rope_mscale_all_dim and o.rope_type != "yarn":
+        raise ZooError(
+            f"model.rope_mscale_all_dim={o.rope_mscale_all_dim} is YaRN's, and "
+            f"model.rope_type={o.rope_type!r}: set it to 0, or model.rope_type='yarn'."
         )
 
 
@@ -260,6 +355,7 @@ def _check_experts(o: DecoderOptions) -> None:
             f"model.experts_per_token={o.experts_per_token} must be between 1 and "
             f"model.num_experts={o.num_experts}."
         )
+    _check_groups(o)
     dense = list(o.dense_layers or ())
     outside = [i for i in dense if not 0 <= i < o.depth]
     if outside:
@@ -275,6 +371,38 @@ def _check_experts(o: DecoderOptions) -> None:
         )
 
 
+def _check_groups(o: DecoderOptions) -> None:
+    """Refuse expert groups that do not split the experts, or that no routing but `sigmoid`
+    reads, and a load-balancing loss that sigmoid scores are not the probabilities of."""
+    groups, kept, count = o.router_groups, o.router_groups_kept, o.num_experts
+    sigmoid = o.router_softmax == "sigmoid"
+    if sigmoid and o.router_aux_loss_coef:
+        raise ZooError(
+            f"model.router_aux_loss_coef={o.router_aux_loss_coef} weighs a load-balancing loss of "
+            "the router's probabilities, and model.router_softmax='sigmoid' scores each expert "
+            "alone (DeepSeek V3 balances by its correction bias instead): set it to 0."
+        )
+    if groups == 1 and kept == 1:
+        return
+    if not sigmoid:
+        raise ZooError(
+            f"model.router_groups={groups} and model.router_groups_kept={kept} limit the "
+            "experts to groups by their sigmoid scores, and model.router_softmax="
+            f"{o.router_softmax!r}: set both to 1, or model.router_softmax='sigmoid'."
+        )
+    if not (groups >= 1 and count % groups == 0 and count // groups >= 2):
+        raise ZooError(
+            f"model.router_groups={groups} must split model.num_experts={count} into equal "
+            "groups of at least 2 experts (a group scores by its two best)."
+        )
+    if not 1 <= kept <= groups or o.experts_per_token > kept * (count // groups):
+        raise ZooError(
+            f"model.router_groups_kept={kept} must be between 1 and model.router_groups={groups} "
+            f"and hold model.experts_per_token={o.experts_per_token} experts "
+            f"({count // groups} a group)."
+        )
+
+
 def _check_no_router(o: DecoderOptions) -> None:
     """Refuse a router's setting on a model without a mixture of experts, naming it."""
     if o.router_aux_loss_coef:
@@ -283,7 +411,14 @@ def _check_no_router(o: DecoderOptions) -> None:
             "of a mixture of experts' router, and this model has none (model.num_experts=0): "
             "set it to 0, or set model.num_experts."
         )
-    given = {"router_bias": (o.router_bias, False), "router_softmax": (o.router_softmax, "all")}
+    given = {
+        "router_bias": (o.router_bias, False),
+        "router_softmax": (o.router_softmax, "all"),
+        "router_groups": (o.router_groups, 1),
+        "router_groups_kept": (o.router_groups_kept, 1),
+        "expert_weight_scale": (o.expert_weight_scale, 1.0),
+        "shared_expert_mlp_dim": (o.shared_expert_mlp_dim, 0),
+    }
     for key, (value, off) in given.items():
         if value != off:
             raise ZooError(

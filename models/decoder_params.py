@@ -2,6 +2,11 @@
 `Qwen2ForCausalLM`, `Qwen3ForCausalLM`, `MistralForCausalLM` and `Gemma3ForCausalLM`) for
 `decoder`, recognised by `config.json`'s `model_type`.
 
+The mixtures of experts (`Qwen3MoeForCausalLM`, `MixtralForCausalLM`, `GptOssForCausalLM`,
+`DeepseekV3ForCausalLM`) add their routers' and experts' keys; DeepSeek V3's multi-head latent
+attention has its own projections in place of q/k/v (`_latent_rules`), and its
+multi-token-prediction layers, after the last layer, are ignored as transformers ignores them.
+
 They share one layout of keys (`model.embed_tokens`, `model.layers.N.self_attn.{q,k,v,o}_proj`,
 `mlp.{gate,up,down}_proj`, RMSNorm scales, `model.norm`, `lm_head` when not tied) and differ in
 options, which `hparams` reads from the config as transformers 5 does, in both layouts users
@@ -29,7 +34,6 @@ the output layer's columns are padded to `decoder`'s padded vocabulary.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -37,7 +41,7 @@ import numpy as np
 from zoo.models.decoder_options import DecoderOptions
 from zoo.models.decoder_parts import CLAMPED_SWIGLU, FULL, SLIDING
 from zoo.models.language_model import padded_vocab
-from zoo.models.rope import ROPE_TYPES
+from zoo.models.rope import ROPE_TYPES, yarn_mscale
 
 from zoo.plugin import (
     Combine,
@@ -324,6 +328,120 @@ def _gpt_oss_export(hparams: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def _deepseek_v3_options(config: Mapping[str, Any], read: Callable[[str], Any]) -> dict[str, Any]:
+    """DeepSeek V3: multi-head latent attention (every query head its own key and value, from
+    the shared latent), the rotary features interleaved with `rope_interleave`, YaRN's
+    `mscale_all_dim` scaling the softmax too; the first `first_k_dense_replace` layers' MLP
+    dense, the others' a mixture of `n_routed_experts` routed by sigmoid scores with a
+    correction bias, within the `topk_group` best of `n_group` groups, weighted by
+    `routed_scaling_factor`, beside `n_shared_experts` shared ones."""
+    _check_deepseek_v3(config, read)
+    rope = _global_rope(config, read)
+    nope, rotated = int(read("qk_nope_head_dim")), int(read("qk_rope_head_dim"))
+    mscale_all_dim = (config.get("rope_scaling") or config.get("rope_parameters") or {}).get(
+        "mscale_all_dim"
+    )
+    depth, dense = int(read("num_hidden_layers")), int(read("first_k_dense_replace") or 0)
+    return {
+        "activation": _activation(read, "hidden_act"),
+        **rope,
+        "head_dim": nope + rotated,
+        "kv_lora_rank": int(read("kv_lora_rank")),
+        "q_lora_rank": int(read("q_lora_rank") or 0),
+        "rope_head_dim": rotated,
+        "value_head_dim": int(read("v_head_dim")),
+        "rope_interleaved": bool(read("rope_interleave")),
+        "rope_mscale_all_dim": float(mscale_all_dim or 0.0) if rope["rope_type"] == "yarn" else 0.0,
+        "num_experts": int(config.get("num_local_experts", read("n_routed_experts"))),
+        "experts_per_token": int(read("num_experts_per_tok")),
+        "expert_mlp_dim": int(read("moe_intermediate_size")),
+        "normalize_expert_weights": bool(read("norm_topk_prob")),
+        "router_softmax": "sigmoid",
+        "router_groups": int(read("n_group") or 1),
+        "router_groups_kept": int(read("topk_group") or 1),
+        "expert_weight_scale": float(read("routed_scaling_factor")),
+        "shared_expert_mlp_dim": int(read("n_shared_experts") or 0)
+        * int(read("moe_intermediate_size")),
+        "dense_layers": list(range(min(dense, depth))) or None,
+        "router_aux_loss_coef": 0.0,
+    }
+
+
+_DEEPSEEK_HUB_VALUES = {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1}
+"""Keys of the hub's DeepSeek V3 configs (read by its own modeling code, not transformers')
+at the one value transformers computes: another would be silently ignored."""
+
+
+def _check_deepseek_v3(config: Mapping[str, Any], read: Callable[[str], Any]) -> None:
+    """Refuse what transformers' DeepseekV3ForCausalLM cannot compute or ignores, by name."""
+    heads, kv_heads = read("num_attention_heads"), read("num_key_value_heads")
+    if kv_heads is not None and kv_heads != heads:
+        raise ZooError(
+            f"This deepseek_v3 config has num_key_value_heads={kv_heads} and "
+            f"num_attention_heads={heads}: latent attention projects a key and a value for every "
+            "query head from the shared latent (transformers fails on grouped heads there). "
+            "Give num_key_value_heads equal to num_attention_heads."
+        )
+    if read("attention_bias"):
+        raise ZooError(
+            "This deepseek_v3 config has attention_bias=true (biases on q_a_proj, "
+            "kv_a_proj_with_mqa and o_proj); decoder's latent attention has none: "
+            "attention_bias false only."
+        )
+    for key, value in _DEEPSEEK_HUB_VALUES.items():
+        if key in config and config[key] != value:
+            raise ZooError(
+                f"This deepseek_v3 config has {key}={config[key]!r}, which transformers' "
+                f"DeepseekV3ForCausalLM does not read: it computes {key}={value!r} whatever "
+                "the config says, as decoder does. A checkpoint trained otherwise is not "
+                "DeepSeek V3's; give its own model_type."
+            )
+
+
+def _deepseek_v3_export(hparams: Mapping[str, Any]) -> dict[str, Any]:
+    if not hparams.get("kv_lora_rank"):
+        raise ZooError(
+            "The deepseek_v3 layout (DeepseekV3ForCausalLM) cannot hold this model: it holds "
+            "multi-head latent attention, and this model has grouped-query attention "
+            "(model.kv_lora_rank=0). Export it to llama, or qwen3_moe for experts."
+        )
+    count = _experts_to_export(hparams, "deepseek_v3", "llama")
+    width = hparams["expert_mlp_dim"]
+    shared, remainder = divmod(hparams["shared_expert_mlp_dim"], width)
+    if remainder:
+        raise ZooError(
+            f"The deepseek_v3 layout cannot hold model.shared_expert_mlp_dim="
+            f"{hparams['shared_expert_mlp_dim']}: it holds n_shared_experts experts of "
+            f"moe_intermediate_size={width} each, a multiple of it."
+        )
+    dense = list(hparams["dense_layers"] or ())
+    rope = _rope_parameters(hparams)
+    if hparams["rope_mscale_all_dim"]:
+        rope["mscale_all_dim"] = hparams["rope_mscale_all_dim"]
+    return {
+        "hidden_act": _hidden_act(hparams),
+        "attention_bias": False,
+        "head_dim": hparams["rope_head_dim"],  # as transformers writes it (its rotary width)
+        "q_lora_rank": hparams["q_lora_rank"] or None,
+        "kv_lora_rank": hparams["kv_lora_rank"],
+        "qk_rope_head_dim": hparams["rope_head_dim"],
+        "qk_nope_head_dim": hparams["head_dim"] - hparams["rope_head_dim"],
+        "v_head_dim": hparams["value_head_dim"],
+        "rope_interleave": hparams["rope_interleaved"],
+        "rope_parameters": rope,
+        "n_routed_experts": count,
+        "num_experts_per_tok": hparams["experts_per_token"],
+        "moe_intermediate_size": width,
+        "n_shared_experts": shared,
+        "norm_topk_prob": hparams["normalize_expert_weights"],
+        "n_group": hparams["router_groups"],
+        "topk_group": hparams["router_groups_kept"],
+        "routed_scaling_factor": hparams["expert_weight_scale"],
+        "first_k_dense_replace": len(dense),
+        "num_nextn_predict_layers": 0,
+    }
+
+
 def _experts_to_export(hparams: Mapping[str, Any], kind: str, dense: str) -> int:
     """The model's experts per layer; a model without any is refused (it is a `dense` one)."""
     if not hparams.get("num_experts"):
@@ -582,7 +700,7 @@ def _yarn(rope: Mapping[str, Any], where: str, read) -> dict[str, Any]:
     attention = rope.get("attention_factor")
     mscale, all_dims = rope.get("mscale"), rope.get("mscale_all_dim")
     if attention is None and mscale and all_dims:
-        attention = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, all_dims)
+        attention = yarn_mscale(factor, mscale) / yarn_mscale(factor, all_dims)
     return {
         "rope_factor": float(factor),
         "rope_original_context": int(context),
@@ -591,10 +709,6 @@ def _yarn(rope: Mapping[str, Any], where: str, read) -> dict[str, Any]:
         "rope_truncate": bool(rope.get("truncate", True)),
         "rope_attention_factor": float(attention or 0.0),
     }
-
-
-def _yarn_mscale(factor: float, mscale: float) -> float:
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def _required(rope: Mapping[str, Any], key: str, where: str) -> Any:
@@ -714,6 +828,16 @@ _PLAIN = {
     "attention_sinks": False,
     "router_bias": False,
     "router_softmax": "all",
+    "router_groups": 1,
+    "router_groups_kept": 1,
+    "expert_weight_scale": 1.0,
+    "shared_expert_mlp_dim": 0,
+    "kv_lora_rank": 0,
+    "q_lora_rank": 0,
+    "rope_head_dim": 0,
+    "value_head_dim": 0,
+    "rope_interleaved": False,
+    "rope_mscale_all_dim": 0.0,
 }
 """The options of a plain Llama: what a family does not set stays at these."""
 
@@ -785,7 +909,8 @@ def _effective(hparams: Mapping[str, Any]) -> dict[str, Any]:
     with defaults compares with a checkpoint's."""
     h = {**_PLAIN, **hparams}
     options = DecoderOptions(**{key: h[key] for key in _OPTIONS if key in h}).resolved()
-    for key in ("num_kv_heads", "head_dim", "mlp_dim", "layer_types", "dense_layers"):
+    resolved = ("num_kv_heads", "head_dim", "mlp_dim", "layer_types", "dense_layers")
+    for key in (*resolved, "value_head_dim"):
         h[key] = getattr(options, key)
     h["expert_mlp_dim"] = options.expert_mlp_dim if options.num_experts else 0
     if SLIDING not in h["layer_types"]:
@@ -820,8 +945,16 @@ def _rules(kind: _Kind) -> Callable[[Mapping[str, Any]], list[Rule]]:
         pad = padded_vocab(vocab) - vocab
         experts = _EXPERT_KEYS.get(kind.name) if hparams.get("num_experts") else None
         stacked = kind.name == "gpt_oss" and hparams.get("num_experts")
+        latent = hparams.get("kv_lora_rank")
+        attention = (
+            _latent_rules(hparams, dim, heads, head_dim)
+            if latent
+            else _attention_rules(dim, heads, kv_heads, head_dim)
+        )
+        deepseek = kind.name == "deepseek_v3" and hparams.get("num_experts")
         return [
-            *_core_rules(dim, heads, kv_heads, head_dim, pad),
+            *_core_rules(pad, attention),
+            *(_deepseek_expert_rules(hparams) if deepseek else ()),
             *_norm_rules(gemma=kind.name == "gemma3_text"),
             *_optional_rules(hparams, heads, kv_heads, head_dim, pad),
             *(_expert_rules(*experts) if experts else ()),
@@ -831,24 +964,71 @@ def _rules(kind: _Kind) -> Callable[[Mapping[str, Any]], list[Rule]]:
     return rules
 
 
-def _core_rules(dim: int, heads: int, kv_heads: int, head_dim: int, pad: int) -> list[Rule]:
+def _core_rules(pad: int, attention: list[Rule]) -> list[Rule]:
     """The rules of the params every family has: the embedding (`pad` rows added), the final
-    norm, and each layer's input norm, attention projections and MLP kernels."""
+    norm, and each layer's input norm, `attention`'s projections and MLP kernels."""
     return [
         _rule("model.embed_tokens.weight", "embedding", pad_rows=pad),
         _rule("model.norm.weight", "norm.scale"),
         _layer("input_layernorm.weight", "attention_norm.scale"),
+        *attention,
+        *[_layer(f"mlp.{name}_proj.weight", f"mlp.{name}.kernel") for name in MLP],
+    ]
+
+
+def _attention_rules(dim: int, heads: int, kv_heads: int, head_dim: int) -> list[Rule]:
+    """Grouped-query attention's q/k/v/o projections."""
+    return [
         _projection("q_proj", "query", heads, head_dim, dim),
         _projection("k_proj", "key", kv_heads, head_dim, dim),
         _projection("v_proj", "value", kv_heads, head_dim, dim),
-        _layer(
-            "self_attn.o_proj.weight",
-            "attention.out.kernel",
-            load=lambda w: (w.reshape(dim, heads, head_dim),),
-            save=lambda kernel: kernel.reshape(dim, heads * head_dim),
-        ),
-        *[_layer(f"mlp.{name}_proj.weight", f"mlp.{name}.kernel") for name in MLP],
+        _output_projection(dim, heads, head_dim),
     ]
+
+
+def _output_projection(dim: int, heads: int, head_dim: int) -> Rule:
+    """o: torch's (dim, heads * head_dim) <-> (dim, heads, head_dim), a reshape."""
+    return _layer(
+        "self_attn.o_proj.weight",
+        "attention.out.kernel",
+        load=lambda w: (w.reshape(dim, heads, head_dim),),
+        save=lambda kernel: kernel.reshape(dim, heads * head_dim),
+    )
+
+
+def _latent_rules(hparams: Mapping[str, Any], dim: int, heads: int, head_dim: int) -> list[Rule]:
+    """Latent attention's (DeepSeek V3's): the query's projection, or its down projection,
+    norm and up projection (`q_lora_rank`); the keys' and values' down projection (latent and
+    rotated key together, as the checkpoint stores them), the latent's norm and its up
+    projection to every head's unrotated key and value; the output projection."""
+    rank, q_rank = hparams["kv_lora_rank"], hparams.get("q_lora_rank")
+    nope = head_dim - hparams["rope_head_dim"]
+    value = hparams.get("value_head_dim") or head_dim
+    query = [_projection("q_proj", "query", heads, head_dim, dim)]
+    if q_rank:
+        query = [
+            _layer("self_attn.q_a_proj.weight", "attention.query_down.kernel"),
+            _layer("self_attn.q_a_layernorm.weight", "attention.query_down_norm.scale"),
+            _projection("q_b_proj", "query", heads, head_dim, q_rank),
+        ]
+    return [
+        *query,
+        _layer("self_attn.kv_a_proj_with_mqa.weight", "attention.kv_down.kernel"),
+        _layer("self_attn.kv_a_layernorm.weight", "attention.kv_norm.scale"),
+        _projection("kv_b_proj", "kv_up", heads, nope + value, rank),
+        _output_projection(dim, heads, value),
+    ]
+
+
+def _deepseek_expert_rules(hparams: Mapping[str, Any]) -> list[Rule]:
+    """DeepSeek V3's router's correction bias, and its shared experts' gated MLP."""
+    rules = [_layer("mlp.gate.e_score_correction_bias", "mlp.router.correction_bias")]
+    if hparams.get("shared_expert_mlp_dim"):
+        rules += [
+            _layer(f"mlp.shared_experts.{name}_proj.weight", f"mlp.shared.{name}.kernel")
+            for name in MLP
+        ]
+    return rules
 
 
 def _norm_rules(gemma: bool) -> list[Rule]:
@@ -963,6 +1143,7 @@ MLP = ("gate", "up", "down")
 _EXPERT_KEYS = {
     "qwen3_moe": ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
     "mixtral": ("block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"}),
+    "deepseek_v3": ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
 }
 """Per mixture-of-experts family: the layer's block of experts, and each expert's names of
 the gated MLP's projections."""
@@ -1249,6 +1430,79 @@ KINDS += (
     ),
 )
 
+KINDS += (
+    _Kind(
+        "deepseek_v3",
+        "DeepseekV3ForCausalLM",
+        "DeepSeek V3 (and R1), transformers DeepseekV3ForCausalLM",
+        {
+            **_LLAMA_DEFAULTS,
+            "vocab_size": 129280,
+            "hidden_size": 7168,
+            "intermediate_size": 18432,
+            "moe_intermediate_size": 2048,
+            "num_hidden_layers": 61,
+            "num_attention_heads": 128,
+            "num_key_value_heads": 128,
+            "n_shared_experts": 1,
+            "n_routed_experts": 256,
+            "routed_scaling_factor": 2.5,
+            "kv_lora_rank": 512,
+            "q_lora_rank": 1536,
+            "qk_rope_head_dim": 64,
+            "v_head_dim": 128,
+            "qk_nope_head_dim": 128,
+            "n_group": 8,
+            "topk_group": 4,
+            "num_experts_per_tok": 8,
+            "first_k_dense_replace": 3,
+            "norm_topk_prob": True,
+            "max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-6,
+            "rope_interleave": True,
+        },
+        (
+            "hidden_act",
+            "attention_bias",
+            "q_lora_rank",
+            "kv_lora_rank",
+            "qk_rope_head_dim",
+            "qk_nope_head_dim",
+            "v_head_dim",
+            "rope_interleave",
+            "n_routed_experts",
+            "num_local_experts",
+            "num_experts_per_tok",
+            "moe_intermediate_size",
+            "n_shared_experts",
+            "routed_scaling_factor",
+            "n_group",
+            "topk_group",
+            "norm_topk_prob",
+            "first_k_dense_replace",
+            *_DEEPSEEK_HUB_VALUES,
+        ),
+        # transformers derives qk_head_dim (nope + rope) and head_dim (the rotary width) itself
+        # whatever the config says; it computes no load-balancing loss (output_router_logits
+        # only returns the router's logits), and loads no multi-token-prediction layers
+        # (num_nextn_predict_layers; their weights, model.layers.<num_hidden_layers>.*, are
+        # ignored); the hub code's ep_size (expert parallelism), aux_loss_alpha and seq_aux (a
+        # training loss) change nothing it computes.
+        (
+            "qk_head_dim",
+            "pretraining_tp",
+            "output_router_logits",
+            "num_nextn_predict_layers",
+            "num_mtp_layers",
+            "ep_size",
+            "aux_loss_alpha",
+            "seq_aux",
+        ),
+        _deepseek_v3_options,
+        _deepseek_v3_export,
+    ),
+)
+
 HONOURED = {kind.name: (*_SIZES, *kind.honoured) for kind in KINDS}
 """Per family: the config.json keys that `hparams` reads (or refuses by value)."""
 INERT = {kind.name: (*_INERT, *kind.inert) for kind in KINDS}
@@ -1274,7 +1528,16 @@ def _family(kind: _Kind) -> Family:
         honoured=HONOURED[kind.name],
         inert=INERT[kind.name],
         combine=kind.quantized,
+        ignored=_multi_token_prediction if kind.name == "deepseek_v3" else lambda hparams: (),
     )
+
+
+def _multi_token_prediction(hparams: Mapping[str, Any]) -> tuple[str, ...]:
+    """DeepSeek V3's multi-token-prediction layers (`num_nextn_predict_layers`), stored as
+    `model.layers.N.*` for N from `num_hidden_layers` on: transformers' DeepseekV3ForCausalLM
+    builds and loads none (it ignores the hub's layer 61), and decoder ignores them too."""
+    real = "|".join(str(i) for i in range(int(hparams["depth"])))
+    return (rf"model\.layers\.(?!(?:{real})\.)\d+\..*",)
 
 
 def _stacked_of(kind: _Kind) -> Callable[[Mapping[str, Any]], tuple[str, ...]]:

@@ -16,17 +16,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+from zoo.models import kv_cache
 from zoo.models.experts import ExpertOptions, MixtureOfExperts
 from zoo.models.kv_cache import KVCache, Slots
-from zoo.models.rope import Rotation, rotate
+from zoo.models.rope import Rotation, rotate, rotate_interleaved
 from zoo.models.transformer import attend_tokens, tokens_spec
 
-from zoo.plugin import TransposedLinear, logical_spec, partitioned
+from zoo.plugin import TransposedLinear, attend, logical_spec, partitioned
 
 ACTIVATIONS = {
     "silu": jax.nn.silu,  # SwiGLU (Llama, Mistral, Qwen)
@@ -68,6 +70,18 @@ class LayerOptions:
     dropout_rate: float = 0.0
     dtype: jnp.dtype = _FLOAT32
     experts: ExpertOptions | None = None  # a mixture of experts in place of the MLP
+    rope_interleaved: bool = False  # rotate neighbouring pairs of features (`rotate_interleaved`)
+    # Multi-head latent attention (`LatentAttention`) when kv_lora_rank > 0.
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0  # 0: the queries in one projection
+    rope_head_dim: int = 0  # the rotated features of each query and key head
+    value_head_dim: int = 0
+    logit_mscale: float = 1.0  # latent attention's logits also multiplied by its square
+
+    @property
+    def rotate(self) -> Callable[[jax.Array, Rotation], jax.Array]:
+        """How queries and keys are rotated: by halves, or by neighbouring pairs."""
+        return rotate_interleaved if self.rope_interleaved else rotate
 
     def norm(self, features: int, rngs: nnx.Rngs) -> RMSNorm:
         offset, dtype = self.norm_unit_offset, self.dtype
@@ -174,6 +188,7 @@ class Attention(nnx.Module):
         self.sinks = _sinks(o, rngs) if o.attention_sinks else None
         self.num_kv_heads, self.softcap = o.num_kv_heads, o.attention_softcap
         self.scale = (o.query_scale or o.head_dim) ** -0.5
+        self.rotate = o.rotate
 
     def __call__(
         self,
@@ -195,7 +210,7 @@ class Attention(nnx.Module):
         k, v = self.key(x, out_sharding=kv), self.value(x, out_sharding=kv)
         if self.query_norm is not None:
             q, k = self.query_norm(q), self.key_norm(k)
-        q, k = rotate(q, angles), rotate(k, angles)
+        q, k = self.rotate(q, angles), self.rotate(k, angles)
         mixed, cache = attend_tokens(
             q,
             k,
@@ -210,6 +225,139 @@ class Attention(nnx.Module):
             sinks=None if self.sinks is None else self.sinks[...],
         )
         return self.out(mixed, out_sharding=tokens_spec()), cache
+
+
+class LatentAttention(nnx.Module):
+    """Multi-head latent attention (DeepSeek V2 and V3, transformers' `DeepseekV3Attention`):
+    each token's keys and values come from one compressed latent of `kv_lora_rank` features
+    (RMS-normed) shared by every head, and a key of `rope_head_dim` rotated features shared
+    the same way; the queries come from their own normed latent of `q_lora_rank` features (or
+    from x directly, `q_lora_rank` 0). A query head's first head_dim - rope_head_dim features
+    meet the key's unrotated ones, projected from the latent per head, its last the shared
+    rotated key; a value head has `value_head_dim` features. The logits are scaled by
+    head_dim ** -0.5 times `logit_mscale` squared (DeepSeek's YaRN mscale_all_dim).
+
+    The key/value cache holds the latent and the rotated key, `kv_lora_rank + rope_head_dim`
+    numbers a token and layer (DeepSeek V3: 576, where its 128 heads' keys and values would
+    take 40960), and projects them to keys and values at each step, as transformers does.
+    The latent norms' epsilon is transformers' 1e-6 whatever the model's (its
+    `DeepseekV3RMSNorm` is built with the default there)."""
+
+    def __init__(self, options: LayerOptions, *, rngs: nnx.Rngs):
+        o, dtype = options, options.dtype
+        heads, rank = o.num_heads, o.kv_lora_rank
+        self.rank, self.nope = rank, o.head_dim - o.rope_head_dim
+        self.value_head_dim = o.value_head_dim
+
+        def down(features_in, features_out):
+            axes = (None, "embed") if features_in == o.dim else (None, None)
+            return _dense(
+                features_in, features_out, axes, (None,), bias=False, dtype=dtype, rngs=rngs
+            )
+
+        def up(features_in, head_dim):
+            axes = ("heads", None, "embed" if features_in == o.dim else None)
+            shape = (heads, head_dim)
+            return _dense(
+                features_in, shape, axes, ("heads", None), bias=False, dtype=dtype, rngs=rngs
+            )
+
+        self.query_down = down(o.dim, o.q_lora_rank) if o.q_lora_rank else None
+        self.query_down_norm = _latent_norm(o.q_lora_rank, o, rngs) if o.q_lora_rank else None
+        self.query = up(o.q_lora_rank or o.dim, o.head_dim)
+        self.kv_down = down(o.dim, rank + o.rope_head_dim)
+        self.kv_norm = _latent_norm(rank, o, rngs)
+        self.kv_up = up(rank, self.nope + o.value_head_dim)
+        out_axes = ("embed", "heads", None)
+        self.out = _dense(
+            (heads, o.value_head_dim), o.dim, out_axes, (None,), bias=False, dtype=dtype, rngs=rngs
+        )
+        self.rotate = o.rotate
+        self.scale = (o.query_scale or o.head_dim) ** -0.5 * o.logit_mscale * o.logit_mscale
+
+    def __call__(
+        self,
+        x: jax.Array,
+        angles: Rotation,
+        window: int,
+        cache: KVCache | None,
+        slots: Slots | None,
+        segments: jax.Array | None = None,
+    ) -> tuple[jax.Array, KVCache | None]:
+        """As `Attention`'s; with a cache, the new tokens' latents and rotated keys are written
+        into it, and every visible slot's expanded to keys and values."""
+        q = self._queries(x, angles)
+        compressed = self.kv_down(x, out_sharding=logical_spec("batch", None, None))
+        latent = self.kv_norm(compressed[..., : self.rank])[:, :, None, :]  # one head
+        rotated = self.rotate(compressed[..., None, self.rank :], angles)
+
+        def attend_to(latent, rotated, visible):
+            k, v = self._keys_and_values(latent, rotated)
+            return self._attend(q, k, v, window, segments, visible)
+
+        if cache is None:
+            mixed = attend_to(latent, rotated, None)
+        else:
+            latent, rotated, visible, cache = kv_cache.update(cache, latent, rotated, slots, window)
+            visible = visible[:, None]  # the same for every head
+            mixed = kv_cache.over_written_slots(attend_to, latent, rotated, visible, slots, window)
+        return self.out(mixed, out_sharding=tokens_spec()), cache
+
+    def _queries(self, x: jax.Array, angles: Rotation) -> jax.Array:
+        heads = logical_spec("batch", None, "heads", None)
+        if self.query_down is not None:
+            x = self.query_down_norm(
+                self.query_down(x, out_sharding=logical_spec("batch", None, None))
+            )
+        q = self.query(x, out_sharding=heads)
+        return jnp.concatenate([q[..., : self.nope], self.rotate(q[..., self.nope :], angles)], -1)
+
+    def _keys_and_values(
+        self, latent: jax.Array, rotated: jax.Array
+    ) -> tuple[jax.Array, jax.Array]:
+        """Every head's keys (the latent's projection, then the shared rotated key) and values
+        of `latent` (batch, slots, 1, kv_lora_rank) and `rotated` (batch, slots, 1,
+        rope_head_dim)."""
+        heads = logical_spec("batch", None, "heads", None)
+        kv = self.kv_up(latent[:, :, 0], out_sharding=heads)
+        shared = jnp.broadcast_to(rotated, (*kv.shape[:-1], rotated.shape[-1]))
+        shared = jax.sharding.reshard(shared, heads)
+        k = jnp.concatenate([kv[..., : self.nope], shared], axis=-1)
+        return k, kv[..., self.nope :]
+
+    def _attend(self, q, k, v, window, segments, visible) -> jax.Array:
+        """`attend` of queries and keys of head_dim features to values of value_head_dim: the
+        narrower of the two padded with zeros to the wider (which adds nothing to a logit or
+        an output feature), the output cut back to the values' width."""
+        width = max(q.shape[-1], v.shape[-1])
+        q, k, v = (_padded(t, width) for t in (q, k, v))
+        mixed = attend(
+            q,
+            k,
+            v,
+            scale=self.scale,
+            causal=True,
+            window=window,
+            segments=segments,
+            cache_mask=visible,
+        )
+        return mixed[..., : self.value_head_dim]
+
+
+def _latent_norm(features: int, o: LayerOptions, rngs: nnx.Rngs) -> RMSNorm:
+    """A latent's RMSNorm, with transformers' epsilon for it (`LatentAttention`)."""
+    return RMSNorm(features, LATENT_NORM_EPSILON, unit_offset=False, dtype=o.dtype, rngs=rngs)
+
+
+LATENT_NORM_EPSILON = 1e-6
+"""transformers builds DeepSeek V3's q_a_layernorm and kv_a_layernorm with the default epsilon,
+not the config's rms_norm_eps."""
+
+
+def _padded(t: jax.Array, width: int) -> jax.Array:
+    """`t` with zeros after its last axis's features, up to `width`."""
+    extra = width - t.shape[-1]
+    return t if not extra else jnp.pad(t, [(0, 0)] * (t.ndim - 1) + [(0, extra)])
 
 
 def _sinks(o: LayerOptions, rngs: nnx.Rngs) -> nnx.Param:
@@ -250,7 +398,11 @@ class DecoderLayer(nnx.Module):
 
     def __init__(self, options: LayerOptions, *, rngs: nnx.Rngs):
         self.attention_norm = options.norm(options.dim, rngs)
-        self.attention = Attention(options, rngs=rngs)
+        self.attention = (
+            LatentAttention(options, rngs=rngs)
+            if options.kv_lora_rank
+            else Attention(options, rngs=rngs)
+        )
         self.post_attention_norm = options.norm(options.dim, rngs) if options.post_norms else None
         self.mlp_norm = options.norm(options.dim, rngs)
         self.mlp = _mlp(options, rngs)
@@ -278,7 +430,9 @@ class DecoderLayer(nnx.Module):
 def _mlp(o: LayerOptions, rngs: nnx.Rngs) -> GatedMLP | MixtureOfExperts:
     if o.experts is None:
         return GatedMLP(o, rngs=rngs)
-    return MixtureOfExperts(o.dim, o.experts, o.gated, dtype=o.dtype, rngs=rngs)
+    width = o.experts.shared_mlp_dim
+    shared = GatedMLP(dataclasses.replace(o, mlp_dim=width), rngs=rngs) if width else None
+    return MixtureOfExperts(o.dim, o.experts, o.gated, dtype=o.dtype, rngs=rngs, shared=shared)
 
 
 def _after(norm: RMSNorm | None, h: jax.Array) -> jax.Array:

@@ -1,6 +1,7 @@
-"""A mixture of experts in place of a layer's MLP (Qwen3-MoE, Mixtral, gpt-oss): a router
-scores every expert for each token, the token goes to the `experts_per_token` likeliest, and its
-output is their gated MLPs' outputs weighted by the router's probabilities.
+"""A mixture of experts in place of a layer's MLP (Qwen3-MoE, Mixtral, gpt-oss, DeepSeek V3): a
+router scores every expert for each token, the token goes to the `experts_per_token` likeliest,
+and its output is their gated MLPs' outputs weighted by the router's probabilities (DeepSeek V3
+adds a shared MLP that every token goes through).
 
 The experts compute dropless: each token reaches every expert it chose, and no expert computes a
 token it was not chosen for. The (token, expert) pairs are sorted by expert, and each of the
@@ -51,14 +52,20 @@ class ExpertOptions:
     aux_loss_weight: float = 0.0
     router_bias: bool = False  # a bias on the router's logits (gpt-oss)
     # The weights: `all`, the softmax over every expert's logit (Qwen3-MoE, Mixtral); `chosen`,
-    # the softmax over the chosen experts' logits alone, picked by logit (gpt-oss).
+    # the softmax over the chosen experts' logits alone, picked by logit (gpt-oss); `sigmoid`,
+    # each chosen expert's sigmoid score, picked by score plus a correction bias (DeepSeek V3).
     router_softmax: str = "all"
     bias: bool = False  # biases on each expert's gate, up and down projections (gpt-oss)
+    # `sigmoid` routing: groups of experts, and how many of them a token's experts come from.
+    groups: int = 1
+    groups_kept: int = 1
+    weight_scale: float = 1.0  # every routed expert's weight multiplied by it
+    shared_mlp_dim: int = 0  # a gated MLP every token goes through beside the experts; 0: none
 
 
 PROJECTIONS = ("gate", "up", "down")
 """An expert's kernels, each stacked over the experts: [experts, out, in]."""
-ROUTER_SOFTMAX = ("all", "chosen")
+ROUTER_SOFTMAX = ("all", "chosen", "sigmoid")
 
 
 class Router(nnx.Module):
@@ -66,7 +73,8 @@ class Router(nnx.Module):
     float32; the bias b with `router_bias`) and their weights, in the dtype of x: the chosen
     experts' probabilities (divided by their sum with `normalize_weights`), or with
     `router_softmax=chosen` the softmax over the chosen experts' logits alone (gpt-oss's
-    `GptOssTopKRouter`: top-k of the logits first)."""
+    `GptOssTopKRouter`: top-k of the logits first), or with `router_softmax=sigmoid` DeepSeek
+    V3's (`_sigmoid_routing`). Every weight times `weight_scale`."""
 
     def __init__(self, dim: int, options: ExpertOptions, *, dtype, rngs: nnx.Rngs):
         init = partitioned(nnx.initializers.normal(0.02), (None, "embed"))
@@ -77,8 +85,15 @@ class Router(nnx.Module):
             if options.router_bias
             else None
         )
+        self.correction_bias = (
+            nnx.Param(zeros(rngs.params(), (options.num_experts,), dtype))
+            if options.router_softmax == "sigmoid"
+            else None
+        )
         self.top_k, self.normalize = options.experts_per_token, options.normalize_weights
         self.over_chosen = options.router_softmax == "chosen"
+        self.groups, self.groups_kept = options.groups, options.groups_kept
+        self.weight_scale = options.weight_scale
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [N, dim] -> (weights [N, k], experts [N, k] int32, probabilities [N, E] float32)."""
@@ -86,6 +101,15 @@ class Router(nnx.Module):
         if self.bias is not None:
             logits = logits + self.bias[...]
         logits = logits.astype(jnp.float32)
+        if self.correction_bias is not None:
+            weights, experts, probs = self._sigmoid_routing(logits)
+        else:
+            weights, experts, probs = self._softmax_routing(logits)
+        if self.weight_scale != 1.0:
+            weights = weights * self.weight_scale
+        return weights.astype(x.dtype), experts.astype(jnp.int32), probs
+
+    def _softmax_routing(self, logits: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         probs = jax.nn.softmax(logits, axis=-1)
         if self.over_chosen:
             chosen, experts = jax.lax.top_k(logits, self.top_k)
@@ -94,7 +118,33 @@ class Router(nnx.Module):
             weights, experts = jax.lax.top_k(probs, self.top_k)
         if self.normalize and not self.over_chosen:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-        return weights.astype(x.dtype), experts.astype(jnp.int32), probs
+        return weights, experts, probs
+
+    def _sigmoid_routing(self, logits: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """DeepSeek V3's routing (transformers' `DeepseekV3TopkRouter`): each expert scores the
+        sigmoid of its logit; the experts are chosen by score plus the correction bias, which
+        balances their load without weighing them (so it takes no gradient), among the
+        `groups_kept` groups whose two best biased scores sum highest; the weights are the
+        chosen scores, divided by their sum (+1e-20) with `normalize`."""
+        scores = jax.nn.sigmoid(logits)
+        bias = jax.lax.stop_gradient(self.correction_bias[...]).astype(jnp.float32)
+        choice = scores + bias
+        if self.groups > 1:
+            choice = jnp.where(self._kept_groups(choice), choice, -jnp.inf)
+        _, experts = jax.lax.top_k(choice, self.top_k)
+        weights = jnp.take_along_axis(scores, experts, axis=-1)
+        if self.normalize:
+            weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+        return weights, experts, scores
+
+    def _kept_groups(self, choice: jax.Array) -> jax.Array:
+        """Which experts [N, E] lie in the token's `groups_kept` best groups."""
+        tokens, count = choice.shape
+        grouped = choice.reshape(tokens, self.groups, count // self.groups)
+        group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)
+        _, kept = jax.lax.top_k(group_scores, self.groups_kept)
+        in_kept = jnp.any(kept[:, :, None] == jnp.arange(self.groups)[None, None, :], axis=1)
+        return jnp.repeat(in_kept, count // self.groups, axis=-1)
 
 
 class Routing(nnx.Intermediate):
@@ -201,11 +251,23 @@ class Experts(nnx.Module):
 
 
 class MixtureOfExperts(nnx.Module):
-    """The router and the experts of one layer (`__call__`: [batch, length, dim] in and out)."""
+    """The router and the experts of one layer (`__call__`: [batch, length, dim] in and out),
+    and the `shared` MLP every token goes through besides, where there is one (DeepSeek V3's
+    shared experts), its output added to the experts'."""
 
-    def __init__(self, dim: int, options: ExpertOptions, gated, *, dtype, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        dim: int,
+        options: ExpertOptions,
+        gated,
+        *,
+        dtype,
+        rngs: nnx.Rngs,
+        shared: nnx.Module | None = None,
+    ):
         self.router = Router(dim, options, dtype=dtype, rngs=rngs)
         self.experts = Experts(dim, options, gated, dtype=dtype, rngs=rngs)
+        self.shared = shared
         self.aux_loss_weight = options.aux_loss_weight
         self.recording = False  # `routed_call`
 
@@ -228,7 +290,8 @@ class MixtureOfExperts(nnx.Module):
         )
         routed = (jax.sharding.reshard(a, rows) for a in (tokens, weights, chosen))
         combined = combine(*routed, projections, biases)
-        return jnp.reshape(combined, x.shape, out_sharding=logical_spec("batch", None, None))
+        out = jnp.reshape(combined, x.shape, out_sharding=logical_spec("batch", None, None))
+        return out if self.shared is None else out + self.shared(x)
 
 
 @dataclasses.dataclass(frozen=True)

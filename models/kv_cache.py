@@ -77,22 +77,25 @@ def empty_cache(
     spec: P,
     windows: Sequence[int],
     stacked: bool,
+    value_width: int | None = None,
 ) -> Cache:
     """A language model's empty key/value cache (zeros) for `decode`, a (keys, values) pair
     for each layer of `windows` (its sliding window; 0: none): `batch_size` rows x `slots`
     positions (a sliding layer's at most its window: a ring buffer) x `heads` (heads,
     head_dim), laid out as `spec` (of batch, slots, heads, head_dim) says. `stacked` layers
     (`scan_layers`) have one pair of arrays with a leading layer axis, every layer `slots`
-    long."""
+    long. `value_width`: the values' features where they differ from the keys' (latent
+    attention's cache holds latents as keys and rotated keys as values)."""
+    value_heads = heads if value_width is None else (heads[0], value_width)
 
-    def zeros(length: int, *layers: int) -> jax.Array:
+    def zeros(length: int, shape: tuple[int, int], *layers: int) -> jax.Array:
         sharding = P(*(None,) * len(layers), *spec)
-        return jnp.zeros((*layers, batch_size, length, *heads), dtype, out_sharding=sharding)
+        return jnp.zeros((*layers, batch_size, length, *shape), dtype, out_sharding=sharding)
 
     if stacked:
-        return zeros(slots, len(windows)), zeros(slots, len(windows))
+        return zeros(slots, heads, len(windows)), zeros(slots, value_heads, len(windows))
     lengths = (cache_slots(slots, window) for window in windows)
-    return tuple((zeros(length), zeros(length)) for length in lengths)
+    return tuple((zeros(length, heads), zeros(length, value_heads)) for length in lengths)
 
 
 def cache_slots(total: int, window: int) -> int:

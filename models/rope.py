@@ -3,7 +3,8 @@
 A head's features are rotated in pairs by angles `position * inverse frequency`, so that the
 product of a query and a key depends on their distance alone. The pairs are the two halves of
 the head (feature i with feature i + head_dim / 2: Hugging Face's `rotate_half` layout), not
-neighbours, so a Llama, Qwen, Mistral or Gemma checkpoint's projections are used as they are.
+neighbours, so a Llama, Qwen, Mistral or Gemma checkpoint's projections are used as they are;
+DeepSeek V3's `rope_interleave` pairs neighbours (`rotate_interleaved`).
 
 The inverse frequencies are constants of the model, computed in float32 with the operations of
 transformers' `modeling_rope_utils` so that a checkpoint's angles come out the same:
@@ -134,7 +135,29 @@ def rotation(
 def rotate(x: jax.Array, angles: Rotation) -> jax.Array:
     """Heads `x` (batch x length x heads x head_dim) rotated by `angles` ([batch x] length x
     head_dim)."""
-    cos, sin = (a[:, :, None, :] if a.ndim == 3 else a[None, :, None, :] for a in angles)
+    cos, sin = _per_head(angles)
     half = x.shape[-1] // 2
     rotated_half = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos + rotated_half * sin
+
+
+def rotate_interleaved(x: jax.Array, angles: Rotation) -> jax.Array:
+    """Heads `x` rotated as `rotate` does, but in pairs of neighbouring features (0, 1),
+    (2, 3), ..., the rotated first features of the pairs then the second (the halves layout):
+    DeepSeek V3's `rope_interleave`, in the operations of transformers'
+    `apply_rotary_pos_emb_interleave`."""
+    cos, sin = (a[..., : a.shape[-1] // 2] for a in _per_head(angles))
+    first, second = x[..., 0::2], x[..., 1::2]
+    return jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+
+
+def _per_head(angles: Rotation) -> Rotation:
+    """`angles` broadcast over the heads (and the batch, where they are a row's own)."""
+    cos, sin = (a[:, :, None, :] if a.ndim == 3 else a[None, :, None, :] for a in angles)
+    return cos, sin
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    """YaRN's magnitude factor of a scaling `factor` (1 where it does not stretch), as
+    transformers' `get_mscale` and DeepSeek's `yarn_get_mscale` compute it."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0

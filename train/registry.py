@@ -310,6 +310,8 @@ class Family:
     - `rules`: the table from checkpoint keys to params (a sequence of `Rule`), or a function of
       the hparams giving it (when a transform depends on a size, such as padded rows);
     - `ignore`: regexes of checkpoint keys that are not params (buffers, tied copies);
+    - `ignored(hparams)`: more such regexes for a checkpoint of `hparams` (DeepSeek V3's
+      multi-token-prediction layers, numbered after its last layer);
     - `export_config(hparams)`: the `config.json` written on export (None: no export);
     - `description`: one line for listings, e.g. "GPT-2 (transformers GPT2LMHeadModel)";
     - `facts`: anything else the model's code wants to know (e.g. input normalisation);
@@ -347,9 +349,14 @@ class Family:
     inert: tuple[str, ...] = ()
     sidecars: tuple[str, ...] = ()
     combine: tuple[Combine, ...] = ()
+    ignored: Callable[[Mapping[str, Any]], Sequence[str]] = lambda hparams: ()
 
     def rules_for(self, hparams: Mapping[str, Any]) -> tuple[Rule, ...]:
         return tuple(self.rules(hparams) if callable(self.rules) else self.rules)
+
+    def ignore_for(self, hparams: Mapping[str, Any]) -> tuple[str, ...]:
+        """The regexes of the keys a checkpoint of `hparams` holds that are not params."""
+        return (*self.ignore, *self.ignored(hparams))
 
     def unaccounted(self, config: Mapping[str, Any]) -> dict[str, Any]:
         """The keys of `config` (dotted within nested objects) that the family neither honours

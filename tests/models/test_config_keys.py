@@ -174,6 +174,14 @@ def test_a_hugging_face_resnet_takes_images_of_any_size():
             "rope_type 'yarn' but no original_max_position_embeddings",
         ),
         ("gpt-oss-tiny", {"layer_types": ["full_attention"]}, "num_hidden_layers=3"),
+        (
+            "deepseek-v3-tiny",
+            {"num_key_value_heads": 2},
+            "num_key_value_heads=2 and num_attention_heads=4",
+        ),
+        ("deepseek-v3-tiny", {"attention_bias": True}, "attention_bias=true"),
+        ("deepseek-v3-tiny", {"scoring_func": "softmax"}, "scoring_func='softmax'"),
+        ("deepseek-v3-tiny", {"topk_group": 3, "n_group": 3}, "model.router_groups=3 must split"),
     ],
 )
 def test_a_setting_zoo_does_not_build_is_refused_by_name(tmp_path, name, changes, named):

@@ -249,6 +249,11 @@ def decoded(model, tokens, prompt: int, mesh=ONE_DEVICE, rules=RULES) -> np.ndar
     return np.concatenate(pieces, axis=1)
 
 
+LATENT = {"kv_lora_rank": 8, "rope_head_dim": 4, "num_kv_heads": 0}
+"""Multi-head latent attention (DeepSeek V3's): each head's 8 features 4 unrotated, 4 rotated;
+its cache holds latents of 8 and rotated keys of 4."""
+
+
 @pytest.mark.parametrize(
     "variant",
     [
@@ -257,8 +262,10 @@ def decoded(model, tokens, prompt: int, mesh=ONE_DEVICE, rules=RULES) -> np.ndar
         {"num_kv_heads": 1, "local_rope_theta": 100.0},
         {"attention_softcap": 5.0, "final_softcap": 3.0, "norm_unit_offset": True},
         {"num_experts": 4, "experts_per_token": 2, "expert_mlp_dim": 16, "dense_layers": [1]},
+        {**LATENT, "q_lora_rank": 8, "value_head_dim": 6, "rope_interleaved": True},
+        {**LATENT, "value_head_dim": 12, "scan_layers": True},
     ],
-    ids=["loop", "scan", "mqa-local-rope", "softcaps", "experts"],
+    ids=["loop", "scan", "mqa-local-rope", "softcaps", "experts", "latent", "latent-scan"],
 )
 def test_decoding_against_the_cache_equals_the_full_forward_pass(batch, variant):
     """Mixed sliding and full layers, decoding 22 tokens past a prompt of 10: the sliding
@@ -269,6 +276,22 @@ def test_decoding_against_the_cache_equals_the_full_forward_pass(batch, variant)
     np.testing.assert_allclose(
         decoded(model, tokens, 10), logits(model, tokens), rtol=1e-5, atol=2e-5
     )
+
+
+@pytest.mark.parametrize("scan_layers", [False, True], ids=["loop", "scan"])
+def test_latent_attention_caches_the_latent_and_the_rotated_key(scan_layers):
+    """Per token and layer, the cache holds kv_lora_rank + rope_head_dim numbers (8 + 4), not
+    every head's keys and values (4 heads x (8 + 8)); a sliding layer's its window only."""
+    model = build(**MIXED, **LATENT, scan_layers=scan_layers)
+    with activate():
+        cache = model.empty_cache(2, 24)
+    layers = [cache] if scan_layers else list(cache)
+    shapes = [(keys.shape[-4:], values.shape[-4:]) for keys, values in layers]
+    if scan_layers:
+        assert shapes == [((2, 24, 1, 8), (2, 24, 1, 4))]
+    else:
+        windows = [8, 24, 8]  # sliding, full, sliding
+        assert shapes == [((2, n, 1, 8), (2, n, 1, 4)) for n in windows]
 
 
 def test_scanned_layers_compute_what_the_layer_loop_does(batch):
@@ -332,10 +355,29 @@ EXPERTS = {"num_experts": 4, "experts_per_token": 2, "expert_mlp_dim": 16, "dens
 """A dense first layer, then a mixture of 4 experts, 2 per token."""
 
 
+DEEPSEEK_LIKE = {
+    **EXPERTS,
+    **LATENT,
+    "q_lora_rank": 8,
+    "router_softmax": "sigmoid",
+    "router_groups": 2,
+    "router_groups_kept": 1,
+    "expert_weight_scale": 2.5,
+    "shared_expert_mlp_dim": 16,
+}
+"""Latent attention, and experts routed by sigmoid scores within groups beside a shared one."""
+
+
 @pytest.mark.parametrize(
     ("variant", "kv_rule"),
-    [({}, "tensor"), ({}, None), (GEMMA_LIKE, "tensor"), (EXPERTS, "tensor")],
-    ids=["kv-split", "kv-unsplit", "every-option", "experts"],
+    [
+        ({}, "tensor"),
+        ({}, None),
+        (GEMMA_LIKE, "tensor"),
+        (EXPERTS, "tensor"),
+        (DEEPSEEK_LIKE, "tensor"),
+    ],
+    ids=["kv-split", "kv-unsplit", "every-option", "experts", "deepseek"],
 )
 def test_the_loss_on_the_2x2x2_mesh_is_the_loss_on_one_device(batch, variant, kv_rule):
     """Heads, key/value heads (or not: the query heads split, the key/value heads whole), the
@@ -480,6 +522,16 @@ def test_bf16_params_are_held_and_computed_in_bfloat16(batch):
             {"num_experts": 4, "dense_layers": [0], "scan_layers": True},
             "model.scan_layers=true runs one layer's structure",
         ),
+        ({"q_lora_rank": 8}, "model.q_lora_rank=8 sets multi-head latent attention"),
+        ({"kv_lora_rank": 8}, "model.rope_head_dim=0 must be between 1 and"),
+        ({**LATENT, "num_kv_heads": 2}, "model.num_kv_heads=2 groups the key/value heads"),
+        ({**LATENT, "rope_mscale_all_dim": 1.0}, "model.rope_mscale_all_dim=1.0 is YaRN's"),
+        ({"num_experts": 4, "router_groups": 2}, "or model.router_softmax='sigmoid'"),
+        (
+            {"num_experts": 4, "router_softmax": "sigmoid", "router_groups": 4},
+            "model.router_groups=4 must split model.num_experts=4",
+        ),
+        ({"expert_weight_scale": 2.0}, "model.expert_weight_scale=2.0 sets a mixture"),
     ],
     ids=lambda v: str(v) if isinstance(v, dict) else "",
 )

@@ -74,6 +74,11 @@ def test_each_family_and_option_has_a_fixture():
         "rope": {h["rope_type"] for h in hparams} == {"default", "linear", "llama3", "yarn"},
         "sinks": any(h.get("attention_sinks") for h in hparams),
         "biased experts": any(h["num_experts"] and h["mlp_bias"] for h in hparams),
+        "latent": {bool(h["q_lora_rank"]) for h in hparams if h["kv_lora_rank"]} == {True, False},
+        "grouped sigmoid routing": any(
+            1 < h["router_groups_kept"] < h["router_groups"] and h["shared_expert_mlp_dim"]
+            for h in hparams
+        ),
         "local_rope": any(h["local_rope_theta"] for h in hparams),
         "window": any(0 < h["sliding_window"] < 16 and not h["layer_types"] for h in hparams),
         "pattern": any(len(set(h["layer_types"] or ())) == 2 for h in hparams),
@@ -185,6 +190,29 @@ def test_lora_on_gpt_oss_experts_merges_into_their_kernels():
         merged = np.asarray(trained.model(tokens))
     assert np.abs(adapted - plain).max() > 1e-2  # the adapters change the experts
     np.testing.assert_allclose(merged, adapted, rtol=0, atol=1e-5)
+
+
+def test_deepseek_multi_token_prediction_layers_are_ignored(tmp_path):
+    """A DeepSeek V3 checkpoint's multi-token-prediction layer, stored after its last layer
+    (`model.layers.<num_hidden_layers>.*`, as the hub's layer 61), is not loaded, as
+    transformers loads none: the model is the checkpoint's layers' alone."""
+    directory = tmp_path / "deepseek-v3-mtp"
+    shutil.copytree(FIXTURES / "deepseek-v3-tiny", directory)
+    tensors = dict(weights.open_pretrained(directory).tensors())
+    depth = config_of("deepseek-v3-tiny")["num_hidden_layers"]
+    for key in [k for k in tensors if k.startswith("model.layers.0.")]:
+        tensors[key.replace("layers.0.", f"layers.{depth}.")] = np.ones_like(tensors[key])
+    tensors[f"model.layers.{depth}.eh_proj.weight"] = np.ones((32, 64), np.float32)
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    (directory / "config.json").write_text(
+        json.dumps({**config_of("deepseek-v3-tiny"), "num_nextn_predict_layers": 1})
+    )
+    trained = zoo.load(directory, devices=jax.devices()[:1])
+    expected = reference("deepseek-v3-tiny")
+    with jax.default_matmul_precision("highest"):
+        out = zoo.predict(trained, expected["tokens"])
+    vocab = expected["logits"].shape[-1]
+    np.testing.assert_allclose(out[..., :vocab], expected["logits"], rtol=0, atol=1e-5)
 
 
 MXFP4 = "gpt-oss-mxfp4"
@@ -321,10 +349,19 @@ def test_mxfp4_experts_of_another_count_are_refused_by_key(tmp_path):
         zoo.load(directory, devices=jax.devices()[:1])
 
 
+SOFTMAX_ROUTED = [
+    name
+    for name in MIXTURES
+    if family_of(config_of(name)).hparams(config_of(name))["router_softmax"] != "sigmoid"
+]
+"""The mixtures whose transformers computes a load-balancing loss (DeepSeek V3's, routed by
+sigmoid scores, computes none)."""
+
+
 @pytest.mark.parametrize(
     "mesh", [None, MESH, *EXPERT_MESHES.values()], ids=["one device", "2x2x2", *EXPERT_MESHES]
 )
-@pytest.mark.parametrize("name", MIXTURES)
+@pytest.mark.parametrize("name", SOFTMAX_ROUTED)
 def test_the_router_loss_is_transformers_and_joins_the_training_loss(name, mesh):
     """With output_router_logits, the language-model loss of a padded batch holds the router's
     load-balancing loss transformers computes (`router_aux_loss`, over the real tokens alone),
@@ -678,8 +715,87 @@ PUBLISHED["gpt-oss-20b"] = {
     "vocab_size": 201088,
 }
 
+PUBLISHED["DeepSeek-V3"] = {  # its quantization_config (FP8 blocks) left out: refused
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "aux_loss_alpha": 0.001,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "ep_size": 1,
+    "first_k_dense_replace": 3,
+    "hidden_act": "silu",
+    "hidden_size": 7168,
+    "initializer_range": 0.02,
+    "intermediate_size": 18432,
+    "kv_lora_rank": 512,
+    "max_position_embeddings": 163840,
+    "model_type": "deepseek_v3",
+    "moe_intermediate_size": 2048,
+    "moe_layer_freq": 1,
+    "n_group": 8,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "num_attention_heads": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 61,
+    "num_key_value_heads": 128,
+    "num_nextn_predict_layers": 1,
+    "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 40,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+    "rope_theta": 10000,
+    "routed_scaling_factor": 2.5,
+    "scoring_func": "sigmoid",
+    "seq_aux": True,
+    "tie_word_embeddings": False,
+    "topk_group": 4,
+    "topk_method": "noaux_tc",
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.33.1",
+    "use_cache": True,
+    "v_head_dim": 128,
+    "vocab_size": 129280,
+}
+
 # What each published config implies that a misreading would change.
 PUBLISHED_HPARAMS = {
+    "DeepSeek-V3": {
+        "head_dim": 192,
+        "kv_lora_rank": 512,
+        "q_lora_rank": 1536,
+        "rope_head_dim": 64,
+        "value_head_dim": 128,
+        "rope_interleaved": True,
+        "rope_type": "yarn",
+        "rope_factor": 40.0,
+        "rope_original_context": 4096,
+        "rope_attention_factor": 1.0,  # mscale / mscale_all_dim
+        "rope_mscale_all_dim": 1.0,
+        "num_experts": 256,
+        "experts_per_token": 8,
+        "expert_mlp_dim": 2048,
+        "mlp_dim": 18432,
+        "shared_expert_mlp_dim": 2048,
+        "router_softmax": "sigmoid",
+        "router_groups": 8,
+        "router_groups_kept": 4,
+        "expert_weight_scale": 2.5,
+        "normalize_expert_weights": True,
+        "dense_layers": [0, 1, 2],
+        "tie_embeddings": False,
+    },
     "gpt-oss-20b": {
         "num_experts": 32,
         "experts_per_token": 4,
@@ -771,6 +887,23 @@ BUILT = {
         "rope_theta": 1e6,
         "sliding_window": 8,
         "layer_types": ["sliding_attention", "full_attention"] * 2,
+    },
+    "deepseek_v3": {
+        "head_dim": 24,
+        "kv_lora_rank": 16,
+        "q_lora_rank": 24,
+        "rope_head_dim": 8,
+        "value_head_dim": 16,
+        "rope_interleaved": True,
+        "num_experts": 4,
+        "experts_per_token": 2,
+        "expert_mlp_dim": 32,
+        "router_softmax": "sigmoid",
+        "router_groups": 2,
+        "router_groups_kept": 1,
+        "expert_weight_scale": 2.5,
+        "shared_expert_mlp_dim": 64,
+        "dense_layers": [0],
     },
 }
 

@@ -119,7 +119,7 @@ class Pretrained:
         those of keys its family ignores (from the files' headers), a tensor stored in parts
         counted as decoded."""
         headers = {path: _header(path)[1] for path in set(self.files.values())}
-        ignore = [re.compile(pattern) for pattern in self.family.ignore]
+        ignore = [re.compile(pattern) for pattern in self.family.ignore_for(self.hparams())]
         parts = {key for combined in self.combined.values() for key in combined.keys}
         stored = sum(
             math.prod(headers[path][key]["shape"])
@@ -501,7 +501,7 @@ def plan_fill(
     skipped = [p for p in targets if any(matches(s, p) for s in skip)]
     table = pretrained.family.rules_for(hparams)
     stacked = tuple(pretrained.family.stacked(hparams))
-    ignore = [re.compile(pattern) for pattern in pretrained.family.ignore]
+    ignore = [re.compile(pattern) for pattern in pretrained.family.ignore_for(hparams)]
     unmapped, absent, differ, filling = [], [], [], {}
     decodings: list[_Decoding] = []
     for key, tensor in pretrained.stored():
