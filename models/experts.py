@@ -85,8 +85,10 @@ class Router(nnx.Module):
             if options.router_bias
             else None
         )
+        # A statistic of the experts' load, not a weight: no gradient reaches it, and no
+        # optimizer (AdamW's decay included) moves it; the hub's checkpoints hold it as a buffer.
         self.correction_bias = (
-            nnx.Param(zeros(rngs.params(), (options.num_experts,), dtype))
+            nnx.BatchStat(zeros(rngs.params(), (options.num_experts,), dtype))
             if options.router_softmax == "sigmoid"
             else None
         )
@@ -127,7 +129,7 @@ class Router(nnx.Module):
         `groups_kept` groups whose two best biased scores sum highest; the weights are the
         chosen scores, divided by their sum (+1e-20) with `normalize`."""
         scores = jax.nn.sigmoid(logits)
-        bias = jax.lax.stop_gradient(self.correction_bias[...]).astype(jnp.float32)
+        bias = self.correction_bias[...].astype(jnp.float32)
         choice = scores + bias
         if self.groups > 1:
             choice = jnp.where(self._kept_groups(choice), choice, -jnp.inf)
