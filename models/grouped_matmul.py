@@ -10,7 +10,9 @@ padded with zero rows), every tile holds rows of one group, and one batched prod
 each tile by its group's matrix. The padding is at most `tile - 1` rows per group, so the work
 is that of (rows + experts x (tile - 1)) rows, whatever the routing; the padded layout has a
 size known when tracing, as XLA needs. The tiles go through a few at a time, each with its
-group's kernel gathered, so the gathered kernels never outgrow the experts' own.
+group's kernel gathered, so the gathered kernels never outgrow the experts' own; rows that no
+group holds (sorted last) are skipped, a step of tiles at a time, so the work follows the rows
+the groups hold, not the size of the arrays.
 """
 
 from __future__ import annotations
@@ -40,33 +42,48 @@ def tiles_per_step(tiles: int, groups: int) -> int:
 @jax.checkpoint
 def grouped_matmul(rows: jax.Array, kernels: jax.Array, sizes: jax.Array) -> jax.Array:
     """rows [M, in] sorted by group, kernels [G, out, in] (each (out, in), as the checkpoints
-    hold them), sizes [G] (the rows of each group, summing to M) -> [M, out]: each row times
-    its group's kernel, transposed.
+    hold them), sizes [G] (the rows of each group, summing to at most M) -> [M, out]: each row
+    times its group's kernel, transposed; the rows past the groups' (M - sum(sizes), which no
+    group holds) come out zero.
 
     The tiles are multiplied a few at a time (`tiles_per_step`, a `lax.scan`): each step
     gathers its tiles' kernels, so what is held is a step's kernels, not a kernel per tile (for
     Qwen3-30B-A3B's 128 experts and 4,096 tokens, 384 tiles: three times the layer's expert
-    weights, kept per layer). The backward pass lays the rows out again rather than keep them
-    (`jax.checkpoint`)."""
+    weights, kept per layer). A step whose tiles hold no group's rows is skipped (`lax.cond`,
+    forward and backward), so the work follows the rows the groups hold, not M: an expert
+    device computes the pairs of its own experts among every pair of its group. The backward
+    pass lays the rows out again rather than keep them (`jax.checkpoint`)."""
     count, width = rows.shape
     groups = kernels.shape[0]
     tile = tile_rows(count, groups)
     tiles = -(-(count + groups * (tile - 1)) // tile)  # enough for any sizes summing to M
     step = tiles_per_step(tiles, groups)
     tiles = -(-tiles // step) * step
+    held = jnp.arange(count) < jnp.sum(sizes)  # the rows some group holds
     padded = (sizes + tile - 1) // tile * tile
     padded_ends = jnp.cumsum(padded)
     group = jnp.repeat(jnp.arange(groups), sizes, total_repeat_length=count)
     slot = (padded_ends - padded)[group] + jnp.arange(count) - (jnp.cumsum(sizes) - sizes)[group]
-    laid_out = jnp.zeros((tiles * tile, width), rows.dtype).at[slot].set(rows)
-    tile_group = jnp.searchsorted(padded_ends, jnp.arange(tiles) * tile, side="right")
+    slot = jnp.where(held, slot, padded_ends[-1] + jnp.arange(count) - jnp.sum(sizes))
+    laid_out = (
+        jnp.zeros((tiles * tile, width), rows.dtype).at[slot].set(jnp.where(held[:, None], rows, 0))
+    )
+    starts = jnp.arange(tiles) * tile
+    tile_group = jnp.searchsorted(padded_ends, starts, side="right")
     tile_group = jnp.minimum(tile_group, groups - 1)  # tiles past the last: zeros in
+    step_used = (starts < padded_ends[-1]).reshape(-1, step).any(axis=1)
 
     @jax.checkpoint  # the backward pass gathers a step's kernels again, not keep every step's
     def multiply(_, inputs):
-        block, block_groups = inputs
-        return None, jnp.einsum("tri,toi->tro", block, kernels[block_groups])
+        block, block_groups, used = inputs
+        return None, jax.lax.cond(
+            used,
+            lambda: jnp.einsum("tri,toi->tro", block, kernels[block_groups]),
+            # zeros, as a product over no features: typed as the product is (within
+            # `shard_map`, varying over the mesh axes its inputs vary over)
+            lambda: jnp.einsum("tri,oi->tro", block[..., :0], kernels[0, :, :0]),
+        )
 
-    steps = (laid_out.reshape(tiles // step, step, tile, width), tile_group.reshape(-1, step))
-    _, products = jax.lax.scan(multiply, None, steps)
-    return products.reshape(tiles * tile, -1)[slot]
+    blocks = laid_out.reshape(tiles // step, step, tile, width)
+    _, products = jax.lax.scan(multiply, None, (blocks, tile_group.reshape(-1, step), step_used))
+    return jnp.where(held[:, None], products.reshape(tiles * tile, -1)[slot], 0)

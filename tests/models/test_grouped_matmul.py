@@ -23,10 +23,12 @@ def ragged(rows, kernels, sizes):
 
 @pytest.mark.parametrize(
     "sizes",
-    [[0, 7, 13, 0], [5, 5, 5, 5], [20, 0, 0, 0], [0, 0, 0, 20], [1, 2, 3, 14]],
-    ids=["empty-groups", "even", "all-first", "all-last", "uneven"],
+    [[0, 7, 13, 0], [5, 5, 5, 5], [20, 0, 0, 0], [0, 0, 0, 20], [1, 2, 3, 14], [3, 0, 4, 2]],
+    ids=["empty-groups", "even", "all-first", "all-last", "uneven", "rows-past-the-groups"],
 )
 def test_values_and_gradients_are_ragged_dot_s(sizes):
+    """The rows past the groups' (as an expert device's pairs of other devices' experts) come
+    out zero and take no gradient, as `ragged_dot` gives them."""
     rng = np.random.default_rng(0)
     rows = jnp.asarray(rng.normal(size=(20, 12)), jnp.float32)
     kernels = jnp.asarray(rng.normal(size=(4, 5, 12)), jnp.float32)
