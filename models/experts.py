@@ -99,7 +99,10 @@ class Router(nnx.Module):
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [N, dim] -> (weights [N, k], experts [N, k] int32, probabilities [N, E] float32)."""
-        logits = x @ self.kernel[...].T
+        dtype, kernel = x.dtype, self.kernel[...]
+        if self.correction_bias is not None:  # DeepSeek V3 weighs in float32 from the start
+            dtype, x, kernel = jnp.float32, x.astype(jnp.float32), kernel.astype(jnp.float32)
+        logits = x @ kernel.T
         if self.bias is not None:
             logits = logits + self.bias[...]
         logits = logits.astype(jnp.float32)
@@ -109,7 +112,7 @@ class Router(nnx.Module):
             weights, experts, probs = self._softmax_routing(logits)
         if self.weight_scale != 1.0:
             weights = weights * self.weight_scale
-        return weights.astype(x.dtype), experts.astype(jnp.int32), probs
+        return weights.astype(dtype), experts.astype(jnp.int32), probs
 
     def _softmax_routing(self, logits: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         probs = jax.nn.softmax(logits, axis=-1)
@@ -344,10 +347,10 @@ def _combine(gated, hidden, split: ExpertSplit, tokens, weights, chosen, project
 
     With the experts split over devices (`split`), a device computes the pairs of the tokens
     of its expert group whose experts it holds: the pairs of other devices' experts are sorted
-    last and ride on its last expert's group as zero rows weighted zero (the product is sized
-    for every pair, as dropless routing needs whatever the routing); the outputs go back to
-    their tokens' devices summed. Without a split every pair is this device's: the computation is the
-    unsplit one, bit for bit."""
+    last, past every group's rows, where the grouped product gives zeros and skips their tiles
+    (the arrays are sized for every pair, as dropless routing needs whatever the routing; the
+    work is this device's pairs); the outputs go back to their tokens' devices summed. Without
+    a split every pair is this device's: the computation is the unsplit one, bit for bit."""
     if split.gathered:
         tokens, weights, chosen = (
             jax.lax.all_gather(a, split.gathered, tiled=True) for a in (tokens, weights, chosen)
@@ -357,8 +360,7 @@ def _combine(gated, hidden, split: ExpertSplit, tokens, weights, chosen, project
     local, mine = _local_experts(chosen, count, split)
     order = jnp.argsort(local, stable=True)
     token_of, expert_of = order // top_k, jnp.minimum(local[order], count - 1)
-    sizes = jnp.bincount(local, length=count).astype(jnp.int32)
-    sizes = sizes.at[-1].add(local.size - jnp.sum(sizes))  # other devices' pairs, weighted 0
+    sizes = jnp.bincount(local, length=count).astype(jnp.int32)  # other devices' pairs: none
 
     def project(x: jax.Array, name: str) -> jax.Array:
         kernel, *adapter = projections[name]
@@ -371,16 +373,18 @@ def _combine(gated, hidden, split: ExpertSplit, tokens, weights, chosen, project
     def biased(y: jax.Array, name: str) -> jax.Array:
         return y + biases[name][expert_of] if biases else y
 
-    rows = jnp.where(mine[order][:, None], tokens[token_of], 0)  # other devices' pairs: zeros
+    rows = tokens[token_of]
     middle = gated(biased(project(rows, "gate"), "gate"), biased(project(rows, "up"), "up"))
     outputs = project(middle, "down")
     if hidden is not None:
         outputs = jax.lax.psum(outputs, hidden)
     weight = jnp.where(mine, weights.reshape(-1), 0)[order]
-    combined = jnp.zeros_like(tokens).at[token_of].add(biased(outputs, "down") * weight[:, None])
+    weighted = biased(outputs, "down") * weight[:, None]  # summed in the weights' dtype
+    combined = jnp.zeros(tokens.shape, weighted.dtype).at[token_of].add(weighted)
     if split.gathered:
         combined = jax.lax.psum_scatter(combined, split.gathered, tiled=True)
-    return jax.lax.psum(combined, split.summed) if split.summed else combined
+    combined = jax.lax.psum(combined, split.summed) if split.summed else combined
+    return combined.astype(tokens.dtype)
 
 
 @dataclasses.dataclass
