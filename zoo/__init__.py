@@ -11,6 +11,7 @@
     gpt2 = zoo.load("gpt2")                             # a pretrained checkpoint directory
     zoo.export(result.workdir, "out", format="hf")      # back to the checkpoint family's layout
     text = zoo.generate(gpt2, "Hello", max_new_tokens=20)  # through the model's tokenizer
+    zoo.evaluate_lm(gpt2, "hellaswag", limit=100)      # lm-evaluation-harness tasks (zoo[eval])
 
 zoo is one import name in three layers: the front (command line, Hydra composition, this API)
 uses the plugins `zoo.models` and `zoo.data`, which use the engine `zoo.engine`; nothing below
@@ -38,6 +39,7 @@ from zoo.engine.registry import (
 from zoo.evaluation import evaluate
 from zoo.exporting import export
 from zoo.finetuning import finetune
+from zoo.lm_evaluation import LMEvalCallback, evaluate_lm
 from zoo.loading import load
 from zoo.overrides import compose
 from zoo.predicting import predict
@@ -52,6 +54,7 @@ __all__ = [
     "CallbackFailed",
     "CallbackStop",
     "Interrupted",
+    "LMEvalCallback",
     "ModelEntry",
     "NonFiniteLoss",
     "RunResult",
@@ -61,6 +64,7 @@ __all__ = [
     "compose",
     "create_model",
     "evaluate",
+    "evaluate_lm",
     "export",
     "finetune",
     "fit",

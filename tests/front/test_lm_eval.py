@@ -1,0 +1,166 @@
+"""zoo as an lm-evaluation-harness model: the harness's tasks give through zoo's model the
+log-likelihoods, rolling log-likelihoods, replies and metrics that its own Hugging Face backend
+gives on the same checkpoint in transformers (tests/fixtures/lm_eval/make_lm_eval.py wrote
+them: a tiny Qwen 3, local tasks); `zoo.evaluate_lm`, `python -m zoo.eval` and the training
+callback write the metrics as JSON and to TensorBoard."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from helpers import ROOT, TINY_TEXT_FINETUNE, read_events, run_module, scalar_steps
+from lm_eval import simple_evaluate
+from lm_eval.api.registry import get_model
+from lm_eval.tasks import TaskManager
+
+import zoo
+from zoo.lm_harness import ZooLM
+
+FIXTURES = ROOT / "tests" / "fixtures"
+QWEN3 = FIXTURES / "pretrained" / "qwen3-chat"
+LM_EVAL = FIXTURES / "lm_eval"
+REFERENCE = json.loads((LM_EVAL / "reference.json").read_text())
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def tasks(tmp_path_factory):
+    """The reference's tasks as YAML files (JSON is YAML) naming their data by absolute path."""
+    folder = tmp_path_factory.mktemp("tasks")
+    for name, config in REFERENCE["tasks"].items():
+        files = config["dataset_kwargs"]["data_files"]
+        placed = {split: str(LM_EVAL / path) for split, path in files.items()}
+        text = json.dumps({**config, "dataset_kwargs": {"data_files": placed}})
+        (folder / f"{name}.yaml").write_text(text)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    return zoo.load(QWEN3, devices=jax.devices()[:1])
+
+
+def harness_run(lm: ZooLM, names: list[str], tasks) -> dict:
+    manager = TaskManager(include_path=str(tasks), include_defaults=False)
+    return simple_evaluate(model=lm, tasks=names, log_samples=True, task_manager=manager)
+
+
+def answers(results: dict, task: str) -> list:
+    samples = sorted(results["samples"][task], key=lambda s: s["doc_id"])
+    return [[resp[0] for resp in sample["resps"]] for sample in samples]
+
+
+@pytest.fixture(scope="module")
+def short(qwen3, tasks):
+    return harness_run(ZooLM(qwen3, batch_size=4), ["tiny_choice", "tiny_generate"], tasks)
+
+
+@pytest.fixture(scope="module")
+def rolling(qwen3, tasks):
+    lm = ZooLM(qwen3, batch_size=4, max_length=REFERENCE["rolling_max_length"])
+    return harness_run(lm, ["tiny_rolling"], tasks)
+
+
+def test_loglikelihoods_and_accuracy_equal_the_harness_hf_backend(short):
+    mine, theirs = answers(short, "tiny_choice"), REFERENCE["tiny_choice"]["requests"]
+    assert len(mine) == len(theirs) == 5
+    for question, expected in zip(mine, theirs, strict=True):
+        np.testing.assert_allclose(
+            [ll for ll, _ in question], [ll for ll, _ in expected], atol=TOLERANCE
+        )
+        assert [greedy for _, greedy in question] == [greedy for _, greedy in expected]
+    for metric, value in REFERENCE["tiny_choice"]["metrics"].items():
+        assert abs(short["results"]["tiny_choice"][f"{metric},none"] - value) <= TOLERANCE
+
+
+def test_rolling_loglikelihoods_over_several_windows_equal_the_harness(rolling):
+    mine = [ll for (ll,) in answers(rolling, "tiny_rolling")]
+    theirs = [ll for (ll,) in REFERENCE["tiny_rolling"]["requests"]]
+    np.testing.assert_allclose(mine, theirs, atol=TOLERANCE)
+    got, expected = rolling["results"]["tiny_rolling"], REFERENCE["tiny_rolling"]["metrics"]
+    assert abs(got["bits_per_byte,none"] - expected["bits_per_byte"]) <= TOLERANCE
+    np.testing.assert_allclose(got["word_perplexity,none"], expected["word_perplexity"], rtol=1e-5)
+
+
+def test_generate_until_replies_are_zoo_generate_greedy_and_the_harness(short, qwen3):
+    prompts = [json.loads(line)["prompt"] for line in (LM_EVAL / "prompts.jsonl").open()]
+    settings = REFERENCE["tasks"]["tiny_generate"]["generation_kwargs"]
+    replies = zoo.generate(
+        qwen3, prompts, settings["max_gen_toks"], temperature=0.0, stop=settings["until"]
+    )
+    mine = [reply for (reply,) in answers(short, "tiny_generate")]
+    assert mine == replies == [reply for (reply,) in REFERENCE["tiny_generate"]["requests"]]
+
+
+def test_registered_with_the_harness_and_built_from_its_argument_string(qwen3):
+    assert get_model("zoo") is ZooLM
+    lm = ZooLM.create_from_arg_string(f"pretrained={QWEN3},max_length=64", {"batch_size": "2"})
+    assert (lm.batch_size, lm.max_length, lm.prefix_token_id) == (2, 64, 381)
+    with pytest.raises(zoo.ZooError, match="batch_size='auto' is not a positive whole number"):
+        ZooLM(qwen3, batch_size="auto")
+
+
+def test_evaluate_lm_writes_json_and_tensorboard(qwen3, tasks, tmp_path):
+    metrics = zoo.evaluate_lm(
+        qwen3,
+        "tiny_choice",
+        include=tasks,
+        output=tmp_path / "results.json",
+        tensorboard=tmp_path / "events",
+    )
+    assert metrics == {"tiny_choice": REFERENCE["tiny_choice"]["metrics"]}
+    written = json.loads((tmp_path / "results.json").read_text())
+    assert written["metrics"] == metrics and written["step"] == 0
+    events = read_events(tmp_path / "events")
+    assert scalar_steps(events, "lm_eval/tiny_choice/acc_norm") == {0: 0.0}
+
+
+def test_command_line_writes_json_and_tensorboard(tasks, tmp_path):
+    result = run_module(
+        "zoo.eval",
+        QWEN3,
+        "tasks=tiny_choice",
+        f"include={tasks}",
+        "limit=2",
+        "batch_size=2",
+        f"output={tmp_path / 'out.json'}",
+        f"tensorboard={tmp_path}",
+    )
+    assert result.returncode == 0, result.stderr
+    assert "tiny_choice acc 0" in result.stdout
+    written = json.loads((tmp_path / "out.json").read_text())
+    assert written["results"]["tiny_choice"]["sample_len"] == 2
+    assert scalar_steps(read_events(tmp_path), "lm_eval/tiny_choice/acc") == {0: 0.0}
+
+
+def test_command_line_refuses_an_unknown_task_and_a_bad_option(tasks):
+    misspelt = run_module("zoo.eval", QWEN3, "tasks=tiny_choise", f"include={tasks}")
+    assert misspelt.returncode == 2
+    assert "no task, group or tag named 'tiny_choise'" in misspelt.stderr
+    assert "close names: tiny_choice" in misspelt.stderr
+    bad = run_module("zoo.eval", QWEN3, "tasks=tiny_choice", "limit=many")
+    assert bad.returncode == 2 and "limit='many' is not a number" in bad.stderr
+    unknown = run_module("zoo.eval", QWEN3, "tasks=tiny_choice", "shots=3")
+    assert unknown.returncode == 2 and "usage: python -m zoo.eval" in unknown.stderr
+
+
+def test_callback_evaluates_a_run_at_its_checkpoints_into_its_tensorboard(tasks, tmp_path):
+    callback = zoo.LMEvalCallback("tiny_choice", every=3, include=tasks, limit=2)
+    result = zoo.fit(
+        "decoder",
+        f"finetune.init_from={QWEN3}",
+        *TINY_TEXT_FINETUNE,
+        "trainer.checkpoint_every=3",
+        f"workdir={tmp_path}",
+        callbacks=[callback],
+    )
+    assert list(callback.results) == [3]
+    again = zoo.evaluate_lm(
+        result.workdir, "tiny_choice", include=tasks, limit=2, tensorboard=False
+    )
+    assert callback.results[3] == again
+    events = read_events(tmp_path)
+    assert scalar_steps(events, "lm_eval/tiny_choice/acc") == {3: again["tiny_choice"]["acc"]}
