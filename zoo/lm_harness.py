@@ -49,7 +49,7 @@ from zoo.engine import sharding, steps
 from zoo.engine.errors import ZooError
 from zoo.engine.loop import RunResult
 from zoo.loading import load
-from zoo.models.sampling_loop import prompt_bucket, require_language_model
+from zoo.models.sampling_loop import prompt_bucket
 from zoo.pretrained import run_tokenizer
 from zoo.text_generation import checkpoint_dir, checkpoint_eos, generate
 from zoo.trained import TrainedModel
@@ -94,7 +94,7 @@ class ZooLM(TemplateLM):
         super().__init__()
         if isinstance(pretrained, str | os.PathLike):
             pretrained = load(pretrained, step, devices=jax.devices()[:1])
-        require_language_model(pretrained.model)
+        _require_language_model(pretrained)
         self.trained = pretrained
         self.batch_size = _positive("batch_size", batch_size)
         self.max_length = _positive(
@@ -240,6 +240,15 @@ class ZooLM(TemplateLM):
             "top_p": float(kwargs.get("top_p") or 1.0),
             "min_p": float(kwargs.get("min_p") or 0.0),
         }
+
+
+def _require_language_model(trained: TrainedModel | RunResult) -> None:
+    model = trained.model
+    if not all(hasattr(model, n) for n in ("vocab_size", "context_length", "decode")):
+        raise ZooError(
+            f"lm-evaluation-harness scores language models (gpt, decoder): the model of "
+            f"{trained.workdir} is a {trained.config.model.name} ({type(model).__name__})."
+        )
 
 
 def _positive(name: str, value: Any) -> int:

@@ -95,6 +95,32 @@ def test_generate_until_replies_are_zoo_generate_greedy_and_the_harness(short, q
     assert mine == replies == [reply for (reply,) in REFERENCE["tiny_generate"]["requests"]]
 
 
+def test_on_a_mesh_of_every_device_the_loglikelihoods_are_the_same(short, tasks):
+    """Loaded data-parallel over the 8 devices: each batch of 4 rows padded to 8 and split."""
+    spread = harness_run(ZooLM(zoo.load(QWEN3), batch_size=4), ["tiny_choice"], tasks)
+    np.testing.assert_allclose(
+        [[ll for ll, _ in q] for q in answers(spread, "tiny_choice")],
+        [[ll for ll, _ in q] for q in answers(short, "tiny_choice")],
+        atol=1e-5,
+    )
+
+
+def test_bad_input_is_refused_by_name(qwen3, tasks, tmp_path):
+    with pytest.raises(zoo.ZooError, match="tasks= names no task"):
+        zoo.evaluate_lm(qwen3, " , ", include=tasks)
+    with pytest.raises(zoo.ZooError, match="include='no_such_dir' is not a folder"):
+        zoo.evaluate_lm(qwen3, "tiny_choice", include="no_such_dir")
+    resnet = FIXTURES / "pretrained" / "resnet18-timm"
+    with pytest.raises(zoo.ZooError, match="scores language models .* is a resnet"):
+        zoo.evaluate_lm(resnet, "tiny_choice", include=tasks)
+    beams = {**REFERENCE["tasks"]["tiny_generate"], "task": "beams"}
+    beams["generation_kwargs"] = {"until": ["\n"], "num_beams": 4}
+    beams["dataset_kwargs"] = {"data_files": {"test": str(LM_EVAL / "prompts.jsonl")}}
+    (tmp_path / "beams.yaml").write_text(json.dumps(beams))
+    with pytest.raises(zoo.ZooError, match="generation_kwargs 'num_beams' .* not options"):
+        zoo.evaluate_lm(qwen3, "beams", include=tmp_path, limit=1)
+
+
 def test_registered_with_the_harness_and_built_from_its_argument_string(qwen3):
     assert get_model("zoo") is ZooLM
     lm = ZooLM.create_from_arg_string(f"pretrained={QWEN3},max_length=64", {"batch_size": "2"})
