@@ -12,7 +12,8 @@ task's numbers compare with those the harness reports for the same checkpoint in
 - `loglikelihood_rolling`: a text's log-likelihood in windows of `max_length` tokens, the first
   after the prefix token, as the harness cuts them (`get_rolling_token_windows`);
 - `generate_until`: `zoo.generate`'s reply (its KV-cache engine), greedy unless the task samples,
-  cut at the task's `until` strings and the checkpoint's end-of-sequence ids.
+  cut at the task's `until` strings and the checkpoint's end-of-sequence ids, without the
+  special tokens it wrote (`<|end_header_id|>`), which the `hf` backend leaves out.
 
 Texts are encoded as the checkpoint's tokenizer encodes them by default (Llama 3 prepends BOS,
 Qwen adds nothing); a byte-level model reads UTF-8 bytes. The prefix token that stands before a
@@ -49,7 +50,7 @@ from zoo.engine import sharding, steps
 from zoo.engine.errors import ZooError
 from zoo.engine.loop import RunResult
 from zoo.loading import load
-from zoo.models.sampling_loop import prompt_bucket
+from zoo.models.sampling_loop import Completion, prompt_bucket
 from zoo.pretrained import run_tokenizer
 from zoo.text_generation import checkpoint_dir, checkpoint_eos, generate
 from zoo.trained import TrainedModel
@@ -106,8 +107,12 @@ class ZooLM(TemplateLM):
         self._tokenizer = load_tokenizer(path) if path else None
         with pretrained.activate():
             self._model = steps.computing(pretrained.model, config.trainer.precision)
-        self._prefix = self._prefix_id()
-        self._prefix_text = self._tokenizer.decode([self._prefix]) if self._tokenizer else None
+        self._prefix = self._special_id(("bos_token", "eos_token"))
+        self._prefix_text = (
+            self._tokenizer.decode([self._prefix], skip_special_tokens=False)
+            if self._tokenizer
+            else None
+        )
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None):
@@ -116,12 +121,15 @@ class ZooLM(TemplateLM):
         batch = {"batch_size": given["batch_size"]} if "batch_size" in given else {}
         return cls(**simple_parse_args_string(arg_string), **batch)
 
-    def _prefix_id(self) -> int:
+    def _special_id(self, names: tuple[str, ...]) -> int:
+        """The id of the first of the tokenizer's special tokens `names` it has
+        (`tokenizer_config.json`), else the checkpoint's first end-of-sequence id, else a
+        newline's first id (a byte for a byte-level model)."""
         if self._tokenizer is None:
             return ord("\n")
         directory = checkpoint_dir(self.trained)
         named = special_tokens(directory) if directory else {}
-        for name in ("bos_token", "eos_token"):
+        for name in names:
             if named.get(name) and (found := self._tokenizer.token_to_id(named[name])) is not None:
                 return found
         eos = checkpoint_eos(self.trained)
@@ -129,7 +137,7 @@ class ZooLM(TemplateLM):
 
     @property
     def eot_token_id(self) -> int:
-        return self._prefix
+        return self._special_id(("eos_token",))
 
     @property
     def prefix_token_id(self) -> int:
@@ -142,7 +150,7 @@ class ZooLM(TemplateLM):
         if self._tokenizer is None:
             return list(string.encode())
         if add_special_tokens is None:
-            add_special_tokens = not string.startswith(self._prefix_text)
+            add_special_tokens = not (self._prefix_text and string.startswith(self._prefix_text))
         return self._tokenizer.encode(string, add_special_tokens=add_special_tokens).ids
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **_):
@@ -214,11 +222,21 @@ class ZooLM(TemplateLM):
                     np.asarray(self.tok_encode(requests[i].args[0])[-room:], np.int32)
                     for i in chunk
                 ]
-                texts = generate(self.trained, prompts, seed=self.seed, **settings)
-                for i, text in zip(chunk, texts, strict=True):
+                done = generate(self.trained, prompts, seed=self.seed, logprobs=True, **settings)
+                for i, row in zip(chunk, done, strict=True):
+                    text = self._reply(row, settings["stop"])
                     replies[i] = text
                     self.cache_hook.add_partial("generate_until", requests[i].args, text)
         return replies
+
+    def _reply(self, row: Completion, stops: list[str]) -> str:
+        """A row's text as the harness's `hf` backend gives it: its tokens decoded without
+        the special tokens among them (`zoo.generate` writes them out), cut at the first stop."""
+        if self._tokenizer is None:
+            return row.text
+        text = self._tokenizer.decode(row.tokens, skip_special_tokens=True)
+        ends = [text.find(stop) for stop in stops if stop and stop in text]
+        return text[: min(ends)] if ends else text
 
     def _generation_settings(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         """A task's `generation_kwargs` as `zoo.generate` takes them: greedy unless

@@ -1,7 +1,7 @@
 """zoo as an lm-evaluation-harness model: the harness's tasks give through zoo's model the
 log-likelihoods, rolling log-likelihoods, replies and metrics that its own Hugging Face backend
 gives on the same checkpoint in transformers (tests/fixtures/lm_eval/make_lm_eval.py wrote
-them: a tiny Qwen 3, local tasks); `zoo.evaluate_lm`, `python -m zoo.eval` and the training
+them: a tiny Qwen 3 and a tiny Llama 3, whose tokenizer prepends BOS; local tasks); `zoo.evaluate_lm`, `python -m zoo.eval` and the training
 callback write the metrics as JSON and to TensorBoard."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from helpers import ROOT, TINY_TEXT_FINETUNE, read_events, run_module, scalar_st
 from lm_eval import simple_evaluate
 from lm_eval.api.registry import get_model
 from lm_eval.tasks import TaskManager
+from zoo.data.text import load_tokenizer
 
 import zoo
 from zoo.lm_harness import ZooLM
@@ -23,6 +24,7 @@ FIXTURES = ROOT / "tests" / "fixtures"
 QWEN3 = FIXTURES / "pretrained" / "qwen3-chat"
 LM_EVAL = FIXTURES / "lm_eval"
 REFERENCE = json.loads((LM_EVAL / "reference.json").read_text())
+QWEN3_REFERENCE = REFERENCE["checkpoints"]["qwen3-chat"]
 TOLERANCE = 1e-4
 
 
@@ -53,55 +55,73 @@ def answers(results: dict, task: str) -> list:
     return [[resp[0] for resp in sample["resps"]] for sample in samples]
 
 
-@pytest.fixture(scope="module")
-def short(qwen3, tasks):
-    return harness_run(ZooLM(qwen3, batch_size=4), ["tiny_choice", "tiny_generate"], tasks)
+@pytest.fixture(scope="module", params=list(REFERENCE["checkpoints"]))
+def checkpoint(request):
+    """(its reference answers, the checkpoint loaded on one device)."""
+    loaded = zoo.load(FIXTURES / "pretrained" / request.param, devices=jax.devices()[:1])
+    return REFERENCE["checkpoints"][request.param], loaded
 
 
 @pytest.fixture(scope="module")
-def rolling(qwen3, tasks):
-    lm = ZooLM(qwen3, batch_size=4, max_length=REFERENCE["rolling_max_length"])
-    return harness_run(lm, ["tiny_rolling"], tasks)
+def short(checkpoint, tasks):
+    lm = ZooLM(checkpoint[1], batch_size=4)
+    return checkpoint[0], harness_run(lm, ["tiny_choice", "tiny_generate"], tasks)
+
+
+@pytest.fixture(scope="module")
+def rolling(checkpoint, tasks):
+    lm = ZooLM(checkpoint[1], batch_size=4, max_length=REFERENCE["rolling_max_length"])
+    return checkpoint[0], harness_run(lm, ["tiny_rolling"], tasks)
 
 
 def test_loglikelihoods_and_accuracy_equal_the_harness_hf_backend(short):
-    mine, theirs = answers(short, "tiny_choice"), REFERENCE["tiny_choice"]["requests"]
+    reference, short = short
+    mine, theirs = answers(short, "tiny_choice"), reference["tiny_choice"]["requests"]
     assert len(mine) == len(theirs) == 8
     for question, expected in zip(mine, theirs, strict=True):
         np.testing.assert_allclose(
             [ll for ll, _ in question], [ll for ll, _ in expected], atol=TOLERANCE
         )
         assert [greedy for _, greedy in question] == [greedy for _, greedy in expected]
-    for metric, value in REFERENCE["tiny_choice"]["metrics"].items():
+    for metric, value in reference["tiny_choice"]["metrics"].items():
         assert abs(short["results"]["tiny_choice"][f"{metric},none"] - value) <= TOLERANCE
 
 
 def test_rolling_loglikelihoods_over_several_windows_equal_the_harness(rolling):
+    reference, rolling = rolling
     mine = [ll for (ll,) in answers(rolling, "tiny_rolling")]
-    theirs = [ll for (ll,) in REFERENCE["tiny_rolling"]["requests"]]
+    theirs = [ll for (ll,) in reference["tiny_rolling"]["requests"]]
     np.testing.assert_allclose(mine, theirs, atol=TOLERANCE)
-    got, expected = rolling["results"]["tiny_rolling"], REFERENCE["tiny_rolling"]["metrics"]
+    got, expected = rolling["results"]["tiny_rolling"], reference["tiny_rolling"]["metrics"]
     assert abs(got["bits_per_byte,none"] - expected["bits_per_byte"]) <= TOLERANCE
     np.testing.assert_allclose(got["word_perplexity,none"], expected["word_perplexity"], rtol=1e-5)
 
 
-def test_generate_until_replies_are_zoo_generate_greedy_and_the_harness(short, qwen3):
+def test_generate_until_replies_are_zoo_generate_greedy_and_the_harness(short, checkpoint):
+    """zoo.generate's greedy reply, as the harness's hf backend gives it: without the special
+    tokens it wrote (the tiny Llama writes `<|end_header_id|>`), cut at the first stop."""
+    reference, short = short
     prompts = [json.loads(line)["prompt"] for line in (LM_EVAL / "prompts.jsonl").open()]
     settings = REFERENCE["tasks"]["tiny_generate"]["generation_kwargs"]
-    replies = zoo.generate(
-        qwen3, prompts, settings["max_gen_toks"], temperature=0.0, stop=settings["until"]
+    until, tokenizer = settings["until"], load_tokenizer(checkpoint[1].config.data.tokenizer)
+    done = zoo.generate(
+        checkpoint[1], prompts, settings["max_gen_toks"], 0.0, stop=until, logprobs=True
     )
+    replies = []
+    for row in done:
+        text = tokenizer.decode(row.tokens, skip_special_tokens=True)
+        replies.append(min((text.split(stop)[0] for stop in until), key=len))
     mine = [reply for (reply,) in answers(short, "tiny_generate")]
-    assert mine == replies == [reply for (reply,) in REFERENCE["tiny_generate"]["requests"]]
+    assert mine == replies == [reply for (reply,) in reference["tiny_generate"]["requests"]]
 
 
-def test_on_a_mesh_of_every_device_the_loglikelihoods_are_the_same(short, tasks):
+def test_on_a_mesh_of_every_device_the_loglikelihoods_are_the_same(tasks):
     """Loaded data-parallel over the 8 devices: each batch of 4 rows padded to 8 and split."""
     spread = harness_run(ZooLM(zoo.load(QWEN3), batch_size=4), ["tiny_choice"], tasks)
     np.testing.assert_allclose(
         [[ll for ll, _ in q] for q in answers(spread, "tiny_choice")],
-        [[ll for ll, _ in q] for q in answers(short, "tiny_choice")],
-        atol=1e-5,
+        [[ll for ll, _ in q] for q in QWEN3_REFERENCE["tiny_choice"]["requests"]],
+        atol=TOLERANCE,
     )
 
 
@@ -124,7 +144,7 @@ def test_bad_input_is_refused_by_name(qwen3, tasks, tmp_path):
 def test_registered_with_the_harness_and_built_from_its_argument_string(qwen3):
     assert get_model("zoo") is ZooLM
     lm = ZooLM.create_from_arg_string(f"pretrained={QWEN3},max_length=64", {"batch_size": "2"})
-    assert (lm.batch_size, lm.max_length, lm.prefix_token_id) == (2, 64, 381)
+    assert (lm.batch_size, lm.max_length, lm.prefix_token_id, lm.eot_token_id) == (2, 64, 381, 381)
     with pytest.raises(zoo.ZooError, match="batch_size='auto' is not a positive whole number"):
         ZooLM(qwen3, batch_size="auto")
 
@@ -137,11 +157,11 @@ def test_evaluate_lm_writes_json_and_tensorboard(qwen3, tasks, tmp_path):
         output=tmp_path / "results.json",
         tensorboard=tmp_path / "events",
     )
-    assert metrics == {"tiny_choice": REFERENCE["tiny_choice"]["metrics"]}
+    assert metrics == {"tiny_choice": QWEN3_REFERENCE["tiny_choice"]["metrics"]}
     written = json.loads((tmp_path / "results.json").read_text())
     assert written["metrics"] == metrics and written["step"] == 0
     events = read_events(tmp_path / "events")
-    expected = REFERENCE["tiny_choice"]["metrics"]["acc_norm"]
+    expected = QWEN3_REFERENCE["tiny_choice"]["metrics"]["acc_norm"]
     assert scalar_steps(events, "lm_eval/tiny_choice/acc_norm") == {0: pytest.approx(expected)}
 
 
