@@ -76,7 +76,7 @@ def evaluate_lm(
         _write_json(harness, Path(output), metrics, results, lm.trained)
     events = _events_dir(lm.trained, tensorboard)
     if events is not None:
-        write_events(events, metrics, lm.trained.step)
+        _write_events(events, metrics, lm.trained.step)
     return metrics
 
 
@@ -150,7 +150,7 @@ def _events_dir(trained: TrainedModel | RunResult, tensorboard: Any) -> str | No
     return os.fspath(tensorboard)
 
 
-def write_events(logdir: str | os.PathLike, metrics: dict[str, dict[str, float]], step: int):
+def _write_events(logdir: str | os.PathLike, metrics: dict[str, dict[str, float]], step: int):
     """Each metric as the scalar `lm_eval/<task>/<metric>` at `step` in an event file of
     `logdir` (a run's workdir: beside its training curves). NaN metrics are left out."""
     writer = SummaryWriter(logdir=os.path.abspath(logdir))

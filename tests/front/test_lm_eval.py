@@ -7,6 +7,8 @@ callback write the metrics as JSON and to TensorBoard."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -139,6 +141,24 @@ def test_bad_input_is_refused_by_name(qwen3, tasks, tmp_path):
     (tmp_path / "beams.yaml").write_text(json.dumps(beams))
     with pytest.raises(zoo.ZooError, match="generation_kwargs 'num_beams' .* not options"):
         zoo.evaluate_lm(qwen3, "beams", include=tmp_path, limit=1)
+
+
+WITHOUT_HARNESS = """
+import sys
+sys.modules["lm_eval"] = None  # as where the extra is not installed
+import zoo
+try:
+    zoo.evaluate_lm("any", "hellaswag")
+except zoo.ZooError as e:
+    print(e)
+"""
+
+
+def test_without_the_extra_zoo_imports_and_evaluate_lm_says_what_to_install():
+    result = subprocess.run(
+        [sys.executable, "-c", WITHOUT_HARNESS], capture_output=True, text=True, check=True
+    )
+    assert "pip install 'zoo[eval]'" in result.stdout
 
 
 def test_registered_with_the_harness_and_built_from_its_argument_string(qwen3):
