@@ -192,6 +192,7 @@ def test_command_line_writes_json_and_tensorboard(tasks, tmp_path):
         "tasks=tiny_choice",
         f"include={tasks}",
         "limit=2",
+        "num_fewshot=1",
         "batch_size=2",
         f"output={tmp_path / 'out.json'}",
         f"tensorboard={tmp_path}",
@@ -200,6 +201,7 @@ def test_command_line_writes_json_and_tensorboard(tasks, tmp_path):
     assert "tiny_choice acc 0" in result.stdout
     written = json.loads((tmp_path / "out.json").read_text())
     assert written["results"]["tiny_choice"]["sample_len"] == 2
+    assert written["n-shot"] == {"tiny_choice": 1}
     assert scalar_steps(read_events(tmp_path), "lm_eval/tiny_choice/acc") == {0: 0.0}
 
 
