@@ -166,7 +166,7 @@ def _write_events(logdir: str | os.PathLike, metrics: dict[str, dict[str, float]
 class LMEvalCallback:
     """A callback of `zoo.fit` (`callbacks=[LMEvalCallback("hellaswag", every=1000)]`): the
     tasks run on each checkpoint whose step is a multiple of `every`, once it is complete on
-    disk, loaded from the run's workdir beside the training (the same number of devices again);
+    disk, loaded from the run's workdir onto one device beside the training state;
     the metrics go to the run's TensorBoard at that step and into `results` (step -> metrics).
     `options`: `zoo.evaluate_lm`'s keyword arguments. Checkpoints come every
     `trainer.checkpoint_every` steps: `every` names which of them are evaluated."""

@@ -118,8 +118,10 @@ def test_generate_until_replies_are_zoo_generate_greedy_and_the_harness(short, c
 
 
 def test_on_a_mesh_of_every_device_the_loglikelihoods_are_the_same(tasks):
-    """Loaded data-parallel over the 8 devices: each batch of 4 rows padded to 8 and split."""
-    spread = harness_run(ZooLM(zoo.load(QWEN3), batch_size=4), ["tiny_choice"], tasks)
+    """Loaded on data=4 x tensor=2: each batch of 4 rows split over `data`, the vocabulary (and
+    the heads) over `tensor`."""
+    spread = zoo.load(QWEN3, mesh={"data": 4, "tensor": 2})
+    spread = harness_run(ZooLM(spread, batch_size=4), ["tiny_choice"], tasks)
     np.testing.assert_allclose(
         [[ll for ll, _ in q] for q in answers(spread, "tiny_choice")],
         [[ll for ll, _ in q] for q in QWEN3_REFERENCE["tiny_choice"]["requests"]],
