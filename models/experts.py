@@ -179,6 +179,10 @@ class Experts(nnx.Module):
                 setattr(self, f"{name}_bias", bias)
         self.gated = gated
 
+    KERNELS = PROJECTIONS
+    """The kernels LoRA adapts (QLoRA holds them quantized in their params' place, each read
+    with `[...]`, dequantized, where `projections` reads it)."""
+
     @property
     def adapted(self) -> bool:
         """Whether the experts hold LoRA adapters (`add_lora`)."""

@@ -2,8 +2,9 @@
 transformers): every param trained, experts and router included; LoRA over the attention
 projections with the experts frozen, and over each expert (adapters stacked as the experts'
 kernels), merged back into the kernels; the router's load-balancing loss trained with a
-preference fine-tune as with the model's own loss; and QLoRA asked of the experts, whose
-kernels are not held quantized yet, refused by name before anything is written."""
+preference fine-tune as with the model's own loss; and QLoRA over the experts, each
+projection's stacked kernel held quantized (codes and scales, checkpointed) under adapters
+trained on top, merged and exported as the dequantized kernel plus B A."""
 
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ import pytest
 from flax import nnx
 from helpers import ROOT, TINY_TEXT_FINETUNE, read_events
 from PIL import Image
+from zoo.engine.weights.quantize import Quantized, quantize
+from zoo.models.experts import PROJECTIONS
 
 import zoo
-from zoo.plugin import ZooError
 
 CHECKPOINT = ROOT / "tests" / "fixtures" / "pretrained" / "qwen3-moe-tiny"
 ATTENTION = r"layers\.\d+\.attention"
@@ -129,16 +131,80 @@ def test_lora_on_the_experts_adapts_each_expert_and_merges_into_its_kernels(
     )
 
 
-def test_qlora_asked_of_the_experts_is_refused_before_anything_is_written(tmp_path):
-    workdir = tmp_path / "run"
-    with pytest.raises(ZooError) as refused:
-        zoo.finetune(
-            CHECKPOINT, *TINY_TEXT_FINETUNE, f"workdir={workdir}", lora_rank=4, quantize="nf4"
-        )
-    message = str(refused.value)
-    assert "quantize=nf4" in message and "layers.1.mlp.experts" in message, message
-    assert "attention" in message
-    assert not workdir.exists()
+@pytest.fixture(scope="module")
+def qlora(tmp_path_factory):
+    """A QLoRA (nf4) fine-tune over every layer of the fixture on a mesh that splits the experts
+    (expert=2), their hidden width (tensor=2) and the rest (fsdp=2), and its workdir."""
+    workdir = tmp_path_factory.mktemp("qlora")
+    mesh = ("mesh.fsdp=2", "mesh.expert=2", "mesh.tensor=2")
+    result = zoo.finetune(
+        CHECKPOINT, *TINY_TEXT_FINETUNE, *mesh, f"workdir={workdir}", lora_rank=4, quantize="nf4"
+    )
+    return result, workdir
+
+
+def held(model: nnx.Module) -> dict[str, Quantized]:
+    """Dotted path -> each expert kernel held quantized."""
+    return {
+        ".".join(map(str, path)): module
+        for path, module in nnx.iter_modules(model)
+        if isinstance(module, Quantized)
+    }
+
+
+def test_qlora_holds_each_expert_s_kernel_quantized_under_trained_adapters(pretrained, qlora):
+    """Each projection's stacked kernel is held as nf4 codes (two a byte) and scales, the
+    checkpoint's kernel quantized bit for bit after the fine-tune (frozen), split with the
+    experts and their hidden width; no float copy is kept; the adapters trained on top."""
+    result, _ = qlora
+    kernels = held(result.model)
+    projections = [f"layers.{i}.mlp.experts.{name}" for i in (1, 2) for name in PROJECTIONS]
+    assert sorted(kernels) == sorted(projections)
+    tuned = params(result.model)
+    for path, kernel in kernels.items():
+        assert path not in tuned  # no float kernel
+        codes, scale = quantize(pretrained[path], kernel.layout)
+        experts, out, inputs = pretrained[path].shape
+        assert kernel.codes[...].shape == (experts, out, inputs // 2)
+        np.testing.assert_array_equal(np.asarray(kernel.codes[...]), np.asarray(codes), path)
+        np.testing.assert_array_equal(np.asarray(kernel.scale[...]), np.asarray(scale), path)
+        assert kernel.codes[...].sharding.spec[0] == "expert", path
+    adapters = dict(nnx.to_flat_state(nnx.state(result.model, nnx.LoRAParam)))
+    assert (
+        np.abs(np.asarray(adapters[("layers", 1, "mlp", "experts", "down_lora_b")][...])).max() > 0
+    )
+    for path, value in tuned.items():
+        np.testing.assert_array_equal(value, pretrained[path], err_msg=path)
+
+
+def test_qlora_on_the_experts_merges_and_exports_the_dequantized_kernel_plus_b_a(qlora, tmp_path):
+    """Reloaded from its workdir (codes, scales and adapters restored), the run merges each
+    expert's adapter into its dequantized kernel, computes what the adapted model does, and
+    exports those kernels."""
+    _, workdir = qlora
+    loaded = zoo.load(workdir)
+    with loaded.activate():
+        expected = {}
+        for path, kernel in held(loaded.model).items():
+            experts = loaded.model
+            for part in path.split(".")[:-1]:
+                experts = experts[int(part)] if part.isdigit() else getattr(experts, part)
+            name = path.rsplit(".", 1)[1]
+            a, b = (np.asarray(getattr(experts, f"{name}_lora_{x}")[...]) for x in "ab")
+            expected[path] = np.asarray(kernel[...]) + np.einsum("eor,eri->eoi", b, a)
+    assert len(expected) == 6
+    merged = zoo.merge_lora(loaded)
+    folded = params(merged.model)
+    for path, kernel in expected.items():
+        np.testing.assert_allclose(folded[path], kernel, rtol=1e-6, atol=1e-6, err_msg=path)
+    assert not held(merged.model) and not nnx.state(merged.model, nnx.LoRAParam)
+    prompt = np.arange(1, 17, dtype=np.int32)[None]
+    np.testing.assert_allclose(
+        zoo.predict(merged, prompt), zoo.predict(loaded, prompt), rtol=1e-4, atol=1e-4
+    )
+    exported = params(zoo.load(zoo.export(workdir, tmp_path / "hf", format="hf")).model)
+    for path, kernel in expected.items():
+        np.testing.assert_allclose(exported[path], kernel, rtol=1e-6, atol=1e-6, err_msg=path)
 
 
 def test_dpo_trains_with_the_router_loss_and_reports_the_routing(tmp_path):

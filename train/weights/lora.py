@@ -17,7 +17,10 @@ same leading axis, so that the scan hands each step its own layer's adapter.
 A module whose kernels are not dense layers' (a mixture of experts' stacked expert kernels)
 adapts itself: one that has `add_lora(rank, rngs)` and `merge_lora()` (`SelfAdapting`) and
 whose path `finetune.lora_layers` matches is given its own adapters (`nnx.LoRAParam`s beside its
-kernels, which keep their paths) and merges them itself.
+kernels, which keep their paths) and merges them itself. With QLoRA each of its `KERNELS` is
+held quantized in the place of its param (`zoo.engine.weights.quantize.Quantized`, under the
+kernel's path: `<kernel>.codes`, `<kernel>.scale`), read dequantized where the module reads the
+kernel, and put back dequantized before the module merges its adapters.
 """
 
 from __future__ import annotations
@@ -81,22 +84,13 @@ class ShardedLoRA(nnx.Module):
             self._hold_quantized(quantize, tuple(axes), filled)
 
     def _hold_quantized(self, qtype: str, axes: tuple[Any, ...], filled: bool) -> None:
-        """Put codes and scales (`codes`, `scale`, annotated with the kernel's axes) in the place
-        of the layer's kernel, which the layer then lacks. `filled`: a checkpoint fills the
-        kernel next, so they start as zeros (the random initialisation is then never
-        computed, nor quantized)."""
-        kernel = self.base_module.kernel
+        """Put codes and scales (`codes`, `scale`, annotated with the kernel's axes as
+        `quantize.held` says) in the place of the layer's kernel, which the layer then lacks."""
         self.kernel_axes = axes
-        self.layout = quantization.Layout(
-            tuple(kernel.shape), jnp.dtype(kernel.dtype), self.inputs[-1], qtype
+        kernel = self.base_module.kernel
+        self.layout, self.codes, self.scale = quantization.held(
+            kernel, self.inputs[-1], qtype, filled, axes
         )
-        if filled:
-            shapes = jax.eval_shape(quantization.quantize, kernel[...], self.layout)
-            codes, scale = (jnp.zeros(s.shape, s.dtype) for s in shapes)
-        else:
-            codes, scale = quantization.quantize(kernel[...], self.layout)
-        self.codes = quantization.QuantizedKernel(codes, out_sharding=axes)
-        self.scale = quantization.QuantizedKernel(scale, out_sharding=axes)
         self.base_module.kernel = None
 
     def base_kernel(self) -> jax.Array:
@@ -107,12 +101,7 @@ class ShardedLoRA(nnx.Module):
 
     def set_base_kernel(self, kernel: jax.Array) -> None:
         """Quantize `kernel` into the codes and scales, each kept where it lived."""
-        codes, scale = quantization.quantize(kernel, self.layout)
-        for variable, value in ((self.codes, codes), (self.scale, scale)):
-            current = variable.get_value()
-            if isinstance(current, jax.Array):
-                value = jax.device_put(value, current.sharding)
-            variable.set_value(value)
+        quantization.store(self.codes, self.scale, kernel, self.layout)
 
     def __call__(self, x: jax.Array, out_sharding: Any = None) -> jax.Array:
         layer = self.base_module
@@ -206,7 +195,11 @@ ADAPTED = (nnx.Linear, nnx.LinearGeneral, TransposedLinear)
 @runtime_checkable
 class SelfAdapting(Protocol):
     """A module that adds LoRA adapters to its own kernels (`nnx.LoRAParam`s, starting at an
-    exact zero update) and folds them back in."""
+    exact zero update) and folds them back in. `KERNELS`: the names of those kernels' params,
+    each contracted with the input along its last axis and read with `[...]`, which QLoRA holds
+    quantized."""
+
+    KERNELS: tuple[str, ...]
 
     def add_lora(self, rank: int, rngs: nnx.Rngs) -> None: ...
 
@@ -237,10 +230,11 @@ def add_adapters(
             f"finetune.lora_layers='{layers}' matches none of the model's Linear layers: "
             f"{', '.join(linears) or 'it has none'}."
         )
-    _refuse_quantized_self_adapting(chosen, layers, quantize)
     for path, module in chosen:
         if _self_adapting(module):
             module.add_lora(rank, rngs)
+            if quantize is not None:
+                _hold_own_quantized(module, quantize, filled)
         else:
             _replace(model, path, ShardedLoRA(module, rank, rngs, quantize, filled))
     return [dotted(path) for path, _ in chosen]
@@ -250,30 +244,29 @@ def _self_adapting(module: nnx.Module) -> bool:
     return isinstance(module, SelfAdapting)
 
 
-def _refuse_quantized_self_adapting(
-    chosen: list[tuple[tuple, nnx.Module]], layers: str, quantize: str | None
-) -> None:
-    """Refuse QLoRA over modules that adapt themselves: their kernels (a mixture's experts)
-    are not held quantized yet, and leaving them in full precision would be unsaid."""
-    own = [dotted(path) for path, module in chosen if _self_adapting(module)]
-    if quantize is None or not own:
-        return
-    paths = ", ".join(own[:3]) + (" ..." if len(own) > 3 else "")
-    raise ZooError(
-        f"finetune.quantize={quantize} holds the adapted dense layers' kernels quantized, and "
-        f"finetune.lora_layers='{layers}' matches {paths}, a mixture of experts' stacked "
-        "expert kernels, which zoo does not hold quantized yet. Choose finetune.lora_layers "
-        "that leaves the experts out, e.g. 'layers\\.\\d+\\.attention', or "
-        "finetune.quantize=null (LoRA on the experts in the model's dtype)."
-    )
+def _hold_own_quantized(module: SelfAdapting, qtype: str, filled: bool) -> None:
+    """QLoRA for a module that adapts itself: each of its kernels held quantized in the place
+    of its param."""
+    for name in module.KERNELS:
+        setattr(module, name, quantization.Quantized(getattr(module, name), qtype, filled))
+
+
+def _put_back_dequantized(module: SelfAdapting) -> None:
+    """Each kernel of `module` held quantized back as the param it was, dequantized."""
+    for name in module.KERNELS:
+        held = getattr(module, name)
+        if isinstance(held, quantization.Quantized):
+            setattr(module, name, held.param())
 
 
 def merge_adapters(model: nnx.Module) -> nnx.Module:
-    """Fold every adapter into its layer (`kernel + lora_a @ lora_b`) and put the plain layer
-    back in its place; the model then has its original structure. In place; returns `model`.
-    Call it under the model's mesh (`with result.activate():`)."""
+    """Fold every adapter into its layer (`kernel + lora_a @ lora_b`, a quantized kernel
+    dequantized first) and put the plain layer back in its place; the model then has its
+    original structure. In place; returns `model`. Call it under the model's mesh
+    (`with result.activate():`)."""
     for _, module in nnx.iter_modules(model):
         if _self_adapting(module):
+            _put_back_dequantized(module)
             module.merge_lora()
     adapters = [(p, m) for p, m in nnx.iter_modules(model) if isinstance(m, ShardedLoRA)]
     for path, adapter in adapters:
@@ -288,10 +281,11 @@ def merge_adapters(model: nnx.Module) -> nnx.Module:
 
 
 class QuantizedFill:
-    """Where a checkpoint's kernel goes in a QLoRA adapter: to a fill it looks like the kernel
-    (its shape, dtype, logical axes and sharding), and what the fill sets it quantizes."""
+    """Where a checkpoint's kernel goes in a QLoRA adapter or a quantized kernel of a module
+    that adapts itself (`quantize.Quantized`): to a fill it looks like the kernel (its shape,
+    dtype, logical axes and sharding), and what the fill sets it quantizes."""
 
-    def __init__(self, adapter: ShardedLoRA):
+    def __init__(self, adapter: ShardedLoRA | quantization.Quantized):
         self.adapter = adapter
         self.shape, self.dtype = adapter.layout.shape, adapter.layout.dtype
 
@@ -318,6 +312,8 @@ def filled(model: nnx.Module, variables: nnx.filterlib.Filter) -> list[tuple[tup
     for path, module in nnx.iter_modules(model):
         if isinstance(module, ShardedLoRA) and module.layout is not None:
             found.append(((*path, "kernel"), QuantizedFill(module)))
+        elif isinstance(module, quantization.Quantized):
+            found.append((path, QuantizedFill(module)))
     return found
 
 

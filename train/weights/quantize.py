@@ -7,6 +7,10 @@ keeps one code a byte; `int4` and `nf4` (NormalFloat, 16 levels placed at a norm
 distribution's quantiles) keep two codes a byte, packed here along the last input axis: jax
 holds an `int4` or `uint4` array with a byte per value, which would spend half of what the
 4-bit codes save. The scales are held in the kernel's dtype, which the dequantized kernel has.
+
+`held` puts codes and scales in the place of a kernel, `store` quantizes a kernel into them;
+`Quantized` is a kernel held so in the place of a module's `nnx.Param` (a mixture's stacked
+expert kernels under QLoRA), read with `[...]` as the param is.
 """
 
 from __future__ import annotations
@@ -90,6 +94,63 @@ def dequantize(codes: jax.Array, scale: jax.Array, layout: Layout) -> jax.Array:
     axis, shape = layout.axis, values.shape
     tiles = values.reshape((*shape[:axis], shape[axis] // TILE, TILE, *shape[axis + 1 :]))
     return (tiles * jnp.expand_dims(scale, axis + 1)).reshape(shape)
+
+
+def held(
+    kernel: nnx.Variable, axis: int, qtype: str, filled: bool, axes: tuple[Any, ...]
+) -> tuple[Layout, QuantizedKernel, QuantizedKernel]:
+    """(layout, codes, scales) of `kernel` quantized along its input axis `axis`: the codes
+    held with the kernel's logical `axes`, the scales with them but along `axis`, where they
+    are few (one per `TILE` codes, or one for all of them) and are not split. `filled`: a
+    checkpoint fills the kernel next, so they start as zeros (the random initialisation is
+    then never computed, nor quantized)."""
+    layout = Layout(tuple(kernel.shape), jnp.dtype(kernel.dtype), axis % kernel.ndim, qtype)
+    if filled:
+        shapes = jax.eval_shape(quantize, kernel[...], layout)
+        codes, scale = (jnp.zeros(s.shape, s.dtype) for s in shapes)
+    else:
+        codes, scale = quantize(kernel[...], layout)
+    scale_axes = tuple(None if i == layout.axis else name for i, name in enumerate(axes))
+    return (
+        layout,
+        QuantizedKernel(codes, out_sharding=axes),
+        QuantizedKernel(scale, out_sharding=scale_axes),
+    )
+
+
+def store(codes: QuantizedKernel, scale: QuantizedKernel, kernel: jax.Array, layout: Layout):
+    """Quantize `kernel` into `codes` and `scale`, each kept where it lived."""
+    for variable, value in zip((codes, scale), quantize(kernel, layout)):
+        current = variable.get_value()
+        if isinstance(current, jax.Array):
+            value = jax.device_put(value, current.sharding)
+        variable.set_value(value)
+
+
+class Quantized(nnx.Module):
+    """A kernel held as codes and scales in the place of a module's `nnx.Param`, quantized
+    along its last axis (the one its module contracts with the input): `[...]` reads the
+    kernel they stand for, dequantized, as the param read it, so the module computes as it
+    did. The codes keep the kernel's logical axes (`held`), and each device dequantizes the
+    slices of its other axes that it holds, gathered along the last (a mixture's experts: its
+    own experts, its part of their hidden width)."""
+
+    def __init__(self, kernel: nnx.Param, qtype: str, filled: bool):
+        axes = kernel.get_metadata().get("out_sharding") or (None,) * kernel.ndim
+        self.kernel_axes = tuple(axes)
+        self.layout, self.codes, self.scale = held(kernel, -1, qtype, filled, self.kernel_axes)
+
+    def __getitem__(self, index: Any) -> jax.Array:
+        return dequantize(self.codes[...], self.scale[...], self.layout)[index]
+
+    def set_base_kernel(self, kernel: jax.Array) -> None:
+        """Quantize `kernel` into the codes and scales (a checkpoint's fill)."""
+        store(self.codes, self.scale, kernel, self.layout)
+
+    def param(self) -> nnx.Param:
+        """The kernel, dequantized, as the param it replaced (sharded by its logical axes)."""
+        with nnx.use_eager_sharding(False):
+            return nnx.Param(self[...], out_sharding=self.kernel_axes)
 
 
 def _lookup(table: jax.Array, codes: jax.Array) -> jax.Array:
