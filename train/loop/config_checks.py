@@ -35,7 +35,7 @@ from zoo.engine.posttraining import (
 )
 from zoo.engine.sharding.mesh import AxisRules, check_mesh_sizes
 from zoo.engine.weights.lora import check_unstacked
-from zoo.engine.weights.quantize import QTYPES
+from zoo.engine.weights.quantize import FORMATS
 
 
 def validate(cfg: DictConfig) -> None:
@@ -193,10 +193,10 @@ def _check_quantize(finetune: Any) -> None:
     qtype = finetune.quantize
     if qtype is None:
         return
-    if qtype not in QTYPES:
+    if qtype not in FORMATS:
         raise ZooError(
             f"finetune.quantize={qtype} is not a base-weight format: use one of "
-            f"{', '.join(QTYPES)}, or null to keep the base weights as they are."
+            f"{', '.join(FORMATS)}, or null to keep the base weights as they are."
         )
     if finetune.lora_rank <= 0:
         raise ZooError(

@@ -8,6 +8,14 @@ distribution's quantiles) keep two codes a byte, packed here along the last inpu
 holds an `int4` or `uint4` array with a byte per value, which would spend half of what the
 4-bit codes save. The scales are held in the kernel's dtype, which the dequantized kernel has.
 
+`mxfp4` is the OCP Microscaling format gpt-oss's hub files store their experts in
+(`zoo.engine.weights.mxfp4`), quantized here rather than by qwix: FP4 (E2M1) codes, two a byte
+(the earlier value in the low half, as the hub packs them), and per block of `MXFP4_BLOCK`
+inputs one power of two, held as its biased exponent byte. Each block takes the smallest power
+of two that brings its largest magnitude within FP4's 6, and each value the nearest FP4 value:
+a kernel decoded from MXFP4 (every value of a block an FP4 value times its power of two) is
+quantized exactly, and dequantizes to itself bit for bit.
+
 `held` puts codes and scales in the place of a kernel, `store` quantizes a kernel into them;
 `Quantized` is a kernel held so in the place of a module's `nnx.Param` (a mixture's stacked
 expert kernels under QLoRA), read with `[...]` as the param is.
@@ -23,11 +31,18 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+from zoo.engine.weights.mxfp4 import FP4_VALUES
 
 QTYPES = ("int8", "int4", "nf4")
+"""The base-weight formats that qwix quantizes to."""
+MXFP4 = "mxfp4"
+FORMATS = (*QTYPES, MXFP4)
 """The base-weight formats of a QLoRA fine-tune (`finetune.quantize`)."""
 TILE = 64
-"""Weights per scale along a kernel's last input axis."""
+"""Weights per scale along a kernel's last input axis (qwix's formats)."""
+MXFP4_BLOCK = 32
+"""Weights per power of two along it (MXFP4)."""
+_EXPONENT_BIAS = 127
 _OFFSET = {"int4": 8, "nf4": 0}  # what maps a 4-bit code (int4: -8..7, nf4: 0..15) to 0..15
 
 
@@ -52,8 +67,12 @@ class Layout:
         return self.qtype != "int8" and self.shape[self.axis] % 2 == 0
 
     @property
+    def tile(self) -> int:
+        return MXFP4_BLOCK if self.qtype == MXFP4 else TILE
+
+    @property
     def tiled(self) -> bool:
-        return self.shape[self.axis] % TILE == 0
+        return self.shape[self.axis] % self.tile == 0
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -63,6 +82,9 @@ def quantize(kernel: jax.Array, layout: Layout) -> tuple[jax.Array, jax.Array]:
     import qwix  # here: only a quantized fine-tune needs it
 
     kernel = _whole(kernel)
+    if layout.qtype == MXFP4:
+        nibbles, exponents = _mxfp4(kernel, layout)
+        return (_pack(nibbles, layout.axis) if layout.packed else nibbles), exponents
     channels = tuple(axis for axis in range(kernel.ndim) if axis != layout.axis)
     tiles = {layout.axis: TILE} if layout.tiled else {}
     q = qwix.quantize(
@@ -77,9 +99,18 @@ def quantize(kernel: jax.Array, layout: Layout) -> tuple[jax.Array, jax.Array]:
 def dequantize(codes: jax.Array, scale: jax.Array, layout: Layout) -> jax.Array:
     """The kernel that `codes` and `scale` stand for, in the kernel's dtype: each code's value
     (an nf4 code's from the NormalFloat table) times its scale. Sharded as the codes are,
-    except along the last input axis, which tiles and packed pairs cut."""
+    except along the last input axis, which tiles and packed pairs cut. MXFP4's: each FP4
+    value times its power of two, exactly (`ldexp`, as the hub's decoding), in float32 first."""
     codes, scale = _whole_along(codes, layout.axis), _whole_along(scale, layout.axis)
-    if layout.qtype == "int8":
+    scaled = jnp.multiply
+    if layout.qtype == MXFP4:
+        nibbles = _unpack(codes, layout.axis) if layout.packed else codes
+        values, scale = (
+            _lookup(jnp.asarray(FP4_VALUES), nibbles),
+            scale.astype(jnp.int32) - _EXPONENT_BIAS,
+        )
+        scaled = jnp.ldexp
+    elif layout.qtype == "int8":
         values = codes.astype(layout.dtype)
     else:
         nibbles = _unpack(codes, layout.axis) if layout.packed else codes
@@ -90,10 +121,32 @@ def dequantize(codes: jax.Array, scale: jax.Array, layout: Layout) -> jax.Array:
         else:
             values = nibbles.astype(layout.dtype) - _OFFSET[layout.qtype]
     if not layout.tiled:
-        return values * scale
-    axis, shape = layout.axis, values.shape
-    tiles = values.reshape((*shape[:axis], shape[axis] // TILE, TILE, *shape[axis + 1 :]))
-    return (tiles * jnp.expand_dims(scale, axis + 1)).reshape(shape)
+        return scaled(values, scale).astype(layout.dtype)
+    axis, shape, tile = layout.axis, values.shape, layout.tile
+    tiles = values.reshape((*shape[:axis], shape[axis] // tile, tile, *shape[axis + 1 :]))
+    return scaled(tiles, jnp.expand_dims(scale, axis + 1)).reshape(shape).astype(layout.dtype)
+
+
+def _mxfp4(kernel: jax.Array, layout: Layout) -> tuple[jax.Array, jax.Array]:
+    """(FP4 codes, one per value, and biased exponent bytes, one per block) of `kernel`
+    (module docstring): each block's exponent the smallest that brings its largest magnitude
+    within 6, each code the nearest FP4 value's (bit 3 the sign, a negative zero's too)."""
+    axis, shape = layout.axis, kernel.shape
+    tile = layout.tile if layout.tiled else shape[axis]
+    blocks = kernel.astype(jnp.float32).reshape(
+        (*shape[:axis], shape[axis] // tile, tile, *shape[axis + 1 :])
+    )
+    largest = jnp.max(jnp.abs(blocks), axis=axis + 1, keepdims=True)
+    fraction, exponent = jnp.frexp(largest / 6)  # largest / 6 = fraction x 2^exponent
+    exponent = jnp.where(fraction == 0.5, exponent - 1, exponent)
+    exponent = jnp.clip(jnp.where(largest > 0, exponent, -_EXPONENT_BIAS), -127, 127)
+    steps = jnp.clip(jnp.abs(jnp.ldexp(blocks, -exponent)), 0, 6)
+    magnitude = jnp.argmin(jnp.abs(steps[..., None] - jnp.asarray(FP4_VALUES[:8])), axis=-1).astype(
+        jnp.uint8
+    )
+    codes = magnitude | (jnp.signbit(blocks).astype(jnp.uint8) << 3)
+    exponents = (jnp.squeeze(exponent, axis + 1) + _EXPONENT_BIAS).astype(jnp.uint8)
+    return codes.reshape(shape), exponents
 
 
 def held(
