@@ -5,7 +5,7 @@
 - **fixture**: the stacked expert kernels of the tiny Qwen3-MoE fixture
   (`tests/fixtures/pretrained/qwen3-moe-tiny`: 2 mixture layers of 4 experts, width 32, each
   expert 24 wide) in bfloat16, and quantized from them as a QLoRA fine-tune holds them
-  (`finetune.quantize=int8|int4|nf4`): codes and scales, computed. Its widths are not
+  (`finetune.quantize=int8|int4|nf4|mxfp4`): codes and scales, computed. Its widths are not
   multiples of 64, so each (expert, output) row has one scale.
 - **qwen3-30b-a3b**: the same figures for the experts of Qwen3-30B-A3B's architecture (its hub
   config, `benchmarks.experts.QWEN3_30B_A3B`: 48 layers of 128 experts, width 2048, each expert
@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from zoo.engine.weights.quantize import QTYPES, Layout, quantize
+from zoo.engine.weights.quantize import FORMATS, Layout, quantize
 
 import zoo
 from benchmarks.experts import QWEN3_30B_A3B
@@ -32,7 +32,7 @@ def held_bytes(kernels: list[jax.Array | jax.ShapeDtypeStruct]) -> dict[str, int
     """Bytes of `kernels` (bfloat16, [experts, out, in]) as they are and as each format's
     codes and scales, quantized along the last axis."""
     found = {"bf16": sum(k.size * 2 for k in kernels)}
-    for qtype in QTYPES:
+    for qtype in FORMATS:
         total = 0
         for kernel in kernels:
             layout = Layout(tuple(kernel.shape), jnp.dtype(jnp.bfloat16), 2, qtype)

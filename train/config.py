@@ -213,9 +213,11 @@ class FinetuneConfig:
     # path or a leading part of it, e.g. `hidden`, `attention`); `.*`: every dense layer.
     lora_layers: str = ".*"
     # QLoRA: hold the base kernel of every adapted layer quantized (`int8`; `int4`; `nf4`, the
-    # 4-bit NormalFloat format), one scale per output channel and per 64 inputs, dequantized
-    # in the forward pass; frozen, with the adapters trained in float32. Needs lora_rank > 0.
-    # null: the base kernels stay as they are.
+    # 4-bit NormalFloat format), one scale per output channel and per 64 inputs, or `mxfp4`
+    # (FP4 codes, a power of two per 32 inputs: gpt-oss's MXFP4 experts held as the hub stores
+    # them), dequantized in the forward pass; frozen, with the adapters trained in float32.
+    # A mixture's experts (in lora_layers) are held so too. Needs lora_rank > 0. null: the
+    # base kernels stay as they are.
     quantize: str | None = None
     # What the fine-tune learns from: `sft`, the data's own targets (imitation, the model's
     # loss); `dpo`, preference pairs (data=preference), by the loss of `finetune.dpo`; `grpo`,
