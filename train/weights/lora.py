@@ -215,7 +215,7 @@ def add_adapters(
     filled: bool = False,
 ) -> list[str]:
     """Wrap every dense layer (`ADAPTED`) whose path `layers` matches; returns their
-    paths. `quantize` (one of `zoo.engine.weights.quantize.QTYPES`): hold each wrapped layer's kernel
+    paths. `quantize` (one of `zoo.engine.weights.quantize.FORMATS`): hold each wrapped layer's kernel
     quantized (QLoRA); `filled`: a checkpoint fills every kernel next (`QuantizedFill`), so
     the model's own initialisation is not quantized. Call it where the model is built (under
     the mesh), so the adapters are born sharded."""
