@@ -215,8 +215,8 @@ def add_adapters(
     filled: bool = False,
 ) -> list[str]:
     """Wrap every dense layer (`ADAPTED`) whose path `layers` matches; returns their
-    paths. `quantize` (one of `zoo.engine.weights.quantize.FORMATS`): hold each wrapped layer's kernel
-    quantized (QLoRA); `filled`: a checkpoint fills every kernel next (`QuantizedFill`), so
+    paths. `quantize` (one of `zoo.engine.weights.quantize.FORMATS`): hold each wrapped
+    layer's kernel quantized (QLoRA), and each self-adapting module's kernels; `filled`: a checkpoint fills every kernel next (`QuantizedFill`), so
     the model's own initialisation is not quantized. Call it where the model is built (under
     the mesh), so the adapters are born sharded."""
     chosen = [
