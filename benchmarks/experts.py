@@ -21,7 +21,7 @@ Qwen3-30B-A3B's train step.
   (`model.remat=true`), sequences of `--length` tokens: LoRA (rank
   16) over the attention on one device, the experts frozen, batch 1 (a single 141 GB GPU's
   fine-tune); and a full fine-tune (float32 master weights, Adam) on 8 devices split `fsdp=8`,
-  batch 8 (on a CPU,
+  `expert=8` or `expert=4` with `fsdp=2`, batch 8 (on a CPU,
   8 simulated ones: `JAX_NUM_CPU_DEVICES=8`). Computed for
   this process's backend (XLA:CPU here: its attention keeps each layer's logits for the
   backward pass, where a GPU's flash attention keeps none).
@@ -91,6 +91,12 @@ MEMORY_CASES = {
         1,
     ),
     "full fine-tune, fsdp=8": (("model.remat=true",), {"fsdp": 8}, 8),
+    "full fine-tune, expert=8": (("model.remat=true",), {"data": 1, "expert": 8}, 8),
+    "full fine-tune, expert=4 fsdp=2": (
+        ("model.remat=true",),
+        {"data": 1, "fsdp": 2, "expert": 4},
+        8,
+    ),
 }
 """Each memory case's fine-tuning keys, mesh and batch (a sequence per device)."""
 
