@@ -40,19 +40,24 @@ stacked arrays for stacked layers (`scan_layers`)."""
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Slots:
-    """Where the new tokens of a call go. `index`: the slot of the first new token (int32
-    scalar; 0 in a prefill); `first`: each row's first real slot (int32, batch), the slots
-    before it its left padding; `prefill`: the new tokens are a whole prompt from slot 0."""
+    """Where the new tokens of a call go. `index`: the slot of the first new token (int32: a
+    scalar, the same for every row, 0 in a prefill; or one per row, where rows that joined a
+    running batch at different times are at different slots: `zoo.models.serving_engine`);
+    `first`: each row's first real slot (int32, batch), the slots before it its left padding;
+    `prefill`: the new tokens are a whole prompt from slot 0."""
 
     index: jax.Array
     first: jax.Array
     prefill: bool = dataclasses.field(metadata={"static": True})
 
+    def queries(self, length: int) -> jax.Array:
+        """The slots of the new tokens (1 or batch x length, int32)."""
+        return jnp.reshape(self.index, (-1, 1)) + jnp.arange(length, dtype=jnp.int32)
+
     def positions(self, length: int) -> jax.Array:
         """The positions (batch x length, int32) of the new tokens in their own rows: their
         distance from the row's first real slot (0 for padding)."""
-        slots = self.index + jnp.arange(length, dtype=jnp.int32)
-        return jnp.maximum(slots[None, :] - self.first[:, None], 0)
+        return jnp.maximum(self.queries(length) - self.first[:, None], 0)
 
 
 class DecodesWithCache:
@@ -109,22 +114,22 @@ def update(cache: KVCache, k: jax.Array, v: jax.Array, slots: Slots, window: int
     (batch x new x keys, boolean), and the layer's cache with the new keys and values in it.
     `window`: a sliding window's length (0: none)."""
     length, size = k.shape[1], cache[0].shape[1]
-    queries = slots.index + jnp.arange(length, dtype=jnp.int32)
+    queries = slots.queries(length)  # 1 or batch x length
     if slots.prefill:
         written = (_fill(cache[0], k), _fill(cache[1], v))
-        keys, values, held = k, v, jnp.arange(length, dtype=jnp.int32)
+        keys, values, held = k, v, jnp.arange(length, dtype=jnp.int32)[None]
     else:
-        at = slots.index % size
+        at = jnp.reshape(slots.index % size, (-1,))
         written = tuple(_written(c, x, at) for c, x in ((cache[0], k), (cache[1], v)))
         keys, values = written
         # The slot index each cache slot holds: the latest one up to the last new token.
-        last = queries[-1]
+        last = queries[:, -1:]
         held = last - (last - jnp.arange(size, dtype=jnp.int32)) % size
-    distance = queries[:, None] - held[None, :]
+    distance = queries[:, :, None] - held[:, None, :]
     seen = (distance >= 0) & ((distance < window) if window else True)
-    real = held[None, None, :] >= slots.first[:, None, None]
+    real = held[:, None, :] >= slots.first[:, None, None]
     # A padding token sees itself, so that no row of the softmax is empty.
-    visible = (seen[None] & real) | (distance == 0)[None]
+    visible = (seen & real) | (distance == 0)
     return keys, values, visible, written
 
 
@@ -137,16 +142,33 @@ def _fill(cache: jax.Array, x: jax.Array) -> jax.Array:
     return jnp.roll(x[:, length - size :].astype(cache.dtype), (length - size) % size, axis=1)
 
 
-def _written(cache: jax.Array, x: jax.Array, at: jax.Array | int) -> jax.Array:
-    """`cache` with `x` written from slot `at` on, in place. A bfloat16 cache is written through
-    its bits (uint16, the same bits): XLA:CPU widens a bfloat16 `dynamic_update_slice` to
-    float32 over the whole cache, a copy of all of it at every step."""
+def _written(cache: jax.Array, x: jax.Array, at: jax.Array | int, axis: int = 1) -> jax.Array:
+    """`cache` with `x` written from slot `at` on (along `axis`), in place; `at` with one slot
+    per row (a 1-D array of more than one) writes each row at its own. A bfloat16 cache is
+    written through its bits (uint16, the same bits): XLA:CPU widens a bfloat16
+    `dynamic_update_slice` to float32 over the whole cache, a copy of all of it at every
+    step."""
     x = x.astype(cache.dtype)
+    if jnp.ndim(at) == 1 and jnp.shape(at)[0] > 1:
+        write = jax.vmap(lambda c, y, a: jax.lax.dynamic_update_slice_in_dim(c, y, a, axis - 1))
+    else:
+        at = jnp.reshape(at, ())
+        write = functools.partial(jax.lax.dynamic_update_slice_in_dim, axis=axis)
     if cache.dtype != jnp.bfloat16:
-        return jax.lax.dynamic_update_slice_in_dim(cache, x, at, 1)
+        return write(cache, x, at)
     bits = (jax.lax.bitcast_convert_type(a, jnp.uint16) for a in (cache, x))
-    written = jax.lax.dynamic_update_slice_in_dim(*bits, at, 1)
-    return jax.lax.bitcast_convert_type(written, jnp.bfloat16)
+    return jax.lax.bitcast_convert_type(write(*bits, at), jnp.bfloat16)
+
+
+def write_row(cache: Any, row_cache: Any, row: jax.Array) -> Any:
+    """`cache` (a language model's, of many rows) with the one-row cache `row_cache` written
+    into its row `row`, in place when donated: how a prompt prefilled alone joins a running
+    batch."""
+
+    def one(pool: jax.Array, new: jax.Array) -> jax.Array:
+        return _written(pool, new, row, axis=pool.ndim - 4)  # batch x slots x heads x dim
+
+    return jax.tree.map(one, cache, row_cache)
 
 
 SHORTEST_READ = 64
@@ -183,7 +205,7 @@ def over_written_slots(
     lengths = written_lengths(keys.shape[1])
     if slots.prefill or window or len(lengths) == 1:
         return attend(keys, values, visible)
-    last = slots.index + visible.shape[-2] - 1
+    last = jnp.max(slots.index) + visible.shape[-2] - 1
     which = jnp.searchsorted(jnp.asarray(lengths, jnp.int32), last, side="right")
     branches = [functools.partial(_first_slots, attend, length) for length in lengths]
     return jax.lax.switch(which, branches, keys, values, visible)

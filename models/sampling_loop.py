@@ -341,43 +341,60 @@ def _model(structure: _Structure, weights):
 def _prefill(structure, weights, cache, tokens, first, keys, controls, filters):
     COMPILATIONS["prefill", *tokens.shape, _length(cache), filters] += 1
     log.debug("compiling the prefill of %d x %d tokens (%s)", *tokens.shape, ",".join(filters))
+    logits, cache = prefilled(structure, weights, cache, tokens, first)
+    return (*choose(logits, step_keys(keys, 0), controls, filters), cache)
+
+
+def prefilled(structure, weights, cache, tokens, first) -> tuple[jax.Array, Any]:
+    """(Traced.) The next-token logits (batch x vocabulary) after each left-padded prompt of
+    `tokens`, its first real slot at `first`, and the cache filled with them from slot 0."""
     tokens, first = jax.sharding.reshard(tokens, P()), jax.sharding.reshard(first, P())
     slots = Slots(jnp.int32(0), first, prefill=True)
     # Left-padded: the last column is every row's last prompt token.
     with reading_widened(*weights):
         logits, cache = _model(structure, weights).decode(tokens, cache, slots, last_only=True)
-    return (*choose(logits[:, -1], _step_keys(keys, 0), controls, filters), cache)
+    return logits[:, -1], cache
+
+
+def decoded(structure, weights, cache, token, index, first) -> tuple[jax.Array, Any]:
+    """(Traced.) The next-token logits (batch x vocabulary) after each row's `token` written at
+    slot `index` (a scalar, or one per row), and the cache with it."""
+    first = jax.sharding.reshard(first, P())
+    slots = Slots(index, first, prefill=False)
+    with reading_widened(*weights):
+        logits, cache = _model(structure, weights).decode(token[:, None], cache, slots)
+    return logits[:, 0], cache
 
 
 @functools.partial(jax.jit, static_argnames=("structure", "filters"), donate_argnames=("cache",))
 def _decode(structure, weights, cache, token, index, first, keys, step, controls, filters):
     COMPILATIONS["decode", token.shape[0], _length(cache), filters] += 1
     log.debug("compiling the decode step of %d rows (%s)", token.shape[0], ",".join(filters))
-    first = jax.sharding.reshard(first, P())
-    slots = Slots(index, first, prefill=False)
-    with reading_widened(*weights):
-        logits, cache = _model(structure, weights).decode(token[:, None], cache, slots)
-    return (*choose(logits[:, 0], _step_keys(keys, step), controls, filters), cache)
+    logits, cache = decoded(structure, weights, cache, token, index, first)
+    return (*choose(logits, step_keys(keys, step), controls, filters), cache)
 
 
 def _length(cache) -> int:
     return max(leaf.shape[-3] for leaf in jax.tree.leaves(cache))
 
 
-def _step_keys(keys: jax.Array, step) -> jax.Array:
-    return jax.vmap(lambda k: jax.random.fold_in(k, step))(keys)
+def step_keys(keys: jax.Array, step) -> jax.Array:
+    """Each row's key for its new token number `step` (a scalar, or one per row)."""
+    per_row = 0 if jnp.ndim(step) else None
+    return jax.vmap(jax.random.fold_in, in_axes=(0, per_row))(keys, step)
 
 
 def choose(
     logits: jax.Array, keys: jax.Array, controls: dict, filters: tuple[str, ...]
 ) -> tuple[jax.Array, jax.Array]:
     """Each row's next token (int32) from its logits (batch x vocabulary) as `Sampling` says,
-    and its log-probability under the unfiltered distribution."""
+    and its log-probability under the unfiltered distribution. Each control is a scalar or
+    one value per row."""
     logits = jax.sharding.reshard(logits.astype(jnp.float32), P())  # the vocabulary whole
     if filters == ("greedy",):
         token = jnp.argmax(logits, axis=-1)
     else:
-        allowed = filtered(logits / controls["temperature"], controls, filters)
+        allowed = filtered(logits / _column(controls["temperature"]), controls, filters)
         token = jax.vmap(jax.random.categorical)(keys, allowed)
     token = token.astype(jnp.int32)
     logprobs = jax.nn.log_softmax(logits, axis=-1)
@@ -390,17 +407,23 @@ def filtered(scaled: jax.Array, controls: dict, filters: tuple[str, ...]) -> jax
     if "top_k" in filters or "top_p" in filters:
         ordered = -jnp.sort(-scaled, axis=-1)  # likeliest first
         if "top_k" in filters:
-            kth = jnp.take(ordered, controls["top_k"] - 1, axis=-1)[:, None]
+            top_k = jnp.broadcast_to(_column(controls["top_k"]), (scaled.shape[0], 1))
+            kth = jnp.take_along_axis(ordered, top_k - 1, axis=-1)
             scaled = jnp.where(scaled >= kth, scaled, cut)
-            ordered = jnp.where(jnp.arange(ordered.shape[-1]) < controls["top_k"], ordered, cut)
+            ordered = jnp.where(jnp.arange(ordered.shape[-1]) < top_k, ordered, cut)
         if "top_p" in filters:
             probs = jax.nn.softmax(ordered, axis=-1)
             before = jnp.cumsum(probs, axis=-1) - probs  # the mass of the likelier tokens
-            kept = jnp.sum(before < controls["top_p"], axis=-1, keepdims=True)
+            kept = jnp.sum(before < _column(controls["top_p"]), axis=-1, keepdims=True)
             least = jnp.take_along_axis(ordered, kept - 1, axis=-1)
             scaled = jnp.where(scaled >= least, scaled, cut)
     if "min_p" in filters:
         probs = jax.nn.softmax(scaled, axis=-1)
-        floor = controls["min_p"] * jnp.max(probs, axis=-1, keepdims=True)
+        floor = _column(controls["min_p"]) * jnp.max(probs, axis=-1, keepdims=True)
         scaled = jnp.where(probs >= floor, scaled, cut)
     return scaled
+
+
+def _column(control: jax.Array) -> jax.Array:
+    """A control, scalar or one per row, as a column against batch x vocabulary."""
+    return jnp.reshape(control, (-1, 1))
