@@ -11,7 +11,7 @@ or a tokenizer's ids (`tokenizers.Tokenizer`, the one it was trained with).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -107,21 +107,45 @@ def stream(model: Any, prompt: str | bytes, request: Request, codec: Codec) -> I
 
 
 def _pieces(steps, request: Request, codec: Codec, check) -> Iterator[str]:
-    written: list[int] = []
-    shown = ""
+    pieces = Pieces(codec, request.stop)
     for step in steps:
-        for token in step:
-            if token.token not in request.eos:
-                written.append(token.token)
-        text = _cut(codec.decode(written), request.stop)
-        ended = all(t.token in request.eos for t in step) or (check and check(0, written))
-        ready = text if ended else _settled(text, request.stop)
-        if len(ready) > len(shown):
-            yield ready[len(shown) :]
-            shown = ready
-    text = _cut(codec.decode(written), request.stop)
-    if len(text) > len(shown):
-        yield text[len(shown) :]
+        new = [t.token for t in step if t.token not in request.eos]
+        ended = all(t.token in request.eos for t in step) or (
+            check and check(0, pieces.written + new)
+        )
+        if piece := pieces.add(new, ended):
+            yield piece
+    if piece := pieces.add([], ended=True):
+        yield piece
+
+
+class Pieces:
+    """A row's text as its tokens come, released in pieces: a piece is held back while it ends
+    in an incomplete character or could be the start of a `stop` string, and the text ends
+    before the first stop string."""
+
+    def __init__(self, codec: Codec, stop: tuple[str, ...]):
+        self.codec, self.stop = codec, stop
+        self.written: list[int] = []
+        self.shown = ""
+
+    def add(self, tokens: Sequence[int], ended: bool) -> str:
+        """The text that `tokens` (the row's next ones) release; all that is left where the
+        row `ended`."""
+        self.written.extend(tokens)
+        text = _cut(self.codec.decode(self.written), self.stop)
+        ready = text if ended else _settled(text, self.stop)
+        if len(ready) <= len(self.shown):
+            return ""
+        piece, self.shown = ready[len(self.shown) :], ready
+        return piece
+
+
+def stop_check(stop: tuple[str, ...], codec: Codec) -> Callable[[list[int]], bool] | None:
+    """Whether a row's tokens so far hold one of the `stop` strings (None: no stops)."""
+    if not stop:
+        return None
+    return lambda tokens: any(s in codec.decode(tokens) for s in stop)
 
 
 def _prepared(model, prompts, request: Request, codec: Codec) -> tuple[Session, list[np.ndarray]]:
@@ -148,9 +172,8 @@ def _kept(ids: np.ndarray, room: int) -> np.ndarray:
 
 
 def _stop_check(stop: tuple[str, ...], codec: Codec):
-    if not stop:
-        return None
-    return lambda row, tokens: any(s in codec.decode(tokens) for s in stop)
+    check = stop_check(stop, codec)
+    return None if check is None else lambda row, tokens: check(tokens)
 
 
 def _cut(text: str, stop: tuple[str, ...]) -> str:

@@ -91,7 +91,7 @@ def generate(
     sampling = Sampling(temperature, top_k, top_p, min_p)
     if (messages is None) == (prompt is None):
         raise ZooError("zoo.generate takes a prompt or messages (a chat), one of the two.")
-    trained, module, codec, default_eos, activate = _resolved(model, tokenizer)
+    trained, module, codec, default_eos, activate = resolved(model, tokenizer)
     if messages is not None:
         prompt, default_eos = chat_prompt(trained, messages, chat_template_kwargs)
         codec = dataclasses.replace(codec, rendered=True)  # the template wrote its BOS
@@ -120,7 +120,7 @@ def _streamed(pieces: Iterator[str], activate) -> Iterator[str]:
         yield piece
 
 
-def _resolved(model: Any, tokenizer: Any):
+def resolved(model: Any, tokenizer: Any = None):
     """(the run or None, the module to call, its codec, its default end-of-sequence ids, the
     context to call it in: its run's mesh, or the caller's for a bare module)."""
     if isinstance(model, str | os.PathLike):

@@ -1,0 +1,215 @@
+"""The HTTP face of a served model: OpenAI's `/v1/models`, `/v1/completions` and
+`/v1/chat/completions`, whole or streamed as server-sent events, errors in the API's JSON shape
+(`{"error": {"message", "type", "param", "code"}}`) with its statuses: 400 a bad request, 401 a
+missing or wrong API key, 404 an unknown model or route, 429 a full queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from zoo.models.serving_engine import QueueFull
+from zoo.models.text_completion import Pieces
+from zoo.serve.choices import Choice, Events, completion_logprobs
+from zoo.serve.requests import BadRequest, Parsed, chat_request, completion_request
+from zoo.serve.served import Served
+
+KINDS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+         429: "rate_limit_error"}  # fmt: skip
+
+
+def create_app(served: Served, api_key: str | None = None) -> FastAPI:
+    """The application that answers for `served`; every route asks for `api_key` (as
+    `Authorization: Bearer KEY`) where one is given."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        served.engine.stop()
+
+    app = FastAPI(title="zoo.serve", lifespan=lifespan)
+    app.state.served = served
+
+    @app.middleware("http")
+    async def authenticated(request: Request, call_next):
+        given = request.headers.get("authorization", "")
+        if api_key is not None and not hmac.compare_digest(given, f"Bearer {api_key}"):
+            message = "A missing or wrong API key: send Authorization: Bearer KEY."
+            return error(BadRequest(message, None, 401), "invalid_api_key")
+        return await call_next(request)
+
+    @app.exception_handler(BadRequest)
+    async def refused(request: Request, e: BadRequest):
+        return error(e)
+
+    @app.exception_handler(HTTPException)
+    async def not_found(request: Request, e: HTTPException):
+        return error(
+            BadRequest(f"{request.method} {request.url.path}: {e.detail}.", None, e.status_code)
+        )
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card(served)]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await answer(served, completion_request(await body(request)), request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await answer(served, chat_request(await body(request)), request, chat=True)
+
+    return app
+
+
+def model_card(served: Served) -> dict:
+    return {"id": served.name, "object": "model", "created": 0, "owned_by": "zoo"}
+
+
+def error(e: BadRequest, code: str | None = None) -> JSONResponse:
+    kind = KINDS.get(e.status, "invalid_request_error")
+    content = {"error": {"message": str(e), "type": kind, "param": e.param, "code": code}}
+    return JSONResponse(content, status_code=e.status)
+
+
+async def body(request: Request):
+    try:
+        return await request.json()
+    except ValueError:
+        raise BadRequest("The request body is not JSON.") from None
+
+
+async def answer(served: Served, parsed: Parsed, request: Request, chat: bool):
+    """The reply to a parsed request: its choices decoded in the running batch."""
+    if parsed.model != served.name:
+        message = (
+            f"The model {parsed.model!r} does not exist here: this server serves {served.name!r}."
+        )
+        raise BadRequest(message, "model", 404)
+    asks, lengths = served.asks(parsed)
+    events = Events()
+    try:
+        events.tickets = served.engine.submit(asks, events.deliver)
+    except QueueFull as e:
+        raise BadRequest(str(e), None, 429) from None
+    choices = [Choice(Pieces(served.codec, parsed.stop), parsed.top_logprobs) for _ in asks]
+    reply = Reply(served.name, parsed, chat, choices, sum(lengths))
+    if parsed.stream:
+        return StreamingResponse(streamed(reply, events, served), media_type="text/event-stream")
+    try:
+        async for index, event in watched(events.each(choices), request, events):
+            choices[index].add(event, served.codec)
+    finally:
+        events.cancel()
+    return reply.whole()
+
+
+async def watched(each: AsyncIterator, request: Request, events: Events) -> AsyncIterator:
+    """The events, while the client of a whole reply is still there (else its rows freed)."""
+    waiting = asyncio.ensure_future(anext(each, None))
+    while True:
+        done, _ = await asyncio.wait({waiting}, timeout=0.5)
+        if not done:
+            if await request.is_disconnected():
+                waiting.cancel()
+                events.cancel()
+                return
+            continue
+        item = waiting.result()
+        if item is None:
+            return
+        yield item
+        waiting = asyncio.ensure_future(anext(each, None))
+
+
+async def streamed(reply: Reply, events: Events, served: Served) -> AsyncIterator[str]:
+    """Server-sent events: a chunk per token (its text piece, its log-probabilities), a chunk
+    with each choice's finish_reason, usage where asked, then `[DONE]`. A client that goes
+    away cancels this generator, and its rows are freed."""
+    try:
+        if reply.chat:
+            for index in range(len(reply.choices)):
+                yield sse(reply.chunk(index, "", None, None, role=True))
+        async for index, event in events.each(reply.choices):
+            choice = reply.choices[index]
+            piece, entry = choice.add(event, served.codec)
+            if piece or entry or choice.finish:
+                yield sse(reply.chunk(index, piece, entry, choice.finish))
+        if reply.parsed.include_usage:
+            yield sse({**reply.head(chunk=True), "choices": [], "usage": reply.usage()})
+        yield "data: [DONE]\n\n"
+    finally:
+        events.cancel()
+
+
+def sse(data: dict) -> str:
+    return f"data: {json.dumps(data)}\n\n"
+
+
+class Reply:
+    """A reply's JSON, whole or in chunks, in the layout of its route."""
+
+    def __init__(self, name: str, parsed: Parsed, chat: bool, choices: list[Choice], prompt: int):
+        self.name, self.parsed, self.chat, self.choices = name, parsed, chat, choices
+        self.prompt_tokens = prompt
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def head(self, chunk: bool) -> dict:
+        kind = (
+            ("chat.completion.chunk" if chunk else "chat.completion")
+            if self.chat
+            else "text_completion"
+        )
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.name}
+
+    def usage(self) -> dict:
+        written = sum(c.tokens for c in self.choices)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": written,
+                "total_tokens": self.prompt_tokens + written}  # fmt: skip
+
+    def whole(self) -> dict:
+        choices = []
+        for index, c in enumerate(self.choices):
+            logprobs = self._logprobs(c.logprobs) if c.top_logprobs is not None else None
+            said = (
+                {"message": {"role": "assistant", "content": c.text}}
+                if self.chat
+                else {"text": c.text}
+            )
+            choices.append(
+                {"index": index, **said, "logprobs": logprobs, "finish_reason": c.finish}
+            )
+        return {**self.head(chunk=False), "choices": choices, "usage": self.usage()}
+
+    def chunk(
+        self, index: int, piece: str, entry: dict | None, finish: str | None, role=False
+    ) -> dict:
+        logprobs = None if entry is None else self._logprobs([entry])
+        if self.chat:
+            delta = (
+                {"role": "assistant", "content": ""}
+                if role
+                else {"content": piece}
+                if piece
+                else {}
+            )
+            said = {"delta": delta}
+        else:
+            said = {"text": piece}
+        return {**self.head(chunk=True),
+                "choices": [{"index": index, **said, "logprobs": logprobs, "finish_reason": finish}]}  # fmt: skip
+
+    def _logprobs(self, entries: list[dict]) -> dict:
+        return {"content": entries} if self.chat else completion_logprobs(entries)
