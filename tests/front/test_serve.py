@@ -13,10 +13,10 @@ import jax
 import openai
 import pytest
 from helpers import ROOT
-from serving import running
 from zoo.models import serving_engine
 
 import zoo
+from benchmarks.serving import running
 from zoo.serve import create_app
 
 CHAT = str(ROOT / "tests" / "fixtures" / "pretrained" / "qwen3-chat")

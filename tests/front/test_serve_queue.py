@@ -8,8 +8,8 @@ import threading
 
 import openai
 from helpers import ROOT
-from serving import running
 
+from benchmarks.serving import running
 from zoo.serve import create_app
 
 CHAT = str(ROOT / "tests" / "fixtures" / "pretrained" / "qwen3-chat")

@@ -6,7 +6,7 @@ request decoded in one running batch (continuous batching: `zoo.models.serving_e
 ASGI server; it needs the `serve` extra (`pip install 'zoo[serve]'`: FastAPI and uvicorn).
 Layout: `requests` reads and checks a request's body, `served` loads the model and turns a
 request into the engine's rows, `choices` turns rows' tokens into text and log-probabilities,
-`app` the routes, errors and replies.
+`app` the routes and errors, `replies` the JSON of replies.
 """
 
 from __future__ import annotations

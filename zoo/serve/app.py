@@ -9,9 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
-import time
-import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -20,7 +17,8 @@ from starlette.exceptions import HTTPException
 
 from zoo.models.serving_engine import QueueFull
 from zoo.models.text_completion import Pieces
-from zoo.serve.choices import Choice, Events, completion_logprobs
+from zoo.serve.choices import Choice, Events
+from zoo.serve.replies import Reply, sse
 from zoo.serve.requests import BadRequest, Parsed, chat_request, completion_request
 from zoo.serve.served import Served
 
@@ -134,82 +132,19 @@ async def watched(each: AsyncIterator, request: Request, events: Events) -> Asyn
 
 
 async def streamed(reply: Reply, events: Events, served: Served) -> AsyncIterator[str]:
-    """Server-sent events: a chunk per token (its text piece, its log-probabilities), a chunk
-    with each choice's finish_reason, usage where asked, then `[DONE]`. A client that goes
-    away cancels this generator, and its rows are freed."""
+    """Server-sent events: a chunk per token (the text it releases, its log-probabilities),
+    a chunk with each choice's finish_reason, usage where asked, then `[DONE]`. A client that
+    goes away cancels this generator, and its rows are freed."""
     try:
         if reply.chat:
             for index in range(len(reply.choices)):
-                yield sse(reply.chunk(index, "", None, None, role=True))
+                yield sse(reply.opening(index))
         async for index, event in events.each(reply.choices):
             choice = reply.choices[index]
-            piece, entry = choice.add(event, served.codec)
-            if piece or entry or choice.finish:
-                yield sse(reply.chunk(index, piece, entry, choice.finish))
+            piece, entry = choice.add(event, served.codec)  # a chunk per token, its text or ""
+            yield sse(reply.chunk(index, piece, entry, choice.finish))
         if reply.parsed.include_usage:
             yield sse({**reply.head(chunk=True), "choices": [], "usage": reply.usage()})
         yield "data: [DONE]\n\n"
     finally:
         events.cancel()
-
-
-def sse(data: dict) -> str:
-    return f"data: {json.dumps(data)}\n\n"
-
-
-class Reply:
-    """A reply's JSON, whole or in chunks, in the layout of its route."""
-
-    def __init__(self, name: str, parsed: Parsed, chat: bool, choices: list[Choice], prompt: int):
-        self.name, self.parsed, self.chat, self.choices = name, parsed, chat, choices
-        self.prompt_tokens = prompt
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-
-    def head(self, chunk: bool) -> dict:
-        kind = (
-            ("chat.completion.chunk" if chunk else "chat.completion")
-            if self.chat
-            else "text_completion"
-        )
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.name}
-
-    def usage(self) -> dict:
-        written = sum(c.tokens for c in self.choices)
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": written,
-                "total_tokens": self.prompt_tokens + written}  # fmt: skip
-
-    def whole(self) -> dict:
-        choices = []
-        for index, c in enumerate(self.choices):
-            logprobs = self._logprobs(c.logprobs) if c.top_logprobs is not None else None
-            said = (
-                {"message": {"role": "assistant", "content": c.text}}
-                if self.chat
-                else {"text": c.text}
-            )
-            choices.append(
-                {"index": index, **said, "logprobs": logprobs, "finish_reason": c.finish}
-            )
-        return {**self.head(chunk=False), "choices": choices, "usage": self.usage()}
-
-    def chunk(
-        self, index: int, piece: str, entry: dict | None, finish: str | None, role=False
-    ) -> dict:
-        logprobs = None if entry is None else self._logprobs([entry])
-        if self.chat:
-            delta = (
-                {"role": "assistant", "content": ""}
-                if role
-                else {"content": piece}
-                if piece
-                else {}
-            )
-            said = {"delta": delta}
-        else:
-            said = {"text": piece}
-        return {**self.head(chunk=True),
-                "choices": [{"index": index, **said, "logprobs": logprobs, "finish_reason": finish}]}  # fmt: skip
-
-    def _logprobs(self, entries: list[dict]) -> dict:
-        return {"content": entries} if self.chat else completion_logprobs(entries)

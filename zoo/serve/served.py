@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax
 import numpy as np
 
 from zoo.engine.errors import ZooError
@@ -32,11 +31,8 @@ class Served:
 
     @classmethod
     def start(cls, model: Any, name: str, rows: int, max_length: int, queue_size: int) -> Served:
-        """Load `model` (a path or hub name, or a loaded run) and start its engine, compiled."""
-        if isinstance(model, str):
-            from zoo.loading import load
-
-            model = load(model, devices=jax.devices()[:1])
+        """Load `model` (a path or hub name, or a loaded run) as `zoo.generate` does, and
+        start its engine, compiled."""
         trained, module, codec, eos, activate = resolved(model)
         engine = Engine(module, rows, max_length, queue_size, context=activate)
         engine.start()
