@@ -8,9 +8,9 @@ The model: `--model` (default: the tiny Qwen 3 chat fixture of the test suite, a
 thousand parameters, so that the figures measure the engine and the HTTP layer more than the
 model's arithmetic). `--requests` prompts of 1 to about 100 tokens, each asking for
 `--max-tokens` new tokens, greedily; a reply may end earlier at the end-of-sequence id, so the
-tokens counted are those written. The server holds 32 rows (`rows=32`) and is called through
-the `openai` client over HTTP on 127.0.0.1; each client sends its next request when its last
-reply ends. Time to first token: from a request's sending to its first streamed token (for
+tokens counted are those written. The server (`python -m zoo.serve`, a process of its own)
+holds 32 rows (`rows=32`) and is called through the `openai` client over HTTP on 127.0.0.1,
+from threads of this process; each client sends its next request when its last reply ends. Time to first token: from a request's sending to its first streamed token (for
 `zoo.generate`, which returns whole texts, to its text; every request of a batch or a queue is
 sent at the start). The server's figures come after a warm-up round; `zoo.generate`'s after a
 warm-up call of each shape.
@@ -23,7 +23,8 @@ import concurrent.futures
 import contextlib
 import json
 import socket
-import threading
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,27 +39,29 @@ CLIENTS = (1, 8, 32)
 
 
 @contextlib.contextmanager
-def running(app, api_key: str = "unused") -> Iterator:
-    """An `openai` client of `app`, served in a thread on a free port of 127.0.0.1 until the
-    block ends (no retries: a 429 is seen as it is). The test suite serves with it too."""
+def serving(model: str, *options: str) -> Iterator:
+    """An `openai` client of `python -m zoo.serve MODEL OPTIONS...`, run in a process of its
+    own (its clients' threads then do not hold the server's interpreter), until the block
+    ends."""
     import openai
-    import uvicorn
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    started = threading.Event()
-    while not started.wait(0.05):
-        if server.started:
-            started.set()
+    command = [sys.executable, "-m", "zoo.serve", model, f"port={port}", "name=bench", *options]
+    server = subprocess.Popen(command)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
     try:
-        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=api_key, max_retries=0)
+        while True:  # until it has compiled its engine
+            try:
+                client.models.list()
+                break
+            except openai.APIConnectionError:
+                time.sleep(0.5)
+        yield client
     finally:
-        server.should_exit = True
-        thread.join()
+        server.terminate()
+        server.wait()
 
 
 def prompts(count: int) -> list[str]:
@@ -118,14 +121,13 @@ def main() -> None:
     import jax
 
     from zoo.loading import load
-    from zoo.serve import create_app
 
     model = load(args.model, devices=jax.devices()[:1])
     asks = prompts(args.requests)
     report = {"machine": cpu(), "model": args.model, "requests": args.requests,
               "max_tokens": args.max_tokens, "rows": {}}  # fmt: skip
-    app = create_app(model, name="bench", rows=32, max_length=256, queue_size=args.requests)
-    with running(app) as client:
+    options = ("rows=32", "max_length=256", f"queue_size={args.requests}")
+    with serving(args.model, *options) as client:
         served(client, asks, 32, args.max_tokens)  # warm-up
         for clients in CLIENTS:
             report["rows"][f"zoo.serve, {clients} clients"] = served(

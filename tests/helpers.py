@@ -3,12 +3,16 @@ comparing states bit for bit."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
+import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import jax
@@ -138,3 +142,27 @@ def write_jsonl(path: Path, rows: list) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     return path
+
+
+@contextlib.contextmanager
+def running(app, api_key: str = "unused") -> Iterator:
+    """An `openai` client of `app` (a `zoo.serve` application), served in a thread on a free
+    port of 127.0.0.1 until the block ends (no retries: a 429 is seen as it is)."""
+    import openai
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    started = threading.Event()
+    while not started.wait(0.05):
+        if server.started:
+            started.set()
+    try:
+        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=api_key, max_retries=0)
+    finally:
+        server.should_exit = True
+        thread.join()

@@ -12,11 +12,10 @@ import threading
 import jax
 import openai
 import pytest
-from helpers import ROOT
+from helpers import ROOT, running
 from zoo.models import serving_engine
 
 import zoo
-from benchmarks.serving import running
 from zoo.serve import create_app
 
 CHAT = str(ROOT / "tests" / "fixtures" / "pretrained" / "qwen3-chat")

@@ -7,9 +7,8 @@ import concurrent.futures
 import threading
 
 import openai
-from helpers import ROOT
+from helpers import ROOT, running
 
-from benchmarks.serving import running
 from zoo.serve import create_app
 
 CHAT = str(ROOT / "tests" / "fixtures" / "pretrained" / "qwen3-chat")
