@@ -62,6 +62,10 @@ class QueueFull(ZooError):
     """The queue of waiting requests holds as many as it may: try again later."""
 
 
+class EngineStopped(ZooError):
+    """The engine's thread ended on an error: no request can run until the server restarts."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Ask:
     """One row's request: the prompt's ids, at most `max_new_tokens` new ones chosen as
@@ -88,7 +92,8 @@ class Token:
 
 @dataclasses.dataclass(frozen=True)
 class Finished:
-    """The end of a row: `eos`, `stop`, `length` or `cancelled`."""
+    """The end of a row: `eos`, `stop`, `length`, `cancelled`, or `error` (the engine
+    stopped: `Engine.failure`)."""
 
     reason: str
 
@@ -144,6 +149,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._running = False
         self.cancelled = 0
+        self.failure: str | None = None
 
     def check(self, ask: Ask) -> None:
         """Refuse, by name, a request the engine cannot run."""
@@ -182,6 +188,11 @@ class Engine:
         for ask in asks:
             self.check(ask)
         with self._lock:
+            if self.failure is not None:
+                raise EngineStopped(
+                    f"The serving engine stopped after an error ({self.failure}): restart the "
+                    "server."
+                )
             if len(self._queue) + len(asks) > self.queue_size + self._free_rows():
                 raise QueueFull(
                     f"The server is busy: {len(self._queue)} requests wait for its {self.rows} "
@@ -221,6 +232,22 @@ class Engine:
         return sum(t is None for t in self._held)
 
     def _loop(self) -> None:
+        try:
+            self._decode()
+        except Exception as e:  # every client waiting is told; none is left hanging
+            log.exception("The serving engine stopped")
+            self._failed(e)
+
+    def _failed(self, e: Exception) -> None:
+        with self._lock:
+            self.failure = f"{type(e).__name__}: {e}"
+            tickets = [t for t in self._held if t is not None] + list(self._queue)
+            self._held, self._running = [None] * self.rows, False
+            self._queue.clear()
+        for ticket in tickets:
+            ticket.deliver(Finished("error"))
+
+    def _decode(self) -> None:
         while True:
             with self._lock:
                 while self._running and not self._queue and self._free_rows() == self.rows:

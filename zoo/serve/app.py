@@ -1,7 +1,8 @@
 """The HTTP face of a served model: OpenAI's `/v1/models`, `/v1/completions` and
 `/v1/chat/completions`, whole or streamed as server-sent events, errors in the API's JSON shape
 (`{"error": {"message", "type", "param", "code"}}`) with its statuses: 400 a bad request, 401 a
-missing or wrong API key, 404 an unknown model or route, 429 a full queue.
+missing or wrong API key, 404 an unknown model or route, 429 a full queue, 500 and then 503
+once the engine has stopped on an error.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from zoo.models.serving_engine import QueueFull
+from zoo.models.serving_engine import EngineStopped, QueueFull
 from zoo.models.text_completion import Pieces
 from zoo.serve.choices import Choice, Events
 from zoo.serve.replies import Reply, sse
@@ -23,7 +24,7 @@ from zoo.serve.requests import BadRequest, Parsed, chat_request, completion_requ
 from zoo.serve.served import Served
 
 KINDS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-         429: "rate_limit_error"}  # fmt: skip
+         429: "rate_limit_error", 500: "server_error", 503: "server_error"}  # fmt: skip
 
 
 def create_app(served: Served, api_key: str | None = None) -> FastAPI:
@@ -101,6 +102,8 @@ async def answer(served: Served, parsed: Parsed, request: Request, chat: bool):
         events.tickets = served.engine.submit(asks, events.deliver)
     except QueueFull as e:
         raise BadRequest(str(e), None, 429) from None
+    except EngineStopped as e:
+        raise BadRequest(str(e), None, 503) from None
     choices = [Choice(Pieces(served.codec, parsed.stop), parsed.top_logprobs) for _ in asks]
     reply = Reply(served.name, parsed, chat, choices, sum(lengths))
     if parsed.stream:
@@ -110,7 +113,13 @@ async def answer(served: Served, parsed: Parsed, request: Request, chat: bool):
             choices[index].add(event, served.codec)
     finally:
         events.cancel()
+    if any(c.finish == "error" for c in choices):
+        raise BadRequest(stopped(served), None, 500)
     return reply.whole()
+
+
+def stopped(served: Served) -> str:
+    return f"The serving engine stopped after an error ({served.engine.failure}): restart it."
 
 
 async def watched(each: AsyncIterator, request: Request, events: Events) -> AsyncIterator:
@@ -142,6 +151,9 @@ async def streamed(reply: Reply, events: Events, served: Served) -> AsyncIterato
         async for index, event in events.each(reply.choices):
             choice = reply.choices[index]
             piece, entry = choice.add(event, served.codec)  # a chunk per token, its text or ""
+            if choice.finish == "error":  # the client raises it as an APIError
+                yield sse({"error": {"message": stopped(served), "type": "server_error"}})
+                return
             yield sse(reply.chunk(index, piece, entry, choice.finish))
         if reply.parsed.include_usage:
             yield sse({**reply.head(chunk=True), "choices": [], "usage": reply.usage()})
