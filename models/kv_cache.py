@@ -5,6 +5,10 @@ its next token into the same slot of the cache: one `dynamic_update_slice` for t
 in place when the cache is donated. What differs between rows is where their real tokens start
 (`Slots.first`): a row's positions count from there, and the slots before it are never seen.
 A row decoded in a batch thus sees exactly the keys, values and positions it would see alone.
+Rows that joined a running batch at different times (continuous batching,
+`zoo.models.serving_engine`) are each at a slot of their own: `Slots.index` then holds one slot
+per row, and a decode step writes each row's token at its own (`write_row` places a prompt
+prefilled alone into its row).
 
 Each layer's cache is `slots` long, a sliding-window layer's only its window (when that is
 shorter): slot `s` of a cache of `S` slots holds the latest token whose slot index is `s`

@@ -12,7 +12,7 @@ import threading
 import jax
 import openai
 import pytest
-from helpers import ROOT, running
+from helpers import ROOT, run_module, running
 from zoo.models import serving_engine
 
 import zoo
@@ -140,9 +140,10 @@ def counted(event: str, duration: float, **kwargs) -> None:
         COMPILED[0] += 1
 
 
-def test_thirty_two_clients_at_once_each_get_their_reply_alone(client):
-    """Prompts of 1 to about 200 tokens, replies of 1 to 60, greedy and sampled: the replies
-    streamed to 32 clients at once are those each gets alone, and nothing is compiled."""
+def test_thirty_two_clients_at_once_each_get_their_reply_alone(client, fresh_compiles):
+    """Prompts of 3 to 180 characters, replies of 1 to 40 tokens, greedy and sampled: the replies
+    streamed to 32 clients at once are those each gets alone, and nothing is compiled (nor
+    read from the compilation cache, which is off: every compilation is counted)."""
     asks = [
         {
             "prompt": "ab " * (1 + (i * 37) % 60),
@@ -190,3 +191,9 @@ def test_a_client_that_goes_away_frees_its_row(server):
     assert engine.stats()["cancelled"] == cancelled + engine.rows
     reply = client.completions.create(model="tiny", prompt="ab", max_tokens=4, temperature=0.0)
     assert reply.choices[0].finish_reason in ("length", "stop")
+
+
+def test_the_command_refuses_a_bad_option_in_one_line():
+    result = run_module("zoo.serve", CHAT, "rows=many")
+    assert result.returncode == 2
+    assert result.stderr.strip() == "error: rows='many' is not a number: rows takes an integer."
