@@ -131,7 +131,7 @@ class Session:
         self.split = split
         graphdef, state = nnx.split(model)
         leaves, treedef = jax.tree.flatten(state)
-        self._structure = _Structure((graphdef, treedef))
+        self._structure = Structure((graphdef, treedef))
         # With float32 copies where zoo's bfloat16 CPU kernel does not run (else Nones).
         self._weights = (leaves, widened_copies(leaves))
         with self._rows():
@@ -311,7 +311,7 @@ def _row_keys(key: jax.Array, batch_size: int) -> jax.Array:
     return jax.vmap(lambda row: jax.random.fold_in(key, row))(jnp.arange(batch_size))
 
 
-class _Structure:
+class Structure:
     """A model's (graphdef, treedef), a static argument of the compiled steps, with its hash
     taken once: jit hashes its static arguments at every call, and a 28-layer model's graphdef
     took about 27 ms to hash, as long as a decoding step's work at one row."""
@@ -324,13 +324,11 @@ class _Structure:
 
     def __eq__(self, other: object) -> bool:
         return self is other or (
-            isinstance(other, _Structure)
-            and self._hash == other._hash
-            and self.value == other.value
+            isinstance(other, Structure) and self._hash == other._hash and self.value == other.value
         )
 
 
-def _model(structure: _Structure, weights):
+def _model(structure: Structure, weights):
     graphdef, treedef = structure.value
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, weights[0]))
     model.eval()

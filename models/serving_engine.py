@@ -35,7 +35,7 @@ from zoo.models.kv_cache import write_row
 from zoo.models.sampling_loop import (
     SMALLEST_BUCKET,
     Sampling,
-    _Structure,
+    Structure,
     choose,
     decoded,
     prefilled,
@@ -133,7 +133,7 @@ class Engine:
         self.max_length = min(max_length, model.context_length)
         graphdef, state = nnx.split(model)
         leaves, treedef = jax.tree.flatten(state)
-        self._structure = _Structure((graphdef, treedef))
+        self._structure = Structure((graphdef, treedef))
         self._weights = (leaves, widened_copies(leaves))
         self.top = min(TOP_LOGPROBS, model.vocab_size)
         self.buckets = sorted(
