@@ -110,14 +110,17 @@ def test_choices_are_zoo_generates_rows_and_stop_strings_cut_them(client):
         ({"max_tokens": 250}, 400, "max_tokens=250 must lie between 1 and 241"),
         ({"model": "gpt-4"}, 404, "The model 'gpt-4' does not exist here"),
         ({"best_of": 2}, 400, "zoo.serve does not take best_of"),
+        ({"top_k": 100_000}, 400, "top_k=100000 must lie between 0 (no limit) and"),
     ],
 )
 def test_a_bad_request_is_refused_with_the_servers_message(client, request_, status, said):
     body = {"model": "tiny", "prompt": "x", **request_}
+    extra = {name: body.pop(name) for name in ("best_of", "top_k") if name in body}
     with pytest.raises(openai.APIStatusError) as raised:
-        client.completions.create(**body)
+        client.completions.create(**body, extra_body=extra)
     assert raised.value.status_code == status
     assert said in raised.value.message
+    assert raised.value.body["param"] == next(iter(request_))
     assert raised.value.body["message"] == raised.value.message.split(" - ", 1)[1]
 
 

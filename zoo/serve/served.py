@@ -51,6 +51,10 @@ class Served:
             codec, prompts = dataclasses.replace(codec, rendered=True), (text,)
         ids = [self._ids(codec, prompt) for prompt in prompts]
         sampling = Sampling(**parsed.sampling)
+        try:  # the one control whose range is the model's: top_k, up to its vocabulary
+            sampling.check(self.engine.model.vocab_size)
+        except ZooError as e:
+            raise BadRequest(str(e), "top_k") from None
         check = stop_check(parsed.stop, codec)
         asks = []
         for i, prompt in enumerate(ids):
