@@ -122,3 +122,29 @@ def test_a_bfloat16_cache_is_written_in_place_with_the_same_bits():
     got = written(cache, new)
     for a, b in zip(got, want, strict=True):
         np.testing.assert_array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
+
+
+@pytest.mark.parametrize(("length", "window"), [(SLOTS, 0), (16, 16)])
+def test_rows_at_slots_of_their_own_compute_what_each_computes_alone(length, window):
+    """`Slots.index` one per row (rows that joined a running batch at different times): each
+    row writes its token at its own slot, a ring's too, and attends as it does when the whole
+    batch is at its slot."""
+    keys = jax.random.split(jax.random.key(1), 4)
+    cache = tuple(jax.random.normal(k, (BATCH, length, HEADS, FEATURES)) for k in keys[:2])
+    new = tuple(jax.random.normal(k, (BATCH, 1, HEADS, FEATURES)) for k in keys[2:])
+    first = jnp.asarray([0, 5, 30], jnp.int32)
+
+    @jax.jit
+    def attended(index):
+        slots = Slots(index, first, prefill=False)
+        k, v, visible, written = kv_cache.update(cache, *new, slots, window)
+        attend = softmax_attention(new[0])
+        return kv_cache.over_written_slots(attend, k, v, visible[:, None], slots, window), written
+
+    index = jnp.asarray([40, 100, 200], jnp.int32)
+    together, written = attended(index)
+    for row in range(BATCH):
+        alone, alone_written = attended(index[row])
+        np.testing.assert_allclose(together[row], alone[row], atol=1e-6)
+        for a, b in zip(written, alone_written, strict=True):
+            np.testing.assert_array_equal(a[row], b[row])
