@@ -6,7 +6,7 @@ batch and one at a time, in one process on this machine.
 
 The model: `--model` (default: the tiny Qwen 3 chat fixture of the test suite, a few hundred
 thousand parameters, so that the figures measure the engine and the HTTP layer more than the
-model's arithmetic). `--requests` prompts of 1 to about 100 tokens, each asking for
+model's arithmetic). `--requests` prompts of 1 to 100 characters, each asking for
 `--max-tokens` new tokens, greedily; a reply may end earlier at the end-of-sequence id, so the
 tokens counted are those written. The server (`python -m zoo.serve`, a process of its own)
 holds 32 rows (`rows=32`) and is called through the `openai` client over HTTP on 127.0.0.1,
