@@ -15,6 +15,10 @@ Qwen3-30B-A3B's train step.
   for a decoder whose layers are mixtures of `--experts` experts `--expert-width` wide, `--top-k`
   to a token, against the same decoder with one dense MLP `top_k x expert_width` wide (the same
   active params per token, the router aside); interleaved windows, medians.
+- **meshes**: the same mixture's training tokens/s on 8 devices with `tensor=2`, its batch split
+  4 ways (`data=4`, every device holding every expert) against its experts split 4 ways
+  (`expert=4`, expert parallelism: each device computes its experts' pairs of its group's
+  tokens); interleaved windows, medians (8 devices: on a CPU, `JAX_NUM_CPU_DEVICES=8`).
 - **memory**: XLA's memory analysis of the train step compiled on the abstract state (no
   weights: `benchmarks.finetune_memory.step_memory`) of the Qwen3-30B-A3B architecture (its
   hub config, `QWEN3_30B_A3B`), params in bfloat16, each layer recomputed in the backward pass
@@ -196,30 +200,58 @@ def product_figures(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def training_figures(args: argparse.Namespace) -> dict[str, Any]:
+    mixture = [
+        f"model.num_experts={args.experts}",
+        f"model.experts_per_token={args.top_k}",
+        f"model.expert_mlp_dim={args.expert_width}",
+    ]
+    variants = {"mixture": mixture, "dense": [f"model.mlp_dim={args.top_k * args.expert_width}"]}
+    return interleaved_training(args, variants, "dense", jax.devices()[:1])
+
+
+def mesh_figures(args: argparse.Namespace) -> dict[str, Any]:
+    """The default decoder with `--experts` experts, `--top-k` to a token, on 8 devices with
+    tensor=2: the batch split 4 ways (`data=4`, every device all the experts) against the
+    experts split 4 ways (`expert=4`)."""
+    if len(jax.devices()) < 8:
+        raise SystemExit("The meshes section needs 8 devices: on a CPU, JAX_NUM_CPU_DEVICES=8.")
+    mixture = [f"model.num_experts={args.experts}", f"model.experts_per_token={args.top_k}"]
+    variants = {
+        "data=4": [*mixture, "mesh.tensor=2", "mesh.data=4"],
+        "expert=4": [*mixture, "mesh.tensor=2", "mesh.data=1", "mesh.expert=4"],
+    }
+    return interleaved_training(args, variants, "data=4", jax.devices()[:8], sized=False)
+
+
+def interleaved_training(
+    args: argparse.Namespace,
+    variants: dict[str, list[str]],
+    baseline: str,
+    devices: list,
+    sized: bool = True,
+) -> dict[str, Any]:
+    """Tokens/s of the trainer's real loop for each of `variants` (a decoder's keys, beside
+    `args`' sizes where `sized`, else at the decoder's defaults) on `devices`, in interleaved
+    windows, and each one's median speed against `baseline`'s in the same rounds."""
     sizes = [
         f"model.depth={args.depth}",
         f"model.dim={args.dim}",
         "model.num_heads=4",
         f"model.context_length={args.context}",
         f"data.window={args.context}",
-        f"trainer.batch_size={args.batch}",
     ]
-    variants = {
-        "mixture": [
-            f"model.num_experts={args.experts}",
-            f"model.experts_per_token={args.top_k}",
-            f"model.expert_mlp_dim={args.expert_width}",
-        ],
-        "dense": [f"model.mlp_dim={args.top_k * args.expert_width}"],
-    }
+    if sized:
+        sizes.append(f"trainer.batch_size={args.batch}")
+    sizes = [*(sizes if sized else []), "logging.norms_every=0"]
     with tempfile.TemporaryDirectory() as workdir:
-        advances = {}
+        advances, tokens = {}, {}
         for name, extra in variants.items():
-            trainer = benchmark_trainer(
-                "decoder", f"{workdir}/{name}", [*sizes, *extra], jax.devices()[:1]
-            )
+            folder = f"{workdir}/{name.replace('=', '')}"
+            trainer = benchmark_trainer("decoder", folder, [*sizes, *extra], devices)
             advances[name] = loops.zoo_loop(trainer)
             advances[name](1)  # compiles
+            batch = int(trainer.cfg.trainer.batch_size) * int(trainer.cfg.data.window)
+            tokens[name] = args.steps * batch
         seconds: dict[str, list[float]] = {name: [] for name in advances}
         for _ in range(args.rounds):
             for name, advance in advances.items():
@@ -228,12 +260,11 @@ def training_figures(args: argparse.Namespace) -> dict[str, Any]:
                 seconds[name].append(time.perf_counter() - start)
         for advance in advances.values():
             advance.close()
-    tokens = args.steps * args.batch * args.context
     return {
         name: {
-            "tokens_per_second": spread([tokens / s for s in seconds[name]]),
-            "vs_dense": statistics.median(
-                d / s for s, d in zip(seconds[name], seconds["dense"], strict=True)
+            "tokens_per_second": spread([tokens[name] / s for s in seconds[name]]),
+            f"vs_{baseline}": statistics.median(
+                b / s for s, b in zip(seconds[name], seconds[baseline], strict=True)
             ),
         }
         for name in seconds
@@ -312,6 +343,11 @@ def print_tables(results: dict[str, Any], args: argparse.Namespace) -> None:
         print("| decoder | tokens/s | vs dense |\n|---|---|---|")
         for name, r in results["training"].items():
             print(f"| {name} | {_spread_cell(r['tokens_per_second'])} | {r['vs_dense']:.2f}x |")
+    if "meshes" in results:
+        print(f"\nTraining the default decoder, {args.experts} experts, on 8 devices, tensor=2")
+        print("| mesh | tokens/s | vs data=4 |\n|---|---|---|")
+        for name, r in results["meshes"].items():
+            print(f"| {name} | {_spread_cell(r['tokens_per_second'])} | {r['vs_data=4']:.2f}x |")
     if "memory" in results:
         gib = 2**30
         print(f"\nQwen3-30B-A3B, {args.length} tokens a sequence, GiB per device (computed)")
@@ -325,7 +361,7 @@ def print_tables(results: dict[str, Any], args: argparse.Namespace) -> None:
             )
 
 
-SECTIONS = ("product", "training", "memory")
+SECTIONS = ("product", "training", "meshes", "memory")
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -349,6 +385,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         results["product"] = product_figures(args)
     if "training" in args.sections:
         results["training"] = training_figures(args)
+    if "meshes" in args.sections:
+        results["meshes"] = mesh_figures(args)
     if "memory" in args.sections:
         results["memory"] = memory_figures(QWEN3_30B_A3B, args.length)
     print_tables(results, args)

@@ -167,11 +167,13 @@ def test_state_hashes_see_one_bit_and_nothing_else():
 
 def test_experts_benchmark_compares_the_products_and_trains_both_decoders(tmp_path):
     """`benchmarks.experts` at small sizes: the three products compute the same loss, each
-    figure is there; the memory of a tiny mixture's steps, one per case, computed."""
+    figure is there, on one device and on the two meshes; the memory of a tiny mixture's
+    steps (8 experts: every case's mesh splits them), one per case, computed."""
     out = tmp_path / "experts.json"
     sizes = ["--experts", "4", "--dim", "32", "--expert-width", "16", "--tokens", "64"]
     sizes += ["--depth", "1", "--context", "16", "--batch", "8", "--steps", "1", "--rounds", "2"]
-    report = experts.main([*sizes, "--sections", "product", "training", "--json", str(out)])
+    sections = ["--sections", "product", "training", "meshes"]
+    report = experts.main([*sizes, *sections, "--json", str(out)])
     assert json.loads(out.read_text()) == report
     losses = {r["loss"] for r in report["product"].values()}
     assert max(losses) - min(losses) <= 1e-5 * max(losses)
@@ -180,7 +182,9 @@ def test_experts_benchmark_compares_the_products_and_trains_both_decoders(tmp_pa
         assert product["temporaries"] > 0 and product["seconds"]["median"] > 0
     assert set(report["training"]) == {"mixture", "dense"}
     assert report["training"]["dense"]["vs_dense"] == 1.0
-    config = json.loads((ROOT / "tests/fixtures/pretrained/qwen3-moe-tiny/config.json").read_text())
+    assert set(report["meshes"]) == {"data=4", "expert=4"}
+    assert report["meshes"]["data=4"]["vs_data=4"] == 1.0
+    config = json.loads((ROOT / "tests/fixtures/pretrained/qwen3-moe-norm/config.json").read_text())
     memory = experts.memory_figures(config, length=16)
     assert set(memory) == set(experts.MEMORY_CASES)
     for case in memory.values():
