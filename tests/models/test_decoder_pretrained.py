@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import json
 import math
 import pathlib
@@ -359,15 +360,10 @@ SOFTMAX_ROUTED = [
 sigmoid scores, computes none)."""
 
 
-@pytest.mark.parametrize(
-    "mesh", [None, MESH, *EXPERT_MESHES.values()], ids=["one device", "2x2x2", *EXPERT_MESHES]
-)
-@pytest.mark.parametrize("name", SOFTMAX_ROUTED)
-def test_the_router_loss_is_transformers_and_joins_the_training_loss(name, mesh):
-    """With output_router_logits, the language-model loss of a padded batch holds the router's
-    load-balancing loss transformers computes (`router_aux_loss`, over the real tokens alone),
-    weighted by router_aux_loss_coef; each mixture layer's load is reported beside it. On the
-    meshes too, those splitting the experts included: the loss is over every device's tokens."""
+def router_loss_on(name: str, mesh: dict | None, coef: float) -> np.ndarray:
+    """`name`'s language-model loss per sequence with router_aux_loss_coef=`coef`, on `mesh`
+    (None: one device), of the reference's padded batch (repeated so that the mesh's batch axes
+    split it), its router loss and each mixture layer's load checked."""
     pretrained = weights.open_pretrained(FIXTURES / name)
     hparams = checkpoint_hparams(pretrained)
     expected = reference(name)
@@ -378,26 +374,41 @@ def test_the_router_loss_is_transformers_and_joins_the_training_loss(name, mesh)
     if mesh:  # a batch that the batch axes split
         rows = math.prod(mesh.get(axis, 1) for axis in sharding.DEFAULT_RULES["batch"])
         batch = {key: np.concatenate([value] * (rows // 2)) for key, value in batch.items()}
-    losses = {}
-    for coef in (0.0, 0.25):
-        planned = plan_pretrained(
-            pretrained, {**hparams, "router_aux_loss_coef": coef}, mesh, devices
-        )
-        model = planned.fill()
-        with (
-            sharding.activate(planned.mesh, planned.rules),
-            jax.default_matmul_precision("highest"),
-        ):
-            loss, metrics = nnx.jit(language_model_loss)(model, batch, nnx.Rngs(0))
-        np.testing.assert_allclose(
-            metrics["router_aux_loss"], expected["router_aux_loss"], rtol=0, atol=1e-5
-        )
-        loads = [key for key in metrics if key.startswith("expert_load/")]
-        assert len(loads) == sum(map(hparams_has_experts(hparams), range(hparams["depth"])))
-        assert all(1.0 <= float(np.max(metrics[key])) for key in loads)
-        losses[coef] = np.asarray(loss)
+    planned = plan_pretrained(pretrained, {**hparams, "router_aux_loss_coef": coef}, mesh, devices)
+    model = planned.fill()
+    with sharding.activate(planned.mesh, planned.rules), jax.default_matmul_precision("highest"):
+        loss, metrics = nnx.jit(language_model_loss)(model, batch, nnx.Rngs(0))
     np.testing.assert_allclose(
-        losses[0.25] - losses[0.0], 0.25 * expected["router_aux_loss"], rtol=0, atol=1e-5
+        metrics["router_aux_loss"], expected["router_aux_loss"], rtol=0, atol=1e-5
+    )
+    loads = [key for key in metrics if key.startswith("expert_load/")]
+    assert len(loads) == sum(map(hparams_has_experts(hparams), range(hparams["depth"])))
+    assert all(1.0 <= float(np.max(metrics[key])) for key in loads)
+    return np.asarray(loss)
+
+
+@functools.cache
+def loss_without_the_router_loss(name: str) -> np.ndarray:
+    """`router_loss_on` one device with router_aux_loss_coef=0, computed once for every mesh."""
+    return router_loss_on(name, None, 0.0)
+
+
+@pytest.mark.parametrize(
+    "mesh", [None, MESH, *EXPERT_MESHES.values()], ids=["one device", "2x2x2", *EXPERT_MESHES]
+)
+@pytest.mark.parametrize("name", SOFTMAX_ROUTED)
+def test_the_router_loss_is_transformers_and_joins_the_training_loss(name, mesh):
+    """With output_router_logits, the language-model loss of a padded batch holds the router's
+    load-balancing loss transformers computes (`router_aux_loss`, over the real tokens alone),
+    weighted by router_aux_loss_coef; each mixture layer's load is reported beside it. On the
+    meshes too, those splitting the experts included: the loss is over every device's tokens,
+    and each sequence's is the one on one device without the router's loss (reported there
+    too, with coef 0) plus the weighted router loss."""
+    plain = loss_without_the_router_loss(name)
+    weighted = router_loss_on(name, mesh, 0.25)
+    plain = np.tile(plain, len(weighted) // len(plain))  # the mesh's batch: the rows repeated
+    np.testing.assert_allclose(
+        weighted - plain, 0.25 * reference(name)["router_aux_loss"], rtol=0, atol=1e-5
     )
 
 
