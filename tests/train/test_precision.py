@@ -38,11 +38,17 @@ def tiny(model: str) -> tuple[str, ...]:
     return registry.get_model(model).tiny
 
 
-def fit(model: str, workdir, *extra: str) -> zoo.RunResult:
+def fit(model: str, workdir, *extra: str, devices: int = 1) -> zoo.RunResult:
+    """A run of `model`'s tiny config on the first `devices` devices, without the model's
+    `on_eval` report (a language model's sampled text, a classifier's or VAE's images): its
+    losses, state and checkpoints are what these tests read, and the report's own programs
+    took most of a language model's run."""
     overrides = overriding(f"model={model}", *tiny(model), *COMMON, f"workdir={workdir}", *extra)
     from zoo.engine.loop.trainer import Trainer
 
-    return Trainer(zoo.compose(overrides), jax.devices()[:1]).fit()
+    trainer = Trainer(zoo.compose(overrides), jax.devices()[:devices])
+    trainer.on_eval = None
+    return trainer.fit()
 
 
 def float_dtypes(tree) -> set:
@@ -67,11 +73,9 @@ def test_bf16_trains_to_the_fp32_loss_with_float32_state(model, tmp_path):
 def test_bf16_on_a_split_mesh_with_lora(tmp_path):
     base = ("trainer.steps=40", "trainer.steps_per_dispatch=20", "trainer.log_every=20")
     mesh = ("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
-    overrides = overriding("model=gpt", *tiny("gpt"), *COMMON, *base, *mesh, "finetune.lora_rank=2")
-    full = zoo.run(zoo.compose([*overrides, f"workdir={tmp_path / 'fp32'}"]))
-    mixed = zoo.run(
-        zoo.compose([*overrides, f"workdir={tmp_path / 'bf16'}", "trainer.precision=bf16"])
-    )
+    lora = (*base, *mesh, "finetune.lora_rank=2")
+    full = fit("gpt", tmp_path / "fp32", *lora, devices=8)
+    mixed = fit("gpt", tmp_path / "bf16", *lora, "trainer.precision=bf16", devices=8)
     assert mixed.eval_metrics["loss"] == pytest.approx(full.eval_metrics["loss"], rel=0.05)
     assert float_dtypes(mixed.state) == {jnp.dtype(jnp.float32)}
     assert float_dtypes(nnx.state(mixed.model, nnx.LoRAParam)) == {jnp.dtype(jnp.float32)}
