@@ -122,6 +122,11 @@ class LoggingConfig:
     # Global gradient norm, parameter norm and update/parameter ratio, sampled every N steps
     # (each sample costs about one extra gradient computation); 0: never.
     norms_every: int = 500
+    # The model's own report at each eval, beside the eval metrics: a language model's sampled
+    # text or replies and a mixture's expert load, a classifier's or VAE's images. false: the
+    # metrics alone, for evals that cost only the eval pass (a language model's sample
+    # generates token by token).
+    eval_reports: bool = True
 
 
 @dataclasses.dataclass

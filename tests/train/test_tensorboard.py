@@ -279,3 +279,12 @@ def test_gpt_text_sample_is_markdown_not_a_repr(tmp_path):
     text = sample.tensor_proto.string_val[0].decode()
     assert text.startswith("**prompt**\n\n    ") and "\n\n**continuation**\n\n    " in text
     assert "\\n" not in text and "' -> '" not in text  # no Python repr
+
+
+def test_without_eval_reports_an_eval_writes_its_metrics_and_no_sample(tmp_path):
+    tiny = ("model.dim=32", "model.depth=1", "model.context_length=64", "data.window=64")
+    quick = ("data.eval_bytes=4096", "trainer.steps=2", "trainer.log_every=2")
+    zoo.fit("gpt", *tiny, *quick, "logging.eval_reports=false", f"workdir={tmp_path}")
+    events = read_events(tmp_path)
+    assert "val/loss" in events.Tags()["scalars"]
+    assert not [tag for tag in events.Tags()["tensors"] if tag.startswith("sample")]

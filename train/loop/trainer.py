@@ -566,7 +566,8 @@ class Trainer:
             averaged = self.evaluate(ema=True)
             reporter.scalars("val_ema", step, averaged)
             log.info("Eval (EMA weights) @ step %d: %s", step, format_metrics(averaged))
-        if self.on_eval is not None and self.rollout_batches is None:  # grpo: its completions
+        reports = self.on_eval is not None and self.cfg.logging.eval_reports
+        if reports and self.rollout_batches is None:  # grpo: its completions instead
             model, _ = nnx.merge(self.graphdef, self.state)  # shares the arrays; read only
             model.eval()
             model = precision.computing(model, self.cfg.trainer.precision)  # as the eval
