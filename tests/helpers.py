@@ -31,6 +31,7 @@ TINY_TEXT_FINETUNE = (
     "optimizer.schedule=constant",
     "optimizer.learning_rate=1e-2",
     "logging.norms_every=0",  # no norms at the first step: a gradient's compilation less
+    "logging.eval_reports=false",  # no sampled text at the evals: the tests read no samples
 )
 """A three-step fine-tune on the tiny text, which the pretrained fine-tuning tests share."""
 # The environment of a process whose compilations are counted: without the session's cache.

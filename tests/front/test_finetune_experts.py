@@ -44,7 +44,11 @@ def test_a_full_fine_tune_trains_the_experts_and_the_router(pretrained, tmp_path
     """With the router's load-balancing loss (as output_router_logits=true gives it), which
     TensorBoard shows beside each mixture layer's load, in training and at each eval."""
     result = zoo.finetune(
-        CHECKPOINT, *TINY_TEXT_FINETUNE, "model.router_aux_loss_coef=0.01", f"workdir={tmp_path}"
+        CHECKPOINT,
+        *TINY_TEXT_FINETUNE,
+        "model.router_aux_loss_coef=0.01",
+        "logging.eval_reports=true",  # the expert load's picture and table
+        f"workdir={tmp_path}",
     )
     events = read_events(tmp_path)
     tags = set(events.Tags()["scalars"])

@@ -39,16 +39,21 @@ def tiny(model: str) -> tuple[str, ...]:
 
 
 def fit(model: str, workdir, *extra: str, devices: int = 1) -> zoo.RunResult:
-    """A run of `model`'s tiny config on the first `devices` devices, without the model's
-    `on_eval` report (a language model's sampled text, a classifier's or VAE's images): its
-    losses, state and checkpoints are what these tests read, and the report's own programs
-    took most of a language model's run."""
-    overrides = overriding(f"model={model}", *tiny(model), *COMMON, f"workdir={workdir}", *extra)
+    """A run of `model`'s tiny config on the first `devices` devices, without the model's eval
+    report (a language model's sampled text, a classifier's or VAE's images): its losses,
+    state and checkpoints are what these tests read, and the report's own programs took most
+    of a language model's run."""
+    overrides = overriding(
+        f"model={model}",
+        *tiny(model),
+        *COMMON,
+        "logging.eval_reports=false",
+        f"workdir={workdir}",
+        *extra,
+    )
     from zoo.engine.loop.trainer import Trainer
 
-    trainer = Trainer(zoo.compose(overrides), jax.devices()[:devices])
-    trainer.on_eval = None
-    return trainer.fit()
+    return Trainer(zoo.compose(overrides), jax.devices()[:devices]).fit()
 
 
 def float_dtypes(tree) -> set:
