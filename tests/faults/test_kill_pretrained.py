@@ -28,6 +28,7 @@ COMMON = (
     "trainer.batch_size=8",  # 35 batches an epoch of text: the resumed run crosses into the next
     "optimizer.warmup_steps=0",
     "logging.norms_every=0",
+    "logging.eval_reports=false",  # the final eval's sampled text: not what is compared
 )
 
 
