@@ -5,8 +5,10 @@ The `Engine` allocates, once, a key/value cache of `rows` x `max_length` slots (
 the batch is that product, whatever the traffic) and compiles, at warm-up, one prefill per prompt
 bucket (`zoo.models.sampling_loop.prompt_bucket`, up to `max_length`) and one decode step of all
 rows. A request waits in a bounded queue (`QueueFull` beyond it) until a row is free; between two
-decode steps it is prefilled alone, left-padded to its bucket, and its cache row is written into
-the free row (`zoo.models.kv_cache.write_row`), so it joins the running batch at the next step.
+decode steps it is prefilled alone, left-padded to its bucket, and its cache row, moved left by
+the padding so that the prompt holds its first slots, is written into the free row
+(`zoo.models.kv_cache.write_row`), so it joins the running batch at the next step: the reply
+has every slot after the prompt's, whatever its bucket's padding.
 Each row has its own slot index (`Slots.index` one per row), positions and sampling controls
 (temperature 0 is greedy, row by row), and draws its token number `t` from `fold_in(key, t)`,
 `key` the request's own (`fold_in(key(seed), choice)`): what a request writes does not depend on
@@ -153,7 +155,6 @@ class Engine:
 
     def check(self, ask: Ask) -> None:
         """Refuse, by name, a request the engine cannot run."""
-        longest = self.max_length - self.buckets[0] + 1
         if len(ask.prompt) < 1:
             raise ZooError("An empty prompt: give at least one token.")
         if len(ask.prompt) >= self.max_length:
@@ -166,9 +167,8 @@ class Engine:
         if not 1 <= ask.max_new_tokens <= room:
             raise ZooError(
                 f"max_tokens={ask.max_new_tokens} must lie between 1 and {room} for a prompt of "
-                f"{len(ask.prompt)} tokens: prompt (padded to {self.bucket(len(ask.prompt))}) "
-                f"and reply share the {self.max_length} slots a request holds (at most "
-                f"{longest} new tokens after the shortest prompts)."
+                f"{len(ask.prompt)} tokens: prompt and reply share the {self.max_length} slots "
+                f"a request holds, and the model's context of {self.model.context_length}."
             )
         ask.sampling.check(self.model.vocab_size)
         if not 0 <= ask.seed < 2**31:
@@ -178,9 +178,10 @@ class Engine:
         return prompt_bucket(length, self.max_length)
 
     def room(self, length: int) -> int:
-        """The most new tokens after a prompt of `length` tokens: its bucket and the reply share
-        a row's slots, and the prompt and reply the model's context."""
-        return min(self.max_length - self.bucket(length) + 1, self.model.context_length - length)
+        """The most new tokens after a prompt of `length` tokens: the reply's tokens but the
+        last take the row's slots after the prompt's, and prompt and reply share the model's
+        context."""
+        return min(self.max_length - length + 1, self.model.context_length - length)
 
     def submit(self, asks: list[Ask], deliver: Callable[[int, Token | Finished], None]):
         """Queue `asks` (the choices of one request, all or none): their `Ticket`s, whose events
@@ -294,7 +295,7 @@ class Engine:
                 np.int32(row), np.uint32(ask.seed), np.uint32(ask.choice), controls, greedy,
                 self.top,
             )  # fmt: skip
-        self._state.fill(row, bucket, first[0], np.asarray(key), ask.sampling)
+        self._state.fill(row, len(ask.prompt), np.asarray(key), ask.sampling)
         return _events(token, logprob, top)[0]
 
     def _step(self) -> list[tuple[int, tuple]]:
@@ -303,7 +304,7 @@ class Engine:
         controls, greedy = _controls(s.sampling, self.model.vocab_size)
         # Copies: a CPU call may read a NumPy array in place while it runs, after the host has
         # moved on to change it.
-        rows = (a.copy() for a in (s.token, s.index, s.first, s.keys, s.steps))
+        rows = (a.copy() for a in (s.token, s.index, s.keys, s.steps))
         with self._calls():
             token, logprob, top, self._pool = _step(
                 self._structure, self._weights, self._pool, *rows, controls, greedy, self.top
@@ -348,23 +349,23 @@ def _lengths(max_length: int) -> list[int]:
 
 
 class _Rows:
-    """The host's record of every row: its last token, next slot, first real slot, key, token
-    count and sampling controls (an idle row decodes at slot 0, which nobody reads)."""
+    """The host's record of every row: its last token, next slot, key, token count and
+    sampling controls (an idle row decodes at slot 0, which nobody reads). Every row's prompt
+    starts at slot 0 (`_admit` moves it there)."""
 
     def __init__(self, rows: int):
         self.token = np.zeros(rows, np.int32)
         self.index = np.zeros(rows, np.int32)
-        self.first = np.zeros(rows, np.int32)
         self.steps = np.zeros(rows, np.int32)
         self.keys = np.zeros((rows, *jax.random.key_data(jax.random.key(0)).shape), np.uint32)
         self.sampling = [Sampling(temperature=0.0)] * rows
 
-    def fill(self, row: int, bucket: int, first: int, key: np.ndarray, sampling: Sampling):
-        self.index[row], self.first[row], self.steps[row] = bucket, first, 1
+    def fill(self, row: int, index: int, key: np.ndarray, sampling: Sampling):
+        self.index[row], self.steps[row] = index, 1
         self.keys[row], self.sampling[row] = key, sampling
 
     def clear(self, row: int) -> None:
-        self.fill(row, 0, 0, self.keys[row], Sampling(temperature=0.0))
+        self.fill(row, 0, self.keys[row], Sampling(temperature=0.0))
 
 
 def _controls(samplings: list[Sampling], vocab: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
@@ -402,15 +403,18 @@ def _admit(structure, weights, pool, blank, tokens, first, row, seed, choice, co
     COMPILATIONS["admit", tokens.shape[1]] += 1
     log.debug("compiling the serving prefill of %d tokens", tokens.shape[1])
     logits, one = prefilled(structure, weights, blank, tokens, first)
+    # The padding's slots moved to the row's end (a ring's too: each slot moves by the padding,
+    # modulo the ring's length), where decoding overwrites them before any token sees them.
+    one = jax.tree.map(lambda c: jnp.roll(c, -first[0], axis=c.ndim - 3), one)
     key = jax.random.fold_in(jax.random.key(seed), choice)
     token, logprob, top_ = _chosen(logits, key[None], jnp.int32(0), controls, greedy, top)
     return token, logprob, top_, jax.random.key_data(key), write_row(pool, one, row)
 
 
 @functools.partial(jax.jit, static_argnames=("structure", "top"), donate_argnames=("pool",))
-def _step(structure, weights, pool, token, index, first, keys, steps, controls, greedy, top):
+def _step(structure, weights, pool, token, index, keys, steps, controls, greedy, top):
     COMPILATIONS["step", token.shape[0]] += 1
     log.debug("compiling the serving decode step of %d rows", token.shape[0])
-    logits, pool = decoded(structure, weights, pool, token, index, first)
+    logits, pool = decoded(structure, weights, pool, token, index, jnp.zeros_like(index))
     keys = jax.random.wrap_key_data(keys)
     return (*_chosen(logits, keys, steps, controls, greedy, top), pool)

@@ -107,7 +107,7 @@ def test_choices_are_zoo_generates_rows_and_stop_strings_cut_them(client):
         ({"temperature": 3.0}, 400, "temperature=3.0 must be a number in [0.0, 2.0]"),
         ({"max_tokens": 0}, 400, "max_tokens=0 must be an integer of at least 1"),
         ({"prompt": "x" * 300}, 400, "give a prompt of at most 255 tokens"),
-        ({"max_tokens": 250}, 400, "max_tokens=250 must lie between 1 and 241"),
+        ({"max_tokens": 300}, 400, "max_tokens=300 must lie between 1 and 256"),
         ({"model": "gpt-4"}, 404, "The model 'gpt-4' does not exist here"),
         ({"best_of": 2}, 400, "zoo.serve does not take best_of"),
         ({"top_k": 100_000}, 400, "top_k=100000 must lie between 0 (no limit) and"),
