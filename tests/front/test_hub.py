@@ -1,7 +1,7 @@
 """`hf://ORG/NAME` names read through huggingface_hub's cache, offline (HF_HUB_OFFLINE=1): a cache
 laid out as the hub lays it out (refs/main -> snapshots/<commit>/ links -> blobs/), made from
 the tiny GPT-2 fixture. `zoo.load`, `zoo.finetune`, the CLI's `finetune.init_from` (and its
-resume) and `python -m zoo.generate` resolve it; names that cannot be had give one-paragraph
+resume), `python -m zoo.generate` and `zoo.serve` resolve it; names that cannot be had give one-paragraph
 errors naming them and what to do, online errors included (a local server answers as the hub
 answers an unknown and a gated repository)."""
 
@@ -143,6 +143,18 @@ def test_the_generate_cli_takes_a_hub_name(cache):
     missing = generate_cli("hf://zoo-test/missing", "prompt=x")
     assert missing.returncode == 2
     assert "error: hf://zoo-test/missing is not in the Hugging Face cache" in missing.stderr
+
+
+def test_the_server_serves_a_hub_name(cache):
+    from helpers import running
+
+    from zoo.serve import create_app
+
+    app = create_app(NAME, rows=1, max_length=32, queue_size=1)
+    with running(app) as client:
+        assert [m.id for m in client.models.list().data] == [NAME]
+        reply = client.completions.create(model=NAME, prompt="def", max_tokens=4, temperature=0)
+    assert reply.choices[0].text == zoo.generate(TINY, "def", max_new_tokens=4, temperature=0)
 
 
 class FakeHub(http.server.BaseHTTPRequestHandler):

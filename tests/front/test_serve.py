@@ -2,12 +2,14 @@
 its replies are `zoo.generate`'s for the same settings, whole or streamed; bad requests are
 refused with the server's message and the API's statuses; 32 clients at once, with prompts and
 replies of every length, each get the reply they get alone, with no compilation after warm-up;
-a client that goes away frees its row (tests/front/test_serve_queue.py: a full queue)."""
+a client that goes away, streamed or not, frees its row (tests/front/test_serve_queue.py: a full
+queue; tests/front/test_hub.py: a hub name served)."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 
 import jax
 import openai
@@ -194,6 +196,40 @@ def test_a_client_that_goes_away_frees_its_row(server):
     assert engine.stats()["cancelled"] == cancelled + engine.rows
     reply = client.completions.create(model="tiny", prompt="ab", max_tokens=4, temperature=0.0)
     assert reply.choices[0].finish_reason in ("length", "stop")
+
+
+def test_a_client_of_a_whole_reply_that_goes_away_frees_its_row(server, monkeypatch):
+    """A non-streaming client that gives up (its timeout) while its reply is being written: the
+    server sees it gone and the engine frees its row rather than writing the reply out. The
+    engine's decode steps wait at a gate meanwhile, so the reply cannot end first."""
+    app, client = server
+    engine = app.state.served.engine
+    cancelled, gate, step = engine.stats()["cancelled"], threading.Event(), engine._step
+
+    def gated():
+        gate.wait()
+        return step()
+
+    monkeypatch.setattr(engine, "_step", gated)
+    try:
+        with pytest.raises(openai.APITimeoutError):
+            client.with_options(timeout=1.0).completions.create(
+                model="tiny", prompt="ab", max_tokens=200
+            )
+        (ticket,) = [t for t in engine._held if t is not None]
+        for _ in range(600):  # the server looks every half second: 30 s at most
+            if ticket.cancelled:
+                break
+            time.sleep(0.05)
+        assert ticket.cancelled, "the server did not see its client go away"
+    finally:
+        gate.set()
+    done = threading.Event()
+    while not done.wait(0.05):
+        if engine.stats()["busy"] == 0:
+            done.set()
+    assert engine.stats()["cancelled"] == cancelled + 1
+    assert len(ticket.tokens) == 1  # the prefill's token, and no step after it
 
 
 def test_the_command_refuses_a_bad_option_in_one_line():

@@ -38,14 +38,8 @@ def create_app(served: Served, api_key: str | None = None) -> FastAPI:
 
     app = FastAPI(title="zoo.serve", lifespan=lifespan)
     app.state.served = served
-
-    @app.middleware("http")
-    async def authenticated(request: Request, call_next):
-        given = request.headers.get("authorization", "")
-        if api_key is not None and not hmac.compare_digest(given, f"Bearer {api_key}"):
-            message = "A missing or wrong API key: send Authorization: Bearer KEY."
-            return error(BadRequest(message, None, 401), "invalid_api_key")
-        return await call_next(request)
+    if api_key is not None:
+        app.add_middleware(KeyRequired, api_key=api_key)
 
     @app.exception_handler(BadRequest)
     async def refused(request: Request, e: BadRequest):
@@ -70,6 +64,23 @@ def create_app(served: Served, api_key: str | None = None) -> FastAPI:
         return await answer(served, chat_request(await body(request)), request, chat=True)
 
     return app
+
+
+class KeyRequired:
+    """Refuses, with 401, an HTTP request without `Authorization: Bearer API_KEY`. A plain ASGI
+    middleware: Starlette's `BaseHTTPMiddleware` would hide from the routes that their client
+    went away (`Request.is_disconnected`), and a whole reply's rows would not be freed."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        given = dict(scope.get("headers", ())).get(b"authorization", b"")
+        if scope["type"] == "http" and not hmac.compare_digest(given, self.expected):
+            message = "A missing or wrong API key: send Authorization: Bearer KEY."
+            await error(BadRequest(message, None, 401), "invalid_api_key")(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
 
 def model_card(served: Served) -> dict:
