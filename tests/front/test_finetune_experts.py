@@ -4,7 +4,9 @@ projections with the experts frozen, and over each expert (adapters stacked as t
 kernels), merged back into the kernels; the router's load-balancing loss trained with a
 preference fine-tune as with the model's own loss; and QLoRA over the experts, each
 projection's stacked kernel held quantized (codes and scales, checkpointed) under adapters
-trained on top, merged and exported as the dequantized kernel plus B A."""
+trained on top, merged and exported as the dequantized kernel plus B A. Mixtral under LoRA and
+QLoRA and gpt-oss in full as well (DeepSeek V3: test_finetune_deepseek.py; gpt-oss's MXFP4
+experts under QLoRA: test_finetune_mxfp4.py)."""
 
 from __future__ import annotations
 
@@ -244,3 +246,42 @@ def test_dpo_trains_with_the_router_loss_and_reports_the_routing(tmp_path):
     tags = set(events.Tags()["scalars"])
     for split in ("train", "val"):
         assert {f"{split}/expert_load/layers.{i}.mlp" for i in (1, 2)} <= tags, sorted(tags)
+
+
+@pytest.mark.parametrize(
+    ("family", "how"),
+    [("mixtral-tiny", "lora"), ("mixtral-tiny", "qlora"), ("gpt-oss-tiny", "full")],
+)
+def test_each_family_fine_tunes_its_experts(family, how, tmp_path):
+    """Mixtral's experts (`block_sparse_moe`) under LoRA and QLoRA, gpt-oss's (biased, with
+    its clamped SwiGLU and biased router) in full, as Qwen3-MoE's above: a full fine-tune moves
+    every expert's kernels and biases and the router; LoRA and QLoRA train adapters stacked as
+    each expert's kernel over the frozen (QLoRA: held quantized) kernels, and the merged model
+    computes what the adapted one does."""
+    checkpoint = CHECKPOINT.parent / family
+    before = params(zoo.load(checkpoint).model)
+    options = {"full": {}, "lora": {"lora_rank": 4}, "qlora": {"lora_rank": 4, "quantize": "nf4"}}
+    result = zoo.finetune(checkpoint, *TINY_TEXT_FINETUNE, f"workdir={tmp_path}", **options[how])
+    tuned = params(result.model)
+    experts = [p for p in before if ".mlp.experts." in p or ".mlp.router." in p]
+    # Mixtral: 2 layers of 3 kernels and a router; gpt-oss: 3 layers of 3 biased kernels and a
+    # biased router
+    assert len(experts) == {"mixtral-tiny": 2 * 4, "gpt-oss-tiny": 3 * 8}[family]
+    if how == "full":
+        for path in experts:
+            assert not np.array_equal(tuned[path], before[path]), path
+        return
+    quantized = held(result.model)
+    kernels = [f"layers.{i}.mlp.experts.{name}" for i in (0, 1) for name in PROJECTIONS]
+    assert sorted(quantized) == (sorted(kernels) if how == "qlora" else [])
+    for path in set(experts) - set(quantized):
+        np.testing.assert_array_equal(tuned[path], before[path], err_msg=path)
+    adapters = dict(nnx.to_flat_state(nnx.state(result.model, nnx.LoRAParam)))
+    up_b = np.asarray(adapters[("layers", 1, "mlp", "experts", "up_lora_b")][...])
+    assert up_b.shape == (4, 24, 4) and np.abs(up_b).max() > 0  # per expert, trained from zero
+    merged = zoo.merge_lora(result)
+    assert not held(merged.model) and not nnx.state(merged.model, nnx.LoRAParam)
+    prompt = np.arange(1, 17, dtype=np.int32)[None]
+    np.testing.assert_allclose(
+        zoo.predict(merged, prompt), zoo.predict(result, prompt), rtol=1e-4, atol=1e-4
+    )
