@@ -20,7 +20,7 @@ from typing import Any, TextIO
 
 import jax
 
-from zoo.cli import load_plugins, typed_options
+from zoo.cli import command_line, load_plugins, typed_options
 from zoo.engine.errors import ZooError
 from zoo.loading import load
 from zoo.overrides import typed_argument
@@ -39,15 +39,11 @@ USAGE = (
 
 
 def main(argv: list[str], lines: TextIO = sys.stdin, out: TextIO = sys.stdout) -> int:
-    rest = [a for a in argv if not a.startswith(TEMPLATE)]
-    positional = [a for a in rest if "=" not in a]
-    options = dict(a.split("=", 1) for a in rest if "=" in a)
-    if len(positional) != 1 or set(options) - {*SAMPLING, "system", "step"}:
-        print(USAGE, file=sys.stderr)
-        return 2
     once = _SaidOnce()
     log.addFilter(once)  # a conflicting template variable is said before the first turn only
     try:
+        rest = [a for a in argv if not a.startswith(TEMPLATE)]
+        positional, options = command_line(rest, USAGE, 1, {*SAMPLING, "system", "step"})
         load_plugins()
         variables = template_arguments([a for a in argv if a.startswith(TEMPLATE)])
         trained = load(positional[0], options.pop("step", "latest"), devices=jax.devices()[:1])

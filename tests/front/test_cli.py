@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import textwrap
 
@@ -191,3 +192,22 @@ def test_cnn_trains_on_the_real_fashion_mnist(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "Training cnn on fashion_mnist" in result.stderr
     assert scalar_steps(read_events(tmp_path), "val/accuracy")[30] > 0.4  # chance: 0.1
+
+
+@pytest.mark.parametrize(
+    ("command", "module"),
+    [(c, f"zoo.{c}") for c in ("generate", "chat", "export", "eval")]
+    + [("serve", "zoo.serve.__main__")],
+)
+def test_every_other_command_names_what_it_does_not_take(command, module, capsys):
+    """The commands other than zoo.train read their arguments alike (`zoo.cli.command_line`):
+    an option they do not take, or a wrong count of positional arguments, is named, followed by
+    the usage, with exit status 2, before anything is loaded."""
+    main = importlib.import_module(module).main
+    assert main(["somewhere", "else", "here", "bogus=1"]) == 2
+    said = capsys.readouterr().err
+    assert said.startswith("error: bogus=1: not an option of this command, which takes "), said
+    assert f"\nusage: python -m zoo.{command} " in said
+    assert main([]) == 2
+    said = capsys.readouterr().err
+    assert "is missing" in said or "positional argument(s) expected" in said, said

@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from zoo.cli import load_plugins
+from zoo.cli import command_line, load_plugins
 from zoo.engine.errors import ZooError
 from zoo.lm_evaluation import evaluate_lm
 
@@ -40,12 +40,8 @@ OPTIONS = {
 
 def main(argv: list[str]) -> int:
     """Run the command on `argv` (without the program's name); its exit status."""
-    positional = [a for a in argv if "=" not in a]
-    options = dict(a.split("=", 1) for a in argv if "=" in a)
-    if len(positional) != 1 or "tasks" not in options or set(options) - set(OPTIONS):
-        print(USAGE, file=sys.stderr)
-        return 2
     try:
+        positional, options = command_line(argv, USAGE, 1, OPTIONS, required=("tasks",))
         load_plugins()
         typed = _typed(options)
         metrics = evaluate_lm(positional[0], **typed)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 
-from zoo.cli import load_plugins
+from zoo.cli import command_line, load_plugins
 from zoo.engine.errors import ZooError
 from zoo.exporting import export
 
@@ -26,12 +26,8 @@ OPTIONS = ("format", "step", "weights", "dtype", "max_shard_size")
 
 def main(argv: list[str]) -> int:
     """Run the command on `argv` (without the program's name); its exit status."""
-    positional = [a for a in argv if "=" not in a]
-    options = dict(a.split("=", 1) for a in argv if "=" in a)
-    if len(positional) != 2 or set(options) - set(OPTIONS):
-        print(USAGE, file=sys.stderr)
-        return 2
     try:
+        positional, options = command_line(argv, USAGE, 2, OPTIONS)
         load_plugins()
         out = export(*positional, **options)
     except ZooError as e:

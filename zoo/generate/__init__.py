@@ -17,7 +17,7 @@ import sys
 
 import jax
 
-from zoo.cli import GENERATE_OPTIONS, load_plugins, typed_options
+from zoo.cli import GENERATE_OPTIONS, command_line, load_plugins, typed_options
 from zoo.engine.errors import ZooError
 from zoo.loading import load
 from zoo.text_generation import generate
@@ -31,13 +31,9 @@ USAGE = (
 
 def main(argv: list[str]) -> int:
     """Run the command on `argv` (without the program's name); its exit status."""
-    positional = [a for a in argv if "=" not in a]
-    options = dict(a.split("=", 1) for a in argv if "=" in a)
-    unknown = set(options) - {*GENERATE_OPTIONS, "step"}
-    if len(positional) != 1 or "prompt" not in options or unknown:
-        print(USAGE, file=sys.stderr)
-        return 2
     try:
+        names = {*GENERATE_OPTIONS, "step"}
+        positional, options = command_line(argv, USAGE, 1, names, required=("prompt",))
         load_plugins()
         step = options.pop("step", "latest")
         trained = load(positional[0], step, devices=jax.devices()[:1])

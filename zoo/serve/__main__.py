@@ -16,7 +16,7 @@ import sys
 
 import jax
 
-from zoo.cli import load_plugins
+from zoo.cli import command_line, load_plugins
 from zoo.engine.errors import ZooError
 from zoo.loading import load
 
@@ -39,12 +39,8 @@ USAGE = (
 
 def main(argv: list[str]) -> int:
     """Run the command on `argv` (without the program's name); its exit status."""
-    positional = [a for a in argv if "=" not in a]
-    options = dict(a.split("=", 1) for a in argv if "=" in a)
-    if len(positional) != 1 or set(options) - set(OPTIONS):
-        print(USAGE, file=sys.stderr)
-        return 2
     try:
+        positional, options = command_line(argv, USAGE, 1, OPTIONS)
         typed = {name: _typed(name, text) for name, text in options.items()}
         import uvicorn
 
