@@ -366,7 +366,13 @@ SECTIONS = ("product", "training", "meshes", "memory")
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    parser.add_argument(
+        "--sections",
+        nargs="+",
+        choices=SECTIONS,
+        default=list(SECTIONS),
+        help="meshes needs 8 devices (on a CPU: JAX_NUM_CPU_DEVICES=8 in the environment)",
+    )
     parser.add_argument("--experts", type=int, default=16)
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--dim", type=int, default=256)
