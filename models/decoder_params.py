@@ -178,6 +178,10 @@ def _qwen2_export(hparams: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _qwen3_options(config: Mapping[str, Any], read: Callable[[str], Any]) -> dict[str, Any]:
+    return {**_qwen3_attention(config, read), **_qwen_windows(config, read)}
+
+
+def _qwen3_attention(config: Mapping[str, Any], read: Callable[[str], Any]) -> dict[str, Any]:
     bias = bool(read("attention_bias"))
     return {
         "activation": _activation(read, "hidden_act"),
@@ -185,16 +189,18 @@ def _qwen3_options(config: Mapping[str, Any], read: Callable[[str], Any]) -> dic
         "qkv_bias": bias,
         "out_bias": bias,
         **_global_rope(config, read),
-        **_qwen_windows(config, read),
     }
 
 
 def _qwen3_export(hparams: Mapping[str, Any]) -> dict[str, Any]:
+    return {**_qwen3_attention_config(hparams), **_qwen_windows_config(hparams)}
+
+
+def _qwen3_attention_config(hparams: Mapping[str, Any]) -> dict[str, Any]:
     return {
         "hidden_act": _hidden_act(hparams),
         "attention_bias": hparams["qkv_bias"],
         "rope_parameters": _rope_parameters(hparams),
-        **_qwen_windows_config(hparams),
     }
 
 
@@ -215,13 +221,34 @@ def _qwen3_moe_options(config: Mapping[str, Any], read: Callable[[str], Any]) ->
             "dense_layers": [i for i in range(depth) if not sparse[i]] or None,
             "router_aux_loss_coef": _router_loss(read),
         }
-    return {**_qwen3_options(config, read), **experts}
+    return {**_qwen3_attention(config, read), **_every_layer_window(read), **experts}
+
+
+def _every_layer_window(read: Callable[[str], Any]) -> dict[str, Any]:
+    """Qwen3-MoE's window as transformers' Qwen3MoeForCausalLM reads it: `sliding_window` on
+    every layer where `use_sliding_window`, none otherwise (its config has no
+    `max_window_layers` nor `layer_types`: a checkpoint's are not read, as there)."""
+    window = read("sliding_window") if read("use_sliding_window") else None
+    return {"sliding_window": int(window or 0), "layer_types": None}
+
+
+def _every_layer_window_config(hparams: Mapping[str, Any]) -> dict[str, Any]:
+    kinds = set(hparams["layer_types"])
+    if len(kinds) > 1:
+        raise ZooError(
+            f"This model's layers are of kinds {sorted(kinds)}: a qwen3_moe checkpoint has one "
+            "sliding_window on every layer or on none (transformers' Qwen3MoeForCausalLM), so "
+            "layers of both kinds cannot be written as one."
+        )
+    window = hparams["sliding_window"] if kinds == {SLIDING} else 0
+    return {"use_sliding_window": bool(window), "sliding_window": window or None}
 
 
 def _qwen3_moe_export(hparams: Mapping[str, Any]) -> dict[str, Any]:
     count = _experts_to_export(hparams, "qwen3_moe", "qwen3")
     return {
-        **_qwen3_export(hparams),
+        **_qwen3_attention_config(hparams),
+        **_every_layer_window_config(hparams),
         "num_experts": count,
         "num_experts_per_tok": hparams["experts_per_token"],
         "moe_intermediate_size": hparams["expert_mlp_dim"],
@@ -1322,10 +1349,12 @@ KINDS += (
             "norm_topk_prob": False,
             "decoder_sparse_step": 1,
             "mlp_only_layers": [],
-            "sliding_window": None,
         },
         (
-            *_QWEN3_HONOURED,
+            "hidden_act",
+            "attention_bias",
+            "use_sliding_window",
+            "sliding_window",
             "num_experts",
             "num_local_experts",
             "num_experts_per_tok",
@@ -1336,7 +1365,7 @@ KINDS += (
             "output_router_logits",
             "router_aux_loss_coef",
         ),
-        (),
+        ("max_window_layers", "layer_types"),  # not in its config: transformers reads neither
         _qwen3_moe_options,
         _qwen3_moe_export,
     ),
