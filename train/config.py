@@ -130,6 +130,26 @@ class LoggingConfig:
 
 
 @dataclasses.dataclass
+class LMEvalConfig:
+    # lm-evaluation-harness tasks (the `eval` extra) run on the run's checkpoints as they are
+    # saved, their metrics written to its TensorBoard as `lm_eval/<task>/<metric>` at the
+    # checkpoint's step: the harness's task, group or tag names, or those of the YAML files in
+    # `include`; empty: none.
+    tasks: list[str] = dataclasses.field(default_factory=list)
+    # Run them on each checkpoint whose step is a multiple of this: a positive multiple of
+    # trainer.checkpoint_every (which must then be positive); null: on every checkpoint saved
+    # every trainer.checkpoint_every steps.
+    every: int | None = None
+    # Folders of task YAML files, e.g. [my_tasks] (tasks over local files need no download).
+    include: list[str] = dataclasses.field(default_factory=list)
+    # The first N documents of each task (a fraction below 1: that share of them); null: all.
+    limit: float | None = None
+    # Solved examples before each question; null: the task's own (mostly 0).
+    num_fewshot: int | None = None
+    batch_size: int = 8  # rows per forward pass, and prompts per generation batch
+
+
+@dataclasses.dataclass
 class OptimizerConfig:
     # optax's `sgd` (with `momentum`), `adam`, or `adamw` (with `weight_decay`).
     name: OptimizerName = OptimizerName.adam
@@ -244,6 +264,7 @@ class Config:
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     finetune: FinetuneConfig = dataclasses.field(default_factory=FinetuneConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    lm_eval: LMEvalConfig = dataclasses.field(default_factory=LMEvalConfig)
     # The directory that everything the run writes goes into (TensorBoard events, checkpoints,
     # train.log, the composed config); a run started again in it resumes (trainer.resume).
     workdir: str = "runs/${model.name}/${now:%Y%m%d-%H%M%S}"

@@ -27,6 +27,7 @@ from zoo.engine.posttraining import DPO, GRPO, python_name
 from zoo.engine.weights import Filter
 from zoo.hub import local
 from zoo.inputs import check_data
+from zoo.lm_evaluation import lm_eval_callbacks
 from zoo.loading import saved_config
 from zoo.overrides import composed
 from zoo.pretrained import is_pretrained_dir, run_tokenizer
@@ -133,7 +134,8 @@ def finetune(
     - `rewards`: `grpo`'s reward functions given as Python callables,
       `fn(prompts, completions, **columns) -> list[float | None]`, besides those
       `"finetune.grpo.rewards=[...]"` names (see "Preference and reward fine-tuning").
-    - `callbacks`: objects with hooks the run calls (see `zoo.fit`).
+    - `callbacks`: objects with hooks the run calls (see `zoo.fit`); the `lm_eval` section's
+      (`"lm_eval.tasks=[...]"` among the overrides) runs after them.
 
     Running the same call again with the same workdir resumes it (a finished run returns at
     once), as the CLI does. It prints and writes what the CLI does (`train.log`, `.hydra/`)."""
@@ -173,7 +175,7 @@ def finetune(
             cfg,
             data=data if user_data else None,
             freeze=frozen,
-            callbacks=callbacks,
+            callbacks=[*callbacks, *lm_eval_callbacks(cfg)],
             rewards=rewards,
         )
         return trainer.fit(overrides=list(overrides), run_log=run_log)

@@ -2,7 +2,8 @@
 
 `compose(["model=xor", "trainer.steps=500"])` is what `python -m zoo.train model=xor
 trainer.steps=500` trains: Hydra composes the registered model's and data set's configs with the
-overrides against the typed schema, then `zoo.engine.loop.config_checks` checks the values. Every failure is
+overrides against the typed schema, then `zoo.engine.loop.config_checks` checks the values (and
+`zoo.lm_evaluation` the tasks of `lm_eval`). Every failure is
 one paragraph naming the bad override and what would be valid.
 """
 
@@ -30,6 +31,7 @@ from zoo.engine.config import reason as config_reason
 from zoo.engine.errors import ZooError
 from zoo.engine.loop import CADENCES, validate
 from zoo.hydra_store import store_registry
+from zoo.lm_evaluation import check_lm_eval
 from zoo.pretrained import pretrained_args
 
 log = logging.getLogger("zoo")
@@ -72,6 +74,7 @@ def composed(
         _fit_default_warmup(cfg, overrides)
         _fit_default_dispatch(cfg, overrides)
         validate(cfg)
+        check_lm_eval(cfg)
         fit_tokenizer(cfg, overrides)
     except ZooError:
         raise
@@ -240,4 +243,7 @@ def _explain(error: OmegaConfBaseException, overrides: list[str]) -> str:
         if isinstance(node, DictConfig):
             where = f"'{parent}'" if parent else "the top level"
             message += f". Valid keys at {where}: {', '.join(str(k) for k in node)}"
+    if "is not a ListConfig" in reason and culprit:
+        value = culprit.partition("=")[2]
+        message = f"{message.rstrip('.')}. The key takes a list: {key}=[{value}]"
     return message.rstrip(".") + "."

@@ -31,6 +31,7 @@ from zoo.engine.errors import ZooError
 from zoo.engine.loop import Interrupted, RunLog, Trainer, check_buildable, check_usable
 from zoo.engine.report import CONSOLE
 from zoo.hydra_store import store_registry
+from zoo.lm_evaluation import lm_eval_callbacks
 from zoo.overrides import check_once, compose, sweep_jobs
 
 EXIT_BAD_INPUT = 2
@@ -88,7 +89,8 @@ def run(job: Job) -> int:
     """Train one job; its exit status."""
     with RunLog() as run_log:  # from the start: the trainer's set-up logs too
         try:
-            Trainer(job.config).fit(overrides=job.overrides, run_log=run_log)
+            trainer = Trainer(job.config, callbacks=lm_eval_callbacks(job.config))
+            trainer.fit(overrides=job.overrides, run_log=run_log)
         except ZooError as e:  # in train.log too if the run had started writing
             log.error("error: %s%s", job.name(), e)
             return EXIT_BAD_INPUT

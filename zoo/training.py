@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 
 from zoo.engine.loop import RunLog, RunResult, Trainer
 from zoo.engine.report import ConsoleHandler
+from zoo.lm_evaluation import lm_eval_callbacks
 from zoo.overrides import compose
 
 
@@ -24,17 +25,19 @@ def fit(model: str, *overrides: str, callbacks: Sequence[Any] = ()) -> RunResult
     """Run the CLI's job from Python: `fit("cnn", "data=digits", "trainer.steps=200")` is
     `python -m zoo.train model=cnn data=digits trainer.steps=200`, returning the trained model,
     its final eval metrics and its workdir. It prints what the CLI prints and writes what the
-    CLI writes (`train.log`, `.hydra/`). `callbacks`: see "Callbacks" in the README."""
+    CLI writes (`train.log`, `.hydra/`). `callbacks`: see "Callbacks" in the README; the
+    `lm_eval` section's (`lm_eval.tasks=[...]`) runs after them."""
     args = [f"model={model}", *overrides]
     with console_logging(), RunLog() as run_log:
-        trainer = Trainer(compose(args), callbacks=callbacks)
+        cfg = compose(args)
+        trainer = Trainer(cfg, callbacks=[*callbacks, *lm_eval_callbacks(cfg)])
         return trainer.fit(overrides=args, run_log=run_log)
 
 
 def run(cfg: DictConfig) -> RunResult:
     """Train a composed config (`zoo.compose([...])`) as the CLI does, printing its lines."""
     with console_logging(), RunLog() as run_log:
-        return Trainer(cfg).fit(run_log=run_log)
+        return Trainer(cfg, callbacks=lm_eval_callbacks(cfg)).fit(run_log=run_log)
 
 
 @contextlib.contextmanager

@@ -7,13 +7,14 @@ callback write the metrics as JSON and to TensorBoard."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
 import jax
 import numpy as np
 import pytest
-from helpers import ROOT, TINY_TEXT_FINETUNE, read_events, run_module, scalar_steps
+from helpers import ROOT, TINY_TEXT_FINETUNE, read_events, run_cli, run_module, scalar_steps
 from lm_eval import simple_evaluate
 from lm_eval.api.registry import get_model
 from lm_eval.tasks import TaskManager
@@ -153,14 +154,21 @@ try:
     zoo.evaluate_lm("any", "hellaswag")
 except zoo.ZooError as e:
     print(e)
+try:
+    zoo.compose(["model=gpt", "trainer.checkpoint_every=1", "lm_eval.tasks=[hellaswag]"])
+except zoo.ZooError as e:
+    print(e)
 """
 
 
-def test_without_the_extra_zoo_imports_and_evaluate_lm_says_what_to_install():
+def test_without_the_extra_zoo_imports_and_evaluate_lm_and_a_run_say_what_to_install():
     result = subprocess.run(
         [sys.executable, "-c", WITHOUT_HARNESS], capture_output=True, text=True, check=True
     )
-    assert "pip install 'zoo[eval]'" in result.stdout
+    function, run = result.stdout.splitlines()
+    assert function.startswith("zoo.evaluate_lm") and "pip install 'zoo[eval]'" in function
+    assert run.startswith("lm_eval.tasks=[hellaswag] runs lm-evaluation-harness, which is not")
+    assert "pip install 'zoo[eval]'" in run
 
 
 def test_registered_with_the_harness_and_built_from_its_argument_string(qwen3):
@@ -235,3 +243,92 @@ def test_callback_evaluates_a_run_at_its_checkpoints_into_its_tensorboard(tasks,
     assert callback.results[3] == again
     events = read_events(tmp_path)
     assert scalar_steps(events, "lm_eval/tiny_choice/acc") == {3: again["tiny_choice"]["acc"]}
+
+
+RUN_WITH_TASKS = (
+    "model=decoder",
+    f"finetune.init_from={QWEN3}",
+    *(a for a in TINY_TEXT_FINETUNE if not a.startswith(("trainer.steps=", "trainer.eval_every="))),
+    "trainer.steps=4",
+)
+"""The tiny fine-tune of the callback's test, for four steps with one eval, after the last."""
+
+
+def test_command_line_runs_the_lm_eval_section_at_its_checkpoints(tasks, tmp_path):
+    """Checkpoints at each step; the tasks on every second one, into the run's TensorBoard."""
+    result = run_cli(
+        *RUN_WITH_TASKS,
+        "trainer.checkpoint_every=1",
+        "lm_eval.tasks=[tiny_choice]",
+        "lm_eval.every=2",
+        f"lm_eval.include=[{tasks}]",
+        "lm_eval.limit=2",
+        f"workdir={tmp_path}",
+    )
+    assert result.returncode == 0, result.stderr
+    accuracy = scalar_steps(read_events(tmp_path), "lm_eval/tiny_choice/acc")
+    assert list(accuracy) == [2, 4] and all(value in (0.0, 0.5, 1.0) for value in accuracy.values())
+    assert "lm_eval at step 4: tiny_choice acc " in result.stdout + result.stderr
+
+
+def test_command_line_refuses_an_lm_eval_every_between_checkpoints_before_writing(tmp_path):
+    workdir = tmp_path / "run"
+    result = run_cli(
+        *RUN_WITH_TASKS,
+        "trainer.checkpoint_every=2",
+        "lm_eval.tasks=[tiny_choice]",
+        "lm_eval.every=3",
+        f"workdir={workdir}",
+    )
+    assert result.returncode == 2
+    assert "lm_eval.every=3 must be a positive multiple of trainer.checkpoint_every=2" in (
+        result.stderr
+    )
+    assert not workdir.exists()
+
+
+TASK = ("lm_eval.tasks=[tiny_choice]", "lm_eval.include=[{tasks}]")
+
+
+@pytest.mark.parametrize(
+    "model, overrides, message",
+    [
+        (
+            "decoder",
+            ["lm_eval.tasks=[tiny_choise]", "lm_eval.include=[{tasks}]"],
+            "no task, group or tag named 'tiny_choise'; close names: tiny_choice",
+        ),
+        ("mlp", TASK, "lm_eval.tasks=[tiny_choice] scores a language model, and model 'mlp' is"),
+        ("decoder", ["lm_eval.every=2"], "lm_eval.every=2 applies to the tasks of lm_eval.tasks"),
+        (
+            "decoder",
+            ["lm_eval.tasks=[tiny_choice]", "lm_eval.include={tasks}"],
+            "The key takes a list: lm_eval.include=[",
+        ),
+    ],
+    ids=["unknown task", "not a language model", "no tasks", "include not a list"],
+)
+def test_fit_refuses_the_lm_eval_section_before_building(
+    model, overrides, message, tasks, tmp_path
+):
+    start = [f"finetune.init_from={QWEN3}"] if model == "decoder" else []
+    with pytest.raises(zoo.ZooError, match=re.escape(message)):
+        zoo.fit(
+            model,
+            *start,
+            "trainer.checkpoint_every=2",
+            *(override.format(tasks=tasks) for override in overrides),
+            f"workdir={tmp_path / 'run'}",
+        )
+    assert not (tmp_path / "run").exists()
+
+
+def test_fit_refuses_lm_eval_tasks_without_checkpoints(tasks, tmp_path):
+    with pytest.raises(zoo.ZooError, match=re.escape("trainer.checkpoint_every=0 saves one only")):
+        zoo.fit(
+            "decoder",
+            f"finetune.init_from={QWEN3}",
+            *(override.format(tasks=tasks) for override in TASK),
+            f"workdir={tmp_path / 'run'}",
+        )
+    assert not (tmp_path / "run").exists()

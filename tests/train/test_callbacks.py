@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 
+import jax
 import pytest
 from helpers import ROOT, read_events, scalar_steps
 from zoo.engine.checkpoints.reader import saved_steps
@@ -33,17 +34,21 @@ class Recorder:
     def __init__(self, stop_at_eval: int | None = None, fail_at_window: int | None = None):
         self.calls: list[tuple] = []
         self.stop_at_eval, self.fail_at_window = stop_at_eval, fail_at_window
+        self.meshes: set[str] = set()  # the mesh current in each hook: none, as outside the run
 
     def on_train_window(self, step, metrics):
+        self.meshes.add(str(jax.sharding.get_abstract_mesh()))
         self.calls.append(("window", step, metrics["loss"]))
         if step == self.fail_at_window:
             raise ValueError("callback bug")
 
     def on_eval(self, step, metrics):
+        self.meshes.add(str(jax.sharding.get_abstract_mesh()))
         self.calls.append(("eval", step, metrics["loss"]))
         return zoo.STOP if step == self.stop_at_eval else None
 
     def on_checkpoint(self, step, path):
+        self.meshes.add(str(jax.sharding.get_abstract_mesh()))
         self.calls.append(("checkpoint", step, path))
 
     def on_end(self, result):
@@ -75,6 +80,11 @@ def test_every_window_eval_and_checkpoint_once_with_the_logged_values(finished):
             assert loss == pytest.approx(losses[step], rel=1e-6)
     saved = [path for what, _, path in recorder.calls if what == "checkpoint"]
     assert saved == [str(workdir / "checkpoints" / s) for s in ("20", "40")]
+    assert (
+        recorder.meshes
+        == {str(jax.sharding.get_abstract_mesh())}
+        == {"AbstractMesh((), axis_types=())"}
+    )
 
 
 def test_a_stop_request_saves_and_the_run_resumes(tmp_path):

@@ -2,10 +2,12 @@
 `on_train_window(step, metrics)`, `on_eval(step, metrics)`, `on_checkpoint(step, path)` and
 `on_end(result)`.
 
-Every hook gets host values the loop already has: a training window's means when the loop
-fetches them (a window late, so the host never waits on the device for a callback), an eval's
-metrics after the eval, a checkpoint once it is complete on disk (saves are asynchronous: when
-the next save starts or the run ends). A hook that returns `STOP` asks the run to stop: it
+Every hook runs as the caller's code outside the run does, without the run's mesh current
+(`zoo.engine.sharding.deactivated`): what it loads or computes (a checkpoint on one device) is
+placed on a mesh of its own. It gets host values the loop already has: a training window's
+means when the loop fetches them (a window late, so the host never waits on the device for a
+callback), an eval's metrics after the eval, a checkpoint once it is complete on disk (saves
+are asynchronous: when the next save starts or the run ends). A hook that returns `STOP` asks the run to stop: it
 saves a checkpoint and raises `CallbackStop`, and running it again resumes, as after a SIGTERM.
 A hook that raises stops the run the same way with `CallbackFailed`, the callback's own
 exception chained to it (its traceback shows where the callback failed).
@@ -32,6 +34,7 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
+from zoo.engine import sharding
 from zoo.engine.loop.rundir import replace_file
 
 STOP = "stop"
@@ -106,7 +109,8 @@ class Callbacks:
                 continue
             name = f"{type(callback).__name__}.{hook}"
             try:
-                answer = method(*args)
+                with sharding.deactivated():  # as outside the run: the loop's mesh is current
+                    answer = method(*args)
             except Exception as error:  # noqa: BLE001  (any failure of user code stops the run)
                 self.failure = (name, error)
                 continue

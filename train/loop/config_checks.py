@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 from zoo.engine import registry
-from zoo.engine.config import Config, resume_step
+from zoo.engine.config import Config, LMEvalConfig, resume_step
 from zoo.engine.errors import ZooError
 from zoo.engine.loop.dispatch import check_cadences
 from zoo.engine.pipeline.batches import ExampleSource
@@ -62,6 +62,7 @@ def validate(cfg: DictConfig) -> None:
     check_reference_copy(cfg.trainer, cfg.finetune)
     check_unstacked(cfg.finetune, cfg.model)
     check_distributed(cfg.distributed)
+    check_lm_eval(cfg.lm_eval, cfg.trainer)
 
 
 def check_keys(cfg: DictConfig) -> None:
@@ -296,6 +297,63 @@ def check_grpo_trainer(trainer: Any, finetune: Any) -> None:
             f"trainer.checkpoint_every={trainer.checkpoint_every} must be a multiple of "
             f"finetune.grpo.num_iterations={iterations}: a checkpoint falls between batches of "
             "completions, so that a resumed run samples the next one."
+        )
+
+
+def check_lm_eval(lm_eval: Any, trainer: Any) -> None:
+    """The `lm_eval` section's values (the front checks the task names and the model, with
+    lm-eval): its tasks run on checkpoints, so on a cadence the run saves them at."""
+    if not lm_eval.tasks:
+        _check_lm_eval_unused(lm_eval)
+        return
+    tasks = f"lm_eval.tasks=[{', '.join(lm_eval.tasks)}]"
+    if not all(str(name).strip() for name in lm_eval.tasks):
+        raise ZooError(f"{tasks} holds an empty name: name each task, e.g. [hellaswag].")
+    every = trainer.checkpoint_every if lm_eval.every is None else lm_eval.every
+    if trainer.checkpoint_every < 1:
+        raise ZooError(
+            f"{tasks} runs its tasks on the run's checkpoints, and trainer.checkpoint_every=0 "
+            "saves one only after the last step: set trainer.checkpoint_every to a number of "
+            "steps (e.g. 100) that divides lm_eval.every."
+        )
+    checkpoint, steps = trainer.checkpoint_every, trainer.steps
+    if every < 1 or every % checkpoint or every > steps:
+        shown = "null (every checkpoint)" if lm_eval.every is None else every
+        example = f", e.g. lm_eval.every={checkpoint}" if checkpoint <= steps else ""
+        raise ZooError(
+            f"lm_eval.every={shown} must be a positive multiple of trainer.checkpoint_every="
+            f"{checkpoint} (the tasks run on checkpoints) of at most trainer.steps={steps}"
+            f"{example}."
+        )
+    _check_lm_eval_options(lm_eval)
+
+
+def _check_lm_eval_options(lm_eval: Any) -> None:
+    limit = lm_eval.limit
+    if limit is not None and not (0 < limit < 1 or (limit >= 1 and limit == int(limit))):
+        raise ZooError(
+            f"lm_eval.limit={limit} must be a number of documents (a whole number, e.g. 100), "
+            "a share of them below 1 (e.g. 0.1), or null (all)."
+        )
+    if lm_eval.num_fewshot is not None and lm_eval.num_fewshot < 0:
+        raise ZooError(
+            f"lm_eval.num_fewshot={lm_eval.num_fewshot} must be 0 or more examples, or null "
+            "(the task's own)."
+        )
+    if lm_eval.batch_size < 1:
+        raise ZooError(f"lm_eval.batch_size={lm_eval.batch_size} must be at least 1.")
+
+
+def _check_lm_eval_unused(lm_eval: Any) -> None:
+    """Refuse a setting of `lm_eval` when it names no task: nothing would read it."""
+    given = OmegaConf.to_container(lm_eval) if isinstance(lm_eval, DictConfig) else dict(lm_eval)
+    defaults = dataclasses.asdict(LMEvalConfig())
+    changed = [f"lm_eval.{key}={given[key]}" for key in defaults if given[key] != defaults[key]]
+    if changed:
+        raise ZooError(
+            f"{', '.join(changed)} {'applies' if len(changed) == 1 else 'apply'} to the tasks "
+            "of lm_eval.tasks, which names none: name them (lm_eval.tasks=[hellaswag]), or "
+            "leave lm_eval at its defaults."
         )
 
 

@@ -36,6 +36,7 @@ import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+import flax
 import jax
 import numpy as np
 from flax import nnx
@@ -246,6 +247,24 @@ def activate(mesh: Mesh, rules: AxisRules) -> Iterator[None]:
     token = _ACTIVE_RULES.set(rules)
     try:
         with jax.set_mesh(mesh), nnx.use_eager_sharding(False):
+            yield
+    finally:
+        _ACTIVE_RULES.reset(token)
+
+
+_NO_MESH = Mesh(np.empty((), dtype=object), ())
+"""The mesh of no devices: what `jax.set_mesh` makes current to leave no mesh current."""
+
+
+@contextlib.contextmanager
+def deactivated() -> Iterator[None]:
+    """Inside `activate`: no mesh current, no rules in force and Flax's own default for eager
+    sharding, as outside it. For the caller's code that the training loop runs with its mesh
+    current (a callback's hook), so that what it builds or loads (`zoo.load` of a checkpoint
+    onto one device) is placed on a mesh of its own, as it would be after the run."""
+    token = _ACTIVE_RULES.set(None)
+    try:
+        with jax.set_mesh(_NO_MESH), nnx.use_eager_sharding(flax.config.flax_always_shard_variable):
             yield
     finally:
         _ACTIVE_RULES.reset(token)
