@@ -17,7 +17,8 @@ def transformer_config(
     hparams: Mapping[str, Any], keys: Sequence[str], tanh: str, dropouts: Sequence[str]
 ) -> dict[str, Any]:
     """The transformer's width, depth, heads, MLP width, activation and epsilon under `keys`
-    (the family's names, in that order): exact GELU as `gelu`, the tanh approximation as the
+    (the family's names, in that order; the MLP's `mlp_dim` where the model has one, else
+    `mlp_ratio` times the width): exact GELU as `gelu`, the tanh approximation as the
     family's `tanh`; each of `dropouts` zero (zoo's exports are for inference and fine-tuning
     as zoo trains them)."""
     width, depth, heads, mlp, activation, epsilon = keys
@@ -25,7 +26,7 @@ def transformer_config(
         width: hparams["dim"],
         depth: hparams["depth"],
         heads: hparams["num_heads"],
-        mlp: hparams["dim"] * hparams["mlp_ratio"],
+        mlp: hparams.get("mlp_dim") or hparams["dim"] * hparams["mlp_ratio"],
         activation: "gelu" if hparams["exact_gelu"] else tanh,
         epsilon: hparams["norm_epsilon"],
         **dict.fromkeys(dropouts, 0.0),

@@ -38,14 +38,16 @@ class BlockOptions:
     """How a block differs between model families: `attention_bias` on the query, key, value
     and output projections; `norm_epsilon` of both LayerNorms; `exact_gelu` (erf) instead of
     the tanh approximation; an MLP `mlp_ratio` times as wide as the features (a float allowed:
-    the width is rounded down); `attention_scale`: the factor of the attention logits (None:
-    1/sqrt(head size))."""
+    the width is rounded down), or `mlp_dim` wide where that is not 0 (a checkpoint's width that
+    is no whole multiple, such as SigLIP's 4304 of 1152); `attention_scale`: the factor of the
+    attention logits (None: 1/sqrt(head size))."""
 
     mlp_ratio: float = 4
     attention_bias: bool = False
     norm_epsilon: float = 1e-6
     exact_gelu: bool = False
     attention_scale: float | None = None
+    mlp_dim: int = 0
 
 
 def tokens_spec():
@@ -142,7 +144,7 @@ class Block(nnx.Module):
         options: BlockOptions = BlockOptions(),
         rngs: nnx.Rngs,
     ):
-        epsilon, hidden = options.norm_epsilon, int(dim * mlp_ratio)
+        epsilon, hidden = options.norm_epsilon, options.mlp_dim or int(dim * mlp_ratio)
         self.attention_norm = layer_norm(dim, rngs=rngs, epsilon=epsilon)
         self.attention = Attention(
             dim,

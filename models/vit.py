@@ -2,14 +2,16 @@
 pre-norm transformer blocks (`zoo.models.transformer`: multi-head self-attention, GELU MLP) -> mean
 over tokens -> logits.
 
-The options that pretrained ViTs (Hugging Face's, timm's; `zoo.models.vit_params`) differ in:
-`class_token` (a learned token before the patches) and `pool=cls` (its output is the image's),
-or `pool=mean` over the patches; `norm_after_pool` (timm's `fc_norm`: the final LayerNorm of the
-pooled vector instead of every token's); the block's `attention_bias`, `norm_epsilon`,
-`exact_gelu` and `mlp_ratio`. `position_grid` is the patch grid the learned positions are held
-for (a checkpoint's): images of another size get them resized bicubically on every call, as
-Hugging Face's `interpolate_pos_encoding` (`position_resize=bicubic`) or timm's
-`resample_abs_pos_embed` (`bicubic_antialias`) does. `pixel_mean`/`pixel_std` make the model
+The options that pretrained ViTs (Hugging Face's, timm's, SigLIP's vision tower;
+`zoo.models.vit_params`) differ in: `class_token` (a learned token before the patches) and
+`pool=cls` (its output is the image's), or `pool=mean` over the patches (SigLIP's classifier: no
+class token, the mean of the normed tokens); `norm_after_pool` (timm's `fc_norm`: the final
+LayerNorm of the pooled vector instead of every token's); the block's `attention_bias`,
+`norm_epsilon`, `exact_gelu` and MLP width (`mlp_ratio`, or `mlp_dim` where a checkpoint's is no
+whole multiple of `dim`). `position_grid` is the patch grid the learned positions are held for (a
+checkpoint's): images of another size get them resized bicubically on every call, as Hugging
+Face's `interpolate_pos_encoding` (`position_resize=bicubic`) or timm's `resample_abs_pos_embed`
+(`bicubic_antialias`) does. `pixel_mean`/`pixel_std` make the model
 normalise its inputs, as pretrained weights expect: give it pixels in [0, 1].
 
 Its randomness comes at call time: `model(images, rngs=rngs)`. The Dropout layers hold no stream
@@ -66,6 +68,9 @@ class ViT(nnx.Module):
         depth: int = 4,  # transformer blocks
         num_heads: int = 4,  # attention heads: they must divide `dim`
         mlp_ratio: int = 2,  # each block's MLP hidden width, as a multiple of `dim`
+        # Each block's MLP hidden width, in place of mlp_ratio's: a checkpoint's width that is
+        # no whole multiple of `dim`, as SigLIP's; 0: `mlp_ratio` times `dim`.
+        mlp_dim: int = 0,
         # Dropout on each block's attention weights and on its attention and MLP outputs (0 puts
         # training on a fused attention path).
         dropout_rate: float = 0.1,
@@ -101,6 +106,7 @@ class ViT(nnx.Module):
         _check_options(
             input_shape, num_classes, patch_size, dim, depth, num_heads, mlp_ratio, dropout_rate
         )
+        _check_mlp_dim(mlp_dim)
         _check_choices(pool, position_resize, class_token)
         self.pixel_mean, self.pixel_std = hparams.pixel_statistics(
             pixel_mean, pixel_std, input_shape
@@ -114,7 +120,7 @@ class ViT(nnx.Module):
         self.position_grid = tuple(grid)
         self.input_grid = (height // patch_size, width // patch_size)
         self.class_token = learned((dim,), (None,), rngs=rngs) if class_token else nnx.data(None)
-        options = BlockOptions(mlp_ratio, attention_bias, norm_epsilon, exact_gelu)
+        options = BlockOptions(mlp_ratio, attention_bias, norm_epsilon, exact_gelu, mlp_dim=mlp_dim)
         self.blocks = _blocks(dim, num_heads, depth, dropout_rate, options, rngs)
         self.dropout_rate = dropout_rate
         self.pool, self.norm_after_pool = pool, norm_after_pool
@@ -188,6 +194,14 @@ def _check_options(
         mlp_ratio=mlp_ratio,
     )
     hparams.rates("vit", dropout_rate=dropout_rate)
+
+
+def _check_mlp_dim(mlp_dim: int) -> None:
+    """`mlp_dim` a width of at least 1, or 0 for `mlp_ratio`'s."""
+    if not isinstance(mlp_dim, int) or mlp_dim < 0:
+        raise ZooError(
+            f"model.mlp_dim={mlp_dim} must be a width of at least 1, or 0 for mlp_ratio's (vit)."
+        )
 
 
 def _check_choices(pool: str, position_resize: str, class_token: bool) -> None:

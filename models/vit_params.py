@@ -1,5 +1,6 @@
 """ViT checkpoints for `vit`: Hugging Face transformers' `ViTForImageClassification` and timm's
-`vit_*` (`VisionTransformer`).
+`vit_*` (`VisionTransformer`); and SigLIP's vision tower with its classifier, transformers'
+`SiglipForImageClassification` (family `hf-siglip-vision`).
 
 Both are `vit` with a class token, attention biases and exact GELU; Hugging Face pools the class
 token after a LayerNorm of eps 1e-12 and keeps query, key and value apart
@@ -25,6 +26,14 @@ activation, epsilon, biases, pooling, classes and normalisation are honoured; dr
 classifier), timm's `num_features` and its `pretrained_cfg`'s provenance and crop settings, and
 the image processor's resizing, cropping and format settings (`hf_config.PREPROCESSOR_INERT`)
 are inert.
+
+SigLIP's tower is `vit` without a class token, with biased attention (`self_attn.q_proj`, ...),
+LayerNorm eps 1e-6 and tanh GELU; its classifier reads the mean of the tokens after the final
+LayerNorm (`post_layernorm`). Its sizes are in the config's `vision_config`; an MLP width that is
+no whole multiple of the features (so400m's 4304 of 1152) is vit's `mlp_dim`. The checkpoint may
+hold the attention-pooling head of `SiglipModel`'s tower (`vision_use_head`), which the
+classifier does not use: it is not loaded, and the export leaves it out. The text tower's config
+is inert; SigLIP 2, `SiglipModel` and a bare `SiglipVisionModel` are refused by name.
 """
 
 from __future__ import annotations
@@ -45,7 +54,7 @@ from zoo.models.hf_config import (
 )
 from zoo.models.torch_layout import conv_save, input_conv_load, linear_load, linear_save
 
-from zoo.plugin import Rule, ZooError, register_families
+from zoo.plugin import COMMON_INERT, Rule, ZooError, register_families
 
 HALF = [0.5, 0.5, 0.5]
 _TIMM_ARCHITECTURE = re.compile(r"vit_(tiny|small|base|large)_patch(\d+)_(\d+)(?:\..+)?")
@@ -295,8 +304,11 @@ def _timm_hparams(config: Mapping[str, Any]) -> dict[str, Any]:
 def _timm_config(hparams: Mapping[str, Any]) -> dict[str, Any]:
     _check_square(hparams, "timm ViT")
     side, channels = hparams["position_grid"][0] * hparams["patch_size"], hparams["input_shape"][-1]
-    if not (hparams["attention_bias"] and hparams["exact_gelu"]):
-        raise ZooError("Only a vit with attention biases and exact GELU has timm's ViT layout.")
+    if not (hparams["attention_bias"] and hparams["exact_gelu"]) or hparams.get("mlp_dim"):
+        raise ZooError(
+            "Only a vit with attention biases, exact GELU and an MLP width of model.mlp_ratio "
+            "(model.mlp_dim=0) has timm's ViT layout."
+        )
     pool = "token" if hparams["pool"] == "cls" else "avg"
     return {
         "architecture": f"vit_base_patch{hparams['patch_size']}_{side}",
@@ -405,8 +417,210 @@ _TIMM_KEYS = {
     ),
     "inert": ("num_features", "label_names", "label_descriptions", *TIMM_PRETRAINED_INERT),
 }
+_SIGLIP_TYPES = ("siglip", "siglip2", "siglip_vision_model")
+_SIGLIP_CLASSIFIER = "SiglipForImageClassification"
+_SIGLIP_LISTING = "ViT, transformers SiglipForImageClassification (SigLIP's vision tower)"
+_SIGLIP_SIZE_KEYS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+    "hidden_act",
+    "layer_norm_eps",
+)
+_SIGLIP_VISION_DEFAULTS = {
+    "hidden_size": 768,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "intermediate_size": 3072,
+    "hidden_act": "gelu_pytorch_tanh",
+    "layer_norm_eps": 1e-6,
+    "image_size": 224,
+    "patch_size": 16,
+    "num_channels": 3,
+}
+"""`SiglipVisionConfig`'s defaults (google/siglip-base-patch16-224's sizes), which hub configs
+leave out."""
+
+
+def _is_siglip(config: Mapping[str, Any]) -> bool:
+    """SigLIP's configs, those that `_siglip_hparams` refuses too (SigLIP 2, the contrastive
+    `SiglipModel`, a bare vision tower): they are refused by name rather than as matching no
+    family."""
+    return config.get("model_type") in _SIGLIP_TYPES
+
+
+def _refuse_siglip(config: Mapping[str, Any]) -> None:
+    """Only the classifier: SigLIP 2 (its own patch embedding and resizing), `SiglipModel`'s
+    image-text pair and a `SiglipVisionModel` without a classifier are refused by name."""
+    kind, architectures = config.get("model_type"), config.get("architectures") or []
+    if kind != "siglip" or any(a != _SIGLIP_CLASSIFIER for a in architectures):
+        raise ZooError(
+            f"This SigLIP checkpoint has model_type={kind!r} and architectures={architectures}: "
+            f"vit loads model_type 'siglip' of architecture {_SIGLIP_CLASSIFIER} (the vision "
+            "tower and its classifier); SigLIP 2, SiglipModel and a bare SiglipVisionModel are "
+            "not supported."
+        )
+
+
+def _square(vision: Mapping[str, Any], key: str) -> int:
+    """`image_size` or `patch_size`: a number, or a list of two equal ones."""
+    value = vision.get(key, _SIGLIP_VISION_DEFAULTS[key])
+    sides = list(value) if isinstance(value, list | tuple) else [value, value]
+    if len(sides) != 2 or sides[0] != sides[1]:
+        raise ZooError(
+            f"This SigLIP config has vision_config.{key}={value!r}: vit loads square images "
+            "and patches (one number, or two equal ones)."
+        )
+    return int(sides[0])
+
+
+def _mlp_width(hidden: int, dim: int) -> dict[str, int]:
+    """`mlp_ratio` where the MLP is a whole multiple of the features wide, else `mlp_dim`."""
+    if hidden % dim == 0:
+        return {"mlp_ratio": hidden // dim, "mlp_dim": 0}
+    return {"mlp_ratio": max(1, hidden // dim), "mlp_dim": hidden}
+
+
+def _siglip_hparams(config: Mapping[str, Any]) -> dict[str, Any]:
+    """`vit` as SigLIP's vision tower: no class token, biased attention, the mean of the tokens
+    after the final LayerNorm (`post_layernorm`), then `classifier`."""
+    _refuse_siglip(config)
+    vision = {**_SIGLIP_VISION_DEFAULTS, **(config.get("vision_config") or {})}
+    activation = vision["hidden_act"]
+    if activation not in ("gelu", *_TANH):
+        raise ZooError(
+            f"This SigLIP config has vision_config.hidden_act={activation!r}: vit loads a GELU "
+            f"(gelu or one of {', '.join(_TANH)})."
+        )
+    side, patch = _square(vision, "image_size"), _square(vision, "patch_size")
+    channels, dim = int(vision["num_channels"]), int(vision["hidden_size"])
+    mean, std = pixel_statistics(config, HALF[:channels], HALF[:channels])
+    return {
+        "input_shape": [side, side, channels],
+        "num_classes": len(config.get("id2label") or {"0": 0, "1": 1}),
+        "patch_size": patch,
+        "dim": dim,
+        "depth": int(vision["num_hidden_layers"]),
+        "num_heads": int(vision["num_attention_heads"]),
+        **_mlp_width(int(vision["intermediate_size"]), dim),
+        "dropout_rate": 0.0,
+        "class_token": False,
+        "pool": "mean",
+        "norm_after_pool": False,
+        "attention_bias": True,
+        "norm_epsilon": float(vision["layer_norm_eps"]),
+        "exact_gelu": activation == "gelu",
+        "position_grid": [side // patch, side // patch],
+        "position_resize": "bicubic",
+        "pixel_mean": mean,
+        "pixel_std": std,
+    }
+
+
+def _siglip_rules(hparams: Mapping[str, Any]) -> list[Rule]:
+    t, block = _transforms(hparams), "vision_model.encoder.layers.N"
+    return [
+        _rule("vision_model.embeddings.position_embedding.weight", "positions"),
+        *_linear("vision_model.embeddings.patch_embedding", "embed", t["patches"]),
+        *_norm(f"{block}.layer_norm1", r"blocks.\1.attention_norm"),
+        *(
+            rule
+            for name in ("query", "key", "value")
+            for rule in _linear(
+                f"{block}.self_attn.{name[0]}_proj",
+                rf"blocks.\1.attention.{name}",
+                t["query"],
+                t["query_bias"],
+            )
+        ),
+        *_linear(f"{block}.self_attn.out_proj", r"blocks.\1.attention.out", t["out"]),
+        *_norm(f"{block}.layer_norm2", r"blocks.\1.mlp_norm"),
+        *_linear(f"{block}.mlp.fc1", r"blocks.\1.mlp_in", t["linear"]),
+        *_linear(f"{block}.mlp.fc2", r"blocks.\1.mlp_out", t["linear"]),
+        *_norm("vision_model.post_layernorm", "norm"),
+        *_linear("classifier", "head", t["linear"]),
+    ]
+
+
+def _siglip_config(hparams: Mapping[str, Any]) -> dict[str, Any]:
+    """`SiglipForImageClassification` without the attention-pooling head it does not use
+    (`vision_use_head=false`), and `SiglipImageProcessor`'s settings."""
+    _check_square(hparams, "SigLIP")
+    if (
+        hparams["class_token"]
+        or hparams["pool"] != "mean"
+        or hparams["norm_after_pool"]
+        or not hparams["attention_bias"]
+    ):
+        raise ZooError(
+            "Only a vit with model.class_token=false model.pool=mean model.norm_after_pool=false "
+            "model.attention_bias=true has the SigLIP layout."
+        )
+    side, channels = hparams["position_grid"][0] * hparams["patch_size"], hparams["input_shape"][-1]
+    vision = {
+        "model_type": "siglip_vision_model",
+        "image_size": side,
+        "patch_size": hparams["patch_size"],
+        "num_channels": channels,
+        **transformer_config(
+            hparams, _SIGLIP_SIZE_KEYS, "gelu_pytorch_tanh", ("attention_dropout",)
+        ),
+        "vision_use_head": False,
+    }
+    return {
+        "architectures": [_SIGLIP_CLASSIFIER],
+        "model_type": "siglip",
+        "vision_config": vision,
+        **class_labels(hparams["num_classes"]),
+        "preprocessor_config": preprocessor_config(
+            "SiglipImageProcessor",
+            {"height": side, "width": side},
+            hparams.get("pixel_mean") or HALF[:channels],
+            hparams.get("pixel_std") or HALF[:channels],
+            hparams["input_shape"],
+        ),
+    }
+
+
+_SIGLIP_KEYS = {
+    "honoured": (
+        "id2label",
+        *(f"vision_config.{key}" for key in _SIGLIP_VISION_DEFAULTS),
+        *PREPROCESSOR_HONOURED,
+    ),
+    "inert": (
+        "initializer_factor",
+        "text_config",
+        "vision_config.attention_dropout",
+        "vision_config.vision_use_head",
+        *(f"vision_config.{key}" for key in COMMON_INERT),
+        *PREPROCESSOR_INERT,
+    ),
+    "sidecars": (PREPROCESSOR,),
+}
+"""The text tower (`text_config`) and the attention-pooling head (`vision_use_head`) are not
+part of the classifier, which reads the mean of the tokens; `vision_config` may repeat the keys
+every config carries."""
+_SIGLIP_IGNORE = (r"vision_model\.head\..*",)
+"""The attention-pooling head's params, which `SiglipForImageClassification` holds unused."""
+
+
 HF_VIT, TIMM_VIT = register_families(
     "vit",
     ("hf-vit", _is_hf, _hf_hparams, _hf_rules, _hf_config, _HF_LISTING, _HF_KEYS),
     ("timm-vit", _is_timm, _timm_hparams, _timm_rules, _timm_config, _TIMM_LISTING, _TIMM_KEYS),
+)
+(SIGLIP_VISION,) = register_families(
+    "vit",
+    (
+        "hf-siglip-vision",
+        _is_siglip,
+        _siglip_hparams,
+        _siglip_rules,
+        _siglip_config,
+        _SIGLIP_LISTING,
+        _SIGLIP_KEYS,
+    ),
+    ignore=_SIGLIP_IGNORE,
 )

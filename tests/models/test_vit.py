@@ -62,3 +62,14 @@ def test_a_shape_the_model_cannot_take_is_named(tmp_path):
     with pytest.raises(zoo.ZooError, match=r"8x8 images do not split into 3x3 patches"):
         Trainer(tiny_config("vit", "model.patch_size=3", f"workdir={tmp_path}"))
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_mlp_dim_sets_the_mlp_width_in_place_of_the_ratio():
+    model = Models.tiny("vit", "model.mlp_dim=24").fresh()
+    assert [block.mlp_in.kernel.shape for block in model.blocks] == [(16, 24)] * 2
+    assert Models.tiny("vit").fresh().blocks[0].mlp_in.kernel.shape == (16, 32)
+
+
+def test_a_negative_mlp_dim_is_named(tmp_path):
+    with pytest.raises(zoo.ZooError, match=r"model.mlp_dim=-1 must be a width"):
+        Trainer(tiny_config("vit", "model.mlp_dim=-1", f"workdir={tmp_path}"))
