@@ -6,6 +6,7 @@ callback write the metrics as JSON and to TensorBoard."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import subprocess
@@ -332,3 +333,32 @@ def test_fit_refuses_lm_eval_tasks_without_checkpoints(tasks, tmp_path):
             f"workdir={tmp_path / 'run'}",
         )
     assert not (tmp_path / "run").exists()
+
+
+def close(again, committed, where: str = "reference") -> None:
+    """JSON values equal, numbers within 1e-6."""
+    if isinstance(committed, dict):
+        assert again.keys() == committed.keys(), where
+        for key in committed:
+            close(again[key], committed[key], f"{where}.{key}")
+    elif isinstance(committed, list):
+        assert len(again) == len(committed), where
+        for i, (a, c) in enumerate(zip(again, committed, strict=True)):
+            close(a, c, f"{where}[{i}]")
+    elif isinstance(committed, float):
+        assert again == pytest.approx(committed, abs=1e-6), where
+    else:
+        assert again == committed, where
+
+
+@pytest.mark.skipif(
+    not all(importlib.util.find_spec(m) for m in ("torch", "transformers")),
+    reason="needs torch and transformers",
+)
+def test_the_reference_regenerates(tmp_path):
+    """The committed script, run again in the reference environment, writes reference.json."""
+    spec = importlib.util.spec_from_file_location("make_lm_eval", LM_EVAL / "make_lm_eval.py")
+    maker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(maker)
+    maker.main(tmp_path)
+    close(json.loads((tmp_path / "reference.json").read_text()), REFERENCE)
