@@ -1,9 +1,11 @@
 """`python -m zoo.serve`'s application, called through the `openai` client as users call it:
-its replies are `zoo.generate`'s for the same settings, whole or streamed; bad requests are
-refused with the server's message and the API's statuses; 32 clients at once, with prompts and
-replies of every length, each get the reply they get alone, with no compilation after warm-up;
-a client that goes away, streamed or not, frees its row (tests/front/test_serve_queue.py: a full
-queue; tests/front/test_hub.py: a hub name served)."""
+its replies are `zoo.generate`'s for the same settings (top_p and log-probabilities too), whole
+or streamed; bad requests are refused with the server's message and the API's statuses, and
+once its engine has failed, every request is answered 500 or 503 with the error; 32 clients at
+once, with prompts and replies of every length, each get the reply they get alone, with no
+compilation after warm-up; a client that goes away, streamed or not, frees its row
+(tests/front/test_serve_queue.py: a full queue; tests/front/test_hub.py: a hub name served;
+tests/front/test_finetune_chat.py: a chat run's workdir served with its template variables)."""
 
 from __future__ import annotations
 
