@@ -1,6 +1,6 @@
 """Serving speed: output tokens/s and time to first token of `zoo.serve` (continuous batching)
-at 1, 8 and 32 concurrent streaming clients, against `zoo.generate` on the same prompts in one
-batch and one at a time, in one process on this machine.
+at 1, 8 and 32 concurrent streaming clients (`--clients`), against `zoo.generate` on the same
+prompts in one batch and one at a time, in one process on this machine.
 
     python -m benchmarks.serving --json runs/bench/serving.json
 
@@ -9,11 +9,12 @@ thousand parameters, so that the figures measure the engine and the HTTP layer m
 model's arithmetic). `--requests` prompts of 1 to 100 characters, each asking for
 `--max-tokens` new tokens, greedily; a reply may end earlier at the end-of-sequence id, so the
 tokens counted are those written. The server (`python -m zoo.serve`, a process of its own)
-holds 32 rows (`rows=32`) and is called through the `openai` client over HTTP on 127.0.0.1,
-from threads of this process; each client sends its next request when its last reply ends. Time to first token: from a request's sending to its first streamed token (for
-`zoo.generate`, which returns whole texts, to its text; every request of a batch or a queue is
-sent at the start). The server's figures come after a warm-up round; `zoo.generate`'s after a
-warm-up call of each shape.
+holds 32 rows (`--rows`) of 256 slots (`--max-length`) and is called through the `openai`
+client over HTTP on 127.0.0.1, from threads of this process; each client sends its next
+request when its last reply ends. Time to first token: from a request's sending to its first
+streamed token (for `zoo.generate`, which returns whole texts, to its text; every request of a
+batch or a queue is sent at the start). The server's figures come after a warm-up round;
+`zoo.generate`'s after a warm-up call of each shape.
 """
 
 from __future__ import annotations
@@ -111,13 +112,18 @@ def figures(seconds: float, tokens: list[int], firsts: list[float]) -> dict:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
+    """Measure, print the table and write the JSON (`--json`); the report. `--clients`,
+    `--rows` and `--max-length` shrink the run (the tests' smoke run: two rows of 32 slots)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=str(CHAT))
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--clients", type=int, nargs="+", default=list(CLIENTS))
+    parser.add_argument("--rows", type=int, default=32, help="the server's rows")
+    parser.add_argument("--max-length", type=int, default=256, help="the server's max_length")
     parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     import jax
 
     from zoo.loading import load
@@ -125,14 +131,14 @@ def main() -> None:
     model = load(args.model, devices=jax.devices()[:1])
     asks = prompts(args.requests)
     report = {"machine": cpu(), "model": args.model, "requests": args.requests,
-              "max_tokens": args.max_tokens, "rows": {}}  # fmt: skip
-    options = ("rows=32", "max_length=256", f"queue_size={args.requests}")
+              "max_tokens": args.max_tokens, "server_rows": args.rows,
+              "max_length": args.max_length, "rows": {}}  # fmt: skip
+    options = (f"rows={args.rows}", f"max_length={args.max_length}", f"queue_size={args.requests}")
     with serving(args.model, *options) as client:
-        served(client, asks, 32, args.max_tokens)  # warm-up
-        for clients in CLIENTS:
-            report["rows"][f"zoo.serve, {clients} clients"] = served(
-                client, asks, clients, args.max_tokens
-            )
+        served(client, asks, max(args.clients), args.max_tokens)  # warm-up
+        for clients in args.clients:
+            said = f"{clients} client" + "s" * (clients > 1)
+            report["rows"][f"zoo.serve, {said}"] = served(client, asks, clients, args.max_tokens)
     for batched, label in ((True, "one batch"), (False, "one at a time")):
         generated(model, asks, args.max_tokens, batched)  # warm-up
         report["rows"][f"zoo.generate, {label}"] = generated(model, asks, args.max_tokens, batched)
@@ -140,6 +146,7 @@ def main() -> None:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2))
+    return report
 
 
 def table(report: dict) -> str:

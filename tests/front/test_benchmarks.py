@@ -17,7 +17,7 @@ import pytest
 from helpers import NO_COMPILE_CACHE, ROOT
 from zoo.engine import registry
 
-from benchmarks import device_check, experts, grpo_step, throughput
+from benchmarks import device_check, experts, grpo_step, serving, throughput
 from benchmarks.state_hashes import state_hash
 
 
@@ -40,6 +40,25 @@ def test_benchmark_runs_and_writes_every_figure(tmp_path):
         share = result["data_wait_share"][loop]
         assert 0 <= share["min"] <= share["median"] <= share["max"] < 1
     assert "torch" in result["steps_per_sec"] or result["not_measured"]["torch"]
+
+
+def test_the_serving_benchmark_writes_every_figure_of_its_table(tmp_path):
+    """At tiny settings (a server of two rows of 64 slots, two requests of four tokens): each
+    row of docs/serving.md's table, with its figures, in the JSON and the table printed."""
+    out = tmp_path / "serving.json"
+    sizes = ["--requests", "2", "--max-tokens", "4", "--rows", "2", "--max-length", "64"]
+    report = serving.main([*sizes, "--clients", "1", "2", "--json", str(out)])
+    assert json.loads(out.read_text()) == report
+    assert list(report["rows"]) == [
+        "zoo.serve, 1 client",
+        "zoo.serve, 2 clients",
+        "zoo.generate, one batch",
+        "zoo.generate, one at a time",
+    ]
+    for row in report["rows"].values():
+        assert row["tokens"] > 0 and row["tokens_per_s"] > 0
+        assert 0 < row["ttft_p50_s"] <= row["ttft_p95_s"]
+    assert len(serving.table(report).splitlines()) == 2 + len(report["rows"])
 
 
 def test_throughput_measures_zoo_alone_without_torch(tmp_path, monkeypatch):

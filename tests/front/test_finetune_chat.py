@@ -15,11 +15,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import ROOT, read_events, run_cli, scalar_steps
+from helpers import ROOT, read_events, run_cli, running, scalar_steps
 from omegaconf import OmegaConf
 
 import zoo
 from zoo.plugin import LOSS_MASK
+from zoo.serve import create_app
 from zoo.text_generation import chat_prompt
 
 zoo_chat = importlib.import_module("zoo.chat")
@@ -208,6 +209,26 @@ def test_the_terminal_chat_asks_the_run_as_it_trained(finetuned, caplog):
     assert printed.startswith(on + "\n") and printed.count("\n") == 2
     (warning,) = [r.getMessage() for r in caplog.records]
     assert "enable_thinking=True differs from the enable_thinking=False" in warning
+
+
+def test_the_server_of_the_run_asks_it_as_it_trained(finetuned):
+    """`zoo.serve` of the run's workdir renders a chat with the template variables the run
+    trained with (thinking off) unless the request gives others, as `zoo.generate` of the
+    workdir does: its replies are `zoo.generate`'s, either way. The app's shapes are
+    tests/front/test_serve_queue.py's (compiled once in a session)."""
+    app = create_app(finetuned.workdir, name="run", rows=1, max_length=64, queue_size=2)
+    off, on = (
+        zoo.generate(finetuned.workdir, messages=ASKED, **SAMPLED, chat_template_kwargs=kwargs)
+        for kwargs in (None, {"enable_thinking": True})
+    )
+    assert off != on  # the two prompts lead this model to different replies
+    settings = {"max_tokens": SAMPLED["max_new_tokens"], "temperature": 1.0, "seed": 0}
+    with running(app) as client:
+        replies = [
+            client.chat.completions.create(model="run", messages=ASKED, **settings, extra_body=e)
+            for e in (None, {"chat_template_kwargs": {"enable_thinking": True}})
+        ]
+    assert [r.choices[0].message.content for r in replies] == [off, on]
 
 
 @pytest.mark.parametrize(

@@ -1,9 +1,11 @@
 """`python -m zoo.serve`'s application, called through the `openai` client as users call it:
-its replies are `zoo.generate`'s for the same settings, whole or streamed; bad requests are
-refused with the server's message and the API's statuses; 32 clients at once, with prompts and
-replies of every length, each get the reply they get alone, with no compilation after warm-up;
-a client that goes away, streamed or not, frees its row (tests/front/test_serve_queue.py: a full
-queue; tests/front/test_hub.py: a hub name served)."""
+its replies are `zoo.generate`'s for the same settings (top_p and log-probabilities too), whole
+or streamed; bad requests are refused with the server's message and the API's statuses, and
+once its engine has failed, every request is answered 500 or 503 with the error; 32 clients at
+once, with prompts and replies of every length, each get the reply they get alone, with no
+compilation after warm-up; a client that goes away, streamed or not, frees its row
+(tests/front/test_serve_queue.py: a full queue; tests/front/test_hub.py: a hub name served;
+tests/front/test_finetune_chat.py: a chat run's workdir served with its template variables)."""
 
 from __future__ import annotations
 
@@ -52,7 +54,15 @@ def test_the_model_is_listed_under_its_name(client):
     assert [m.id for m in client.models.list().data] == ["tiny"]
 
 
-@pytest.mark.parametrize("settings", [{"temperature": 0.0}, {"temperature": 0.9, "seed": 7}])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"temperature": 0.0},
+        {"temperature": 0.9, "seed": 7},
+        # A nucleus that changes the reply: without top_p, the same seed writes another text.
+        {"temperature": 0.9, "seed": 7, "top_p": 0.3},
+    ],
+)
 def test_completions_are_zoo_generates_whole_and_streamed(client, settings):
     prompt, expected = (
         "def main():\n    return",
@@ -86,6 +96,36 @@ def test_chat_replies_are_zoo_generates_with_log_probabilities(client):
         model="tiny", messages=HELLO, max_tokens=20, temperature=0.8, seed=3, stream=True
     )
     assert streamed_text(stream)[0] == expected.text
+
+
+def test_completion_log_probabilities_are_zoo_generates_in_the_legacy_layout(client):
+    """`logprobs=N` on /v1/completions: each token's text, its log-probability (as
+    `zoo.generate`'s), its N likeliest alternatives with the token itself (up to N + 1, as
+    OpenAI's), and its offset from the start of the prompt; streamed, the same entries chunk
+    by chunk."""
+    prompt, settings = "Once upon a time", {"temperature": 0.8, "seed": 2}
+    expected = zoo.generate(CHAT, prompt, max_new_tokens=12, logprobs=True, **settings)
+    reply = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=12, logprobs=3, **settings
+    )
+    choice = reply.choices[0]
+    said = choice.logprobs
+    assert choice.text == expected.text
+    assert said.token_logprobs == pytest.approx(expected.logprobs, abs=1e-5)
+    assert "".join(said.tokens) == choice.text and len(said.tokens) == len(expected.tokens)
+    assert said.text_offset == [
+        len(prompt) + len("".join(said.tokens[:i])) for i in range(len(said.tokens))
+    ]
+    # Up to 3 alternatives and the token drawn, keyed by text (alike texts share a key).
+    for token, logprob, top in zip(said.tokens, said.token_logprobs, said.top_logprobs):
+        assert top[token] == logprob and 1 <= len(top) <= 4
+    assert max(len(top) for top in said.top_logprobs) == 4
+    stream = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=12, logprobs=3, stream=True, **settings
+    )
+    chunks = [c.choices[0].logprobs for c in stream if c.choices and c.choices[0].logprobs]
+    for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [x for c in chunks for x in getattr(c, field)] == getattr(said, field)
 
 
 def test_choices_are_zoo_generates_rows_and_stop_strings_cut_them(client):
@@ -230,6 +270,30 @@ def test_a_client_of_a_whole_reply_that_goes_away_frees_its_row(server, monkeypa
             done.set()
     assert engine.stats()["cancelled"] == cancelled + 1
     assert len(ticket.tokens) == 1  # the prefill's token, and no step after it
+
+
+def test_once_the_engine_has_failed_requests_get_500_then_503_with_its_error(monkeypatch):
+    """An engine whose decode step raises: the request it holds is answered 500, the next one
+    503 (refused before it is queued), each in the API's error shape with the error named. Its
+    own app (the shapes of tests/front/test_serve_queue.py's, compiled once in a session): the
+    shared server keeps working."""
+    app = create_app(CHAT, name="tiny", rows=1, max_length=64, queue_size=2)
+    engine = app.state.served.engine
+
+    def broken():
+        raise RuntimeError("a decode step that fails")
+
+    monkeypatch.setattr(engine, "_step", broken)
+    with running(app) as client:
+        with pytest.raises(openai.InternalServerError) as held:
+            client.completions.create(model="tiny", prompt="ab", max_tokens=8)
+        with pytest.raises(openai.APIStatusError) as refused:
+            client.completions.create(model="tiny", prompt="ab", max_tokens=8)
+    assert (held.value.status_code, refused.value.status_code) == (500, 503)
+    said = "The serving engine stopped after an error (RuntimeError: a decode step that fails)"
+    for raised in (held.value, refused.value):
+        assert raised.body["type"] == "server_error"
+        assert raised.body["message"].startswith(said + ": restart")
 
 
 def test_the_command_refuses_a_bad_option_in_one_line():

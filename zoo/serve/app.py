@@ -115,7 +115,9 @@ async def answer(served: Served, parsed: Parsed, request: Request, chat: bool):
         raise BadRequest(str(e), None, 429) from None
     except EngineStopped as e:
         raise BadRequest(str(e), None, 503) from None
-    choices = [Choice(Pieces(served.codec, parsed.stop), parsed.top_logprobs) for _ in asks]
+    # Ask k is choice k % n of prompt k // n: its text_offset counts from that prompt's start.
+    starts = [len(parsed.prompts[k // parsed.n]) for k in range(len(asks))]
+    choices = [Choice(Pieces(served.codec, parsed.stop), parsed.top_logprobs, at) for at in starts]
     reply = Reply(served.name, parsed, chat, choices, sum(lengths))
     if parsed.stream:
         return StreamingResponse(streamed(reply, events, served), media_type="text/event-stream")

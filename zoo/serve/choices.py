@@ -20,12 +20,16 @@ FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 
 @dataclasses.dataclass
 class Choice:
-    """One choice's text so far, its tokens' log-probabilities (where asked) and its end."""
+    """One choice's text so far, its tokens' log-probabilities (where asked) and its end.
+    `at`: where its next token begins in its prompt and text together (the legacy layout's
+    `text_offset`, counted from the start of the prompt), each token's in `offsets`."""
 
     pieces: Pieces
     top_logprobs: int | None
+    at: int = 0
     tokens: int = 0
     logprobs: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    offsets: list[int] = dataclasses.field(default_factory=list)
     finish: str | None = None
 
     def add(self, event: Token | Finished, codec: Codec) -> tuple[str, dict | None]:
@@ -38,6 +42,8 @@ class Choice:
         if self.top_logprobs is not None:
             entry = token_logprobs(event, self.top_logprobs, codec)
             self.logprobs.append(entry)
+            self.offsets.append(self.at)
+            self.at += len(entry["token"])
         return self.pieces.add([event.token], ended=False), entry
 
     @property
@@ -56,17 +62,24 @@ def token_logprobs(event: Token, top: int, codec: Codec) -> dict[str, Any]:
     return {**said(event.token, event.logprob), "top_logprobs": alternatives}
 
 
-def completion_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
-    """The legacy completions layout of the same entries."""
-    offsets, at = [], 0
-    for entry in entries:
-        offsets.append(at)
-        at += len(entry["token"])
+def completion_logprobs(entries: list[dict[str, Any]], offsets: list[int]) -> dict[str, Any]:
+    """The legacy completions layout of the same entries: each token's alternatives with the
+    token itself (up to `logprobs` + 1 of them, as OpenAI's), and its `offsets`. The
+    alternatives are keyed by their text, so tokens that decode alike (pieces of one
+    character's bytes, each shown as U+FFFD) share a key: the token drawn keeps its own
+    log-probability there, as in `token_logprobs`, and any other text its likeliest token's."""
+    tops = []
+    for e in entries:
+        top: dict[str, float] = {}
+        for a in e["top_logprobs"]:
+            top.setdefault(a["token"], a["logprob"])
+        top[e["token"]] = e["logprob"]
+        tops.append(top)
     return {
         "tokens": [e["token"] for e in entries],
         "token_logprobs": [e["logprob"] for e in entries],
-        "top_logprobs": [{a["token"]: a["logprob"] for a in e["top_logprobs"]} for e in entries],
-        "text_offset": offsets,
+        "top_logprobs": tops,
+        "text_offset": list(offsets),
     }
 
 

@@ -40,7 +40,7 @@ class Reply:
     def whole(self) -> dict:
         choices = []
         for index, c in enumerate(self.choices):
-            logprobs = None if c.top_logprobs is None else self._logprobs(c.logprobs)
+            logprobs = None if c.top_logprobs is None else self._logprobs(c.logprobs, c.offsets)
             said = {"text": c.text}
             if self.chat:
                 said = {"message": {"role": "assistant", "content": c.text}}
@@ -52,7 +52,9 @@ class Reply:
         """A stream's chunk of choice `index`: a text piece, its token's log-probabilities,
         and its finish_reason at the end."""
         said = {"delta": {"content": piece} if piece else {}} if self.chat else {"text": piece}
-        return self._chunk(index, said, None if entry is None else self._logprobs([entry]), finish)
+        offsets = self.choices[index].offsets[-1:]
+        logprobs = None if entry is None else self._logprobs([entry], offsets)
+        return self._chunk(index, said, logprobs, finish)
 
     def opening(self, index: int) -> dict:
         """A chat stream's first chunk of choice `index`: the assistant's role."""
@@ -62,5 +64,5 @@ class Reply:
         choice = {"index": index, **said, "logprobs": logprobs, "finish_reason": finish}
         return {**self.head(chunk=True), "choices": [choice]}
 
-    def _logprobs(self, entries: list[dict]) -> dict:
-        return {"content": entries} if self.chat else completion_logprobs(entries)
+    def _logprobs(self, entries: list[dict], offsets: list[int]) -> dict:
+        return {"content": entries} if self.chat else completion_logprobs(entries, offsets)
