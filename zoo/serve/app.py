@@ -132,7 +132,9 @@ async def answer(served: Served, parsed: Parsed, request: Request, chat: bool):
 
 
 def stopped(served: Served) -> str:
-    return f"The serving engine stopped after an error ({served.engine.failure}): restart it."
+    return (
+        f"The serving engine stopped after an error ({served.engine.failure}): restart the server."
+    )
 
 
 async def watched(each: AsyncIterator, request: Request, events: Events) -> AsyncIterator:
