@@ -368,7 +368,6 @@ def test_grpo_samples_from_a_mixture_and_trains_its_experts(tmp_path):
         "finetune.grpo.rewards=[tests.fixtures.posttraining.toy_rewards:vowels]",
         "finetune.grpo.num_generations=2",  # of each of the batch's 8 prompts
         "finetune.grpo.max_completion_length=4",
-        "data.buckets=[60]",  # prompts of ~50 tokens, completed within the 64 positions
         "data.eval_fraction=0.1",
         "data.eval_replies=0",
         "optimizer.learning_rate=1e-2",
