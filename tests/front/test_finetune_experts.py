@@ -2,11 +2,13 @@
 transformers): every param trained, experts and router included; LoRA over the attention
 projections with the experts frozen, and over each expert (adapters stacked as the experts'
 kernels), merged back into the kernels; the router's load-balancing loss trained with a
-preference fine-tune as with the model's own loss; and QLoRA over the experts, each
-projection's stacked kernel held quantized (codes and scales, checkpointed) under adapters
-trained on top, merged and exported as the dequantized kernel plus B A. Mixtral under LoRA and
-QLoRA and gpt-oss in full as well (DeepSeek V3: test_finetune_deepseek.py; gpt-oss's MXFP4
-experts under QLoRA: test_finetune_mxfp4.py)."""
+preference fine-tune as with the model's own loss; QLoRA over the experts, each projection's
+stacked kernel held quantized (codes and scales, checkpointed) under adapters trained on top,
+merged and exported as the dequantized kernel plus B A; and chat fine-tuning and reward
+fine-tuning as dense chat checkpoints take them: conversations trained on their replies alone,
+and GRPO sampling its completions from the mixture, each logging the router's scalars. Mixtral
+in full and under LoRA and QLoRA, and gpt-oss in full, as well (DeepSeek V3:
+test_finetune_deepseek.py; gpt-oss's MXFP4 experts under QLoRA: test_finetune_mxfp4.py)."""
 
 from __future__ import annotations
 
