@@ -80,20 +80,36 @@ def fit_context(cfg: DictConfig, overrides: Sequence[str]) -> None:
         data.window = context
         _said_fitted("data.window", cfg, f"windows of {window} tokens", f"windows of {context}")
     buckets = list(data.get("buckets") or [])
-    if buckets and lines and max(buckets) > context:
-        _refuse_given("data.buckets", buckets, max(buckets), cfg, given)
-        data.buckets = sorted({b for b in buckets if b < context} | {context})
+    # A reward fine-tune's completions follow its prompts in the same rows (all but a
+    # completion's last token read): the prompts' buckets leave them room.
+    follows = _completion_room(cfg)
+    room = context - follows
+    if buckets and lines and 0 < room < max(buckets):
+        _refuse_given("data.buckets", buckets, max(buckets) + follows, cfg, given, room)
+        data.buckets = sorted({b for b in buckets if b < room} | {room})
         _said_fitted("data.buckets", cfg, f"buckets {buckets}", f"buckets {list(data.buckets)}")
 
 
-def _refuse_given(key: str, value: object, length: int, cfg: DictConfig, given: set[str]) -> None:
-    """A `ZooError` when the overrides set `key`, whose `value` makes sequences of `length`."""
+def _completion_room(cfg: DictConfig) -> int:
+    """The tokens a reward fine-tune's completion adds to its prompt's row (0 otherwise): its
+    `max_completion_length`, less the last token, which the model does not read."""
+    finetune = cfg.get("finetune") or {}
+    if _shown(finetune.get("method")) != "grpo":
+        return 0
+    return finetune.grpo.max_completion_length - 1
+
+
+def _refuse_given(
+    key: str, value: object, length: int, cfg: DictConfig, given: set[str], most: int = 0
+) -> None:
+    """A `ZooError` when the overrides set `key`, whose `value` makes sequences of `length`
+    (`most`: the largest value that fits, the context's length unless given)."""
     if key in given:
         context = cfg.model.context_length
         raise ZooError(
             f"{key}={value} would give model '{cfg.model.name}' sequences of {length} tokens, "
             f"more than model.context_length={context}, the positions it has: use a {key} of "
-            f"at most {context}, or leave {key} out to have it fitted."
+            f"at most {most or context}, or leave {key} out to have it fitted."
         )
 
 

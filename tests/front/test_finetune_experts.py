@@ -2,11 +2,13 @@
 transformers): every param trained, experts and router included; LoRA over the attention
 projections with the experts frozen, and over each expert (adapters stacked as the experts'
 kernels), merged back into the kernels; the router's load-balancing loss trained with a
-preference fine-tune as with the model's own loss; and QLoRA over the experts, each
-projection's stacked kernel held quantized (codes and scales, checkpointed) under adapters
-trained on top, merged and exported as the dequantized kernel plus B A. Mixtral under LoRA and
-QLoRA and gpt-oss in full as well (DeepSeek V3: test_finetune_deepseek.py; gpt-oss's MXFP4
-experts under QLoRA: test_finetune_mxfp4.py)."""
+preference fine-tune as with the model's own loss; QLoRA over the experts, each projection's
+stacked kernel held quantized (codes and scales, checkpointed) under adapters trained on top,
+merged and exported as the dequantized kernel plus B A; and chat fine-tuning and reward
+fine-tuning as dense chat checkpoints take them: conversations trained on their replies alone,
+and GRPO sampling its completions from the mixture, each logging the router's scalars. Mixtral
+in full and under LoRA and QLoRA, and gpt-oss in full, as well (DeepSeek V3:
+test_finetune_deepseek.py; gpt-oss's MXFP4 experts under QLoRA: test_finetune_mxfp4.py)."""
 
 from __future__ import annotations
 
@@ -17,16 +19,31 @@ import math
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import ROOT, TINY_TEXT_FINETUNE, read_events
+from helpers import ROOT, TINY_TEXT_FINETUNE, read_events, scalar_steps, write_jsonl
 from PIL import Image
 from zoo.engine.weights.quantize import Quantized, quantize
 from zoo.models.experts import PROJECTIONS
 
 import zoo
+from zoo.plugin import LOSS_MASK
 
 CHECKPOINT = ROOT / "tests" / "fixtures" / "pretrained" / "qwen3-moe-tiny"
 ATTENTION = r"layers\.\d+\.attention"
 TEMPLATE = ROOT / "tests" / "fixtures" / "chat_templates" / "chatml-generation"
+"""The fixture has no chat template: the conversations, pairs and prompts are rendered with this
+ChatML one (its replies marked with `{% generation %}`)."""
+ROUTED = ("router_aux_loss", *(f"expert_load/layers.{i}.mlp" for i in (1, 2)))
+"""The router's scalars TensorBoard shows for the fixture's two mixture layers."""
+POST_TRAINING = (
+    "trainer.steps=2",
+    "trainer.batch_size=8",
+    "trainer.log_every=1",
+    "trainer.eval_every=2",
+    "logging.norms_every=0",  # no norms at the first step: a gradient's compilation less
+    f"data.template={TEMPLATE}",
+    "model.router_aux_loss_coef=0.01",
+)
+"""Two steps of a chat or reward fine-tune, each logged, an eval after the second."""
 
 
 def params(model: nnx.Module) -> dict[str, np.ndarray]:
@@ -250,11 +267,16 @@ def test_dpo_trains_with_the_router_loss_and_reports_the_routing(tmp_path):
 
 @pytest.mark.parametrize(
     ("family", "how"),
-    [("mixtral-tiny", "lora"), ("mixtral-tiny", "qlora"), ("gpt-oss-tiny", "full")],
+    [
+        ("mixtral-tiny", "full"),
+        ("mixtral-tiny", "lora"),
+        ("mixtral-tiny", "qlora"),
+        ("gpt-oss-tiny", "full"),
+    ],
 )
 def test_each_family_fine_tunes_its_experts(family, how, tmp_path):
-    """Mixtral's experts (`block_sparse_moe`) under LoRA and QLoRA, gpt-oss's (biased, with
-    its clamped SwiGLU and biased router) in full, as Qwen3-MoE's above: a full fine-tune moves
+    """Mixtral's experts (`block_sparse_moe`) in full and under LoRA and QLoRA, gpt-oss's
+    (biased, with its clamped SwiGLU and biased router) in full, as Qwen3-MoE's above: a full fine-tune moves
     every expert's kernels and biases and the router; LoRA and QLoRA train adapters stacked as
     each expert's kernel over the frozen (QLoRA: held quantized) kernels, and the merged model
     computes what the adapted one does."""
@@ -285,3 +307,84 @@ def test_each_family_fine_tunes_its_experts(family, how, tmp_path):
     np.testing.assert_allclose(
         zoo.predict(merged, prompt), zoo.predict(result, prompt), rtol=1e-4, atol=1e-4
     )
+
+
+def test_a_chat_fine_tune_trains_on_the_replies_alone_and_reports_the_routing(tmp_path):
+    """Conversations (`data=chat`) fine-tune a mixture under LoRA as they do a dense chat
+    checkpoint: the loss is over the replies' tokens alone (the held-out loss counts the mask's
+    tokens, each row's being its reply and end of turn), the experts' adapters train, and the
+    router's loss and each layer's load are logged at every step and at the eval."""
+    replies = {f"{n}+1?": f"{n + 1}" for n in range(16)}  # the tokenizer's ChatML: ~60 tokens
+    chat = write_jsonl(
+        tmp_path / "chat.jsonl",
+        [
+            {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+            for q, a in replies.items()
+        ],
+    )
+    workdir = tmp_path / "run"
+    result = zoo.finetune(
+        CHECKPOINT,
+        *POST_TRAINING,
+        "data=chat",
+        f"data.path={chat}",
+        "data.eval_fraction=0.25",
+        "data.eval_replies=0",
+        f"workdir={workdir}",
+        lora_rank=4,
+    )
+    assert result.config.data.loss_on == "assistant"
+    data = {k: v for k, v in result.config.data.items() if k != "name"}
+    splits = zoo.load_data("chat", **data)
+    held_out = splits.eval.examples(np.arange(len(splits.eval)), None, 0)
+    targets, mask = held_out["tokens"][:, 1:], held_out[LOSS_MASK].astype(bool)
+    trained = [
+        splits.tokenizer.decode(t[m].tolist(), skip_special_tokens=False)
+        for t, m in zip(targets, mask, strict=True)
+    ]
+    assert trained and all(text.removesuffix("<|im_end|>") in replies.values() for text in trained)
+    assert all(text.endswith("<|im_end|>") for text in trained), trained
+    assert result.eval_metrics["loss_tokens"] == mask.sum()
+    events = read_events(workdir)
+    for name in ROUTED:
+        assert sorted(scalar_steps(events, f"train/{name}")) == [1, 2], name
+        assert sorted(scalar_steps(events, f"val/{name}")) == [2], name
+    assert result.eval_metrics["router_aux_loss"] >= 2.0  # experts_per_token: an even routing
+    adapters = dict(nnx.to_flat_state(nnx.state(result.model, nnx.LoRAParam)))
+    for i in (1, 2):
+        up_b = np.asarray(adapters[("layers", i, "mlp", "experts", "up_lora_b")][...])
+        assert np.abs(up_b).max() > 0, i  # trained from zero
+
+
+def test_grpo_samples_from_a_mixture_and_trains_its_experts(tmp_path):
+    """A reward fine-tune of a mixture: each step samples completions of its prompts from the
+    mixture (the KV-cache engine routes each new token as training does), rewards them and
+    trains the experts' adapters on their advantages; TensorBoard has the reward and the
+    router's scalars at every step and at the eval. The last mixture layer's experts feed no
+    router, so their adapters move only by the reward's loss."""
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": f"Say {i}."} for i in range(20)])
+    workdir = tmp_path / "run"
+    result = zoo.finetune(
+        CHECKPOINT,
+        *POST_TRAINING,
+        "finetune.grpo.rewards=[tests.fixtures.posttraining.toy_rewards:vowels]",
+        "finetune.grpo.num_generations=2",  # of each of the batch's 8 prompts
+        "finetune.grpo.max_completion_length=4",
+        "data.eval_fraction=0.1",
+        "data.eval_replies=0",
+        "optimizer.learning_rate=1e-2",
+        f"workdir={workdir}",
+        data=prompts,
+        method="grpo",
+        lora_rank=4,
+    )
+    assert result.step == 2
+    events = read_events(workdir)
+    for name in ("reward", "rewards/vowels/mean", "completions/mean_length", *ROUTED):
+        assert sorted(scalar_steps(events, f"train/{name}")) == [1, 2], name
+        assert sorted(scalar_steps(events, f"val/{name}")) == [2], name
+    assert all(v > 0 for v in scalar_steps(events, "train/completions/mean_length").values())
+    assert all(v > 0 for v in scalar_steps(events, "train/advantages/std").values())
+    adapters = dict(nnx.to_flat_state(nnx.state(result.model, nnx.LoRAParam)))
+    down_b = np.asarray(adapters[("layers", 2, "mlp", "experts", "down_lora_b")][...])
+    assert np.abs(down_b).max() > 0  # trained from zero

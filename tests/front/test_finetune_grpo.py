@@ -255,6 +255,11 @@ def test_a_bad_reward_is_skipped_when_asked(prompt_file, tmp_path):
             ["trainer.checkpoint_every", "num_iterations=3"],
         ),
         (("finetune.grpo.temperature=0",), {}, ["finetune.grpo.temperature=0"]),
+        (
+            ("finetune.grpo.rewards=[exact_match]", "data.buckets=[128,512]"),
+            {},
+            ["data.buckets=[128, 512]", "sequences of 515 tokens", "at most 509"],
+        ),
     ],
     ids=[
         "no-rewards",
@@ -266,6 +271,7 @@ def test_a_bad_reward_is_skipped_when_asked(prompt_file, tmp_path):
         "dispatch",
         "iterations",
         "greedy",
+        "no-room-for-completions",
     ],
 )
 def test_bad_settings_are_refused_before_anything_is_written(
