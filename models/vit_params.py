@@ -39,7 +39,7 @@ is inert; SigLIP 2, `SiglipModel` and a bare `SiglipVisionModel` are refused by 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -133,23 +133,41 @@ def _hf_rules(hparams: Mapping[str, Any]) -> list[Rule]:
         _rule("vit.embeddings.cls_token", "class_token", *t["token"]),
         _rule("vit.embeddings.position_embeddings", "positions", *t["positions"]),
         *_linear("vit.embeddings.patch_embeddings.projection", "embed", t["patches"]),
-        *_norm(f"{block}.layernorm_before", r"blocks.\1.attention_norm"),
+        *_block_rules(
+            t,
+            norms=(f"{block}.layernorm_before", f"{block}.layernorm_after"),
+            query=lambda name: f"{attention}.attention.{name}",
+            out=f"{attention}.output.dense",
+            mlp=(f"{block}.intermediate.dense", f"{block}.output.dense"),
+        ),
+        *_norm("vit.layernorm", "norm"),
+        *_linear("classifier", "head", t["linear"]),
+    ]
+
+
+def _block_rules(
+    t: Mapping[str, Any],
+    norms: tuple[str, str],
+    query: Callable[[str], str],
+    out: str,
+    mlp: tuple[str, str],
+) -> list[Rule]:
+    """A Hugging Face layout's rules for layer N's pre-norm block, by the layout's names of its
+    two norms, of its `query`, `key` and `value` projections, its output projection and its
+    MLP's two layers; `t` the layout's transforms (`_transforms`)."""
+    return [
+        *_norm(norms[0], r"blocks.\1.attention_norm"),
         *(
             rule
             for name in ("query", "key", "value")
             for rule in _linear(
-                f"{attention}.attention.{name}",
-                rf"blocks.\1.attention.{name}",
-                t["query"],
-                t["query_bias"],
+                query(name), rf"blocks.\1.attention.{name}", t["query"], t["query_bias"]
             )
         ),
-        *_linear(f"{attention}.output.dense", r"blocks.\1.attention.out", t["out"]),
-        *_norm(f"{block}.layernorm_after", r"blocks.\1.mlp_norm"),
-        *_linear(f"{block}.intermediate.dense", r"blocks.\1.mlp_in", t["linear"]),
-        *_linear(f"{block}.output.dense", r"blocks.\1.mlp_out", t["linear"]),
-        *_norm("vit.layernorm", "norm"),
-        *_linear("classifier", "head", t["linear"]),
+        *_linear(out, r"blocks.\1.attention.out", t["out"]),
+        *_norm(norms[1], r"blocks.\1.mlp_norm"),
+        *_linear(mlp[0], r"blocks.\1.mlp_in", t["linear"]),
+        *_linear(mlp[1], r"blocks.\1.mlp_out", t["linear"]),
     ]
 
 
@@ -247,14 +265,20 @@ def _hf_config(hparams: Mapping[str, Any]) -> dict[str, Any]:
         **transformer_config(hparams, _HF_SIZE_KEYS, "gelu_pytorch_tanh", _HF_DROPOUTS),
         "qkv_bias": True,
         **class_labels(hparams["num_classes"]),
-        "preprocessor_config": preprocessor_config(
-            "ViTImageProcessor",
-            {"height": side, "width": side},
-            hparams.get("pixel_mean") or HALF[:channels],
-            hparams.get("pixel_std") or HALF[:channels],
-            hparams["input_shape"],
-        ),
+        "preprocessor_config": _square_processor("ViTImageProcessor", hparams, side, channels),
     }
+
+
+def _square_processor(processor: str, hparams: Mapping[str, Any], side: int, channels: int):
+    """The `preprocessor_config.json` of `processor` for square images of `side` pixels, with
+    the model's pixel statistics (a half each where it has none)."""
+    return preprocessor_config(
+        processor,
+        {"height": side, "width": side},
+        hparams.get("pixel_mean") or HALF[:channels],
+        hparams.get("pixel_std") or HALF[:channels],
+        hparams["input_shape"],
+    )
 
 
 def _check_square(hparams: Mapping[str, Any], layout: str) -> None:
@@ -420,14 +444,6 @@ _TIMM_KEYS = {
 _SIGLIP_TYPES = ("siglip", "siglip2", "siglip_vision_model")
 _SIGLIP_CLASSIFIER = "SiglipForImageClassification"
 _SIGLIP_LISTING = "ViT, transformers SiglipForImageClassification (SigLIP's vision tower)"
-_SIGLIP_SIZE_KEYS = (
-    "hidden_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "intermediate_size",
-    "hidden_act",
-    "layer_norm_eps",
-)
 _SIGLIP_VISION_DEFAULTS = {
     "hidden_size": 768,
     "num_hidden_layers": 12,
@@ -523,21 +539,13 @@ def _siglip_rules(hparams: Mapping[str, Any]) -> list[Rule]:
     return [
         _rule("vision_model.embeddings.position_embedding.weight", "positions"),
         *_linear("vision_model.embeddings.patch_embedding", "embed", t["patches"]),
-        *_norm(f"{block}.layer_norm1", r"blocks.\1.attention_norm"),
-        *(
-            rule
-            for name in ("query", "key", "value")
-            for rule in _linear(
-                f"{block}.self_attn.{name[0]}_proj",
-                rf"blocks.\1.attention.{name}",
-                t["query"],
-                t["query_bias"],
-            )
+        *_block_rules(
+            t,
+            norms=(f"{block}.layer_norm1", f"{block}.layer_norm2"),
+            query=lambda name: f"{block}.self_attn.{name[0]}_proj",
+            out=f"{block}.self_attn.out_proj",
+            mlp=(f"{block}.mlp.fc1", f"{block}.mlp.fc2"),
         ),
-        *_linear(f"{block}.self_attn.out_proj", r"blocks.\1.attention.out", t["out"]),
-        *_norm(f"{block}.layer_norm2", r"blocks.\1.mlp_norm"),
-        *_linear(f"{block}.mlp.fc1", r"blocks.\1.mlp_in", t["linear"]),
-        *_linear(f"{block}.mlp.fc2", r"blocks.\1.mlp_out", t["linear"]),
         *_norm("vision_model.post_layernorm", "norm"),
         *_linear("classifier", "head", t["linear"]),
     ]
@@ -563,9 +571,7 @@ def _siglip_config(hparams: Mapping[str, Any]) -> dict[str, Any]:
         "image_size": side,
         "patch_size": hparams["patch_size"],
         "num_channels": channels,
-        **transformer_config(
-            hparams, _SIGLIP_SIZE_KEYS, "gelu_pytorch_tanh", ("attention_dropout",)
-        ),
+        **transformer_config(hparams, _HF_SIZE_KEYS, "gelu_pytorch_tanh", ("attention_dropout",)),
         "vision_use_head": False,
     }
     return {
@@ -573,13 +579,7 @@ def _siglip_config(hparams: Mapping[str, Any]) -> dict[str, Any]:
         "model_type": "siglip",
         "vision_config": vision,
         **class_labels(hparams["num_classes"]),
-        "preprocessor_config": preprocessor_config(
-            "SiglipImageProcessor",
-            {"height": side, "width": side},
-            hparams.get("pixel_mean") or HALF[:channels],
-            hparams.get("pixel_std") or HALF[:channels],
-            hparams["input_shape"],
-        ),
+        "preprocessor_config": _square_processor("SiglipImageProcessor", hparams, side, channels),
     }
 
 

@@ -34,6 +34,14 @@ TINY_TEXT_FINETUNE = (
     "logging.eval_reports=false",  # no sampled text at the evals: the tests read no samples
 )
 """A three-step fine-tune on the tiny text, which the pretrained fine-tuning tests share."""
+TWO_LOGGED_STEPS = (
+    "trainer.steps=2",
+    "trainer.batch_size=8",
+    "trainer.log_every=1",
+    "trainer.eval_every=2",
+)
+"""Two steps of 8 rows, each logged, and an eval after the second: the fine-tunes whose tests
+read TensorBoard step by step."""
 # The environment of a process whose compilations are counted: without the session's cache.
 NO_COMPILE_CACHE = {"JAX_ENABLE_COMPILATION_CACHE": "false"}
 

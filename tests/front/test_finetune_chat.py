@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import ROOT, read_events, run_cli, running, scalar_steps
+from helpers import ROOT, TWO_LOGGED_STEPS, read_events, run_cli, running, scalar_steps
 from omegaconf import OmegaConf
 
 import zoo
@@ -34,10 +34,7 @@ CONVERSATIONS = [
 ]
 FIXTURES = ROOT / "tests" / "fixtures"
 STEPS = (
-    "trainer.steps=2",
-    "trainer.batch_size=8",
-    "trainer.log_every=1",
-    "trainer.eval_every=2",
+    *TWO_LOGGED_STEPS,
     "logging.norms_every=0",  # no norms at the first step: a gradient's compilation less
 )
 REPLIES = (

@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 import pytest
-from helpers import ROOT, read_events, run_cli, scalar_steps
+from helpers import ROOT, TWO_LOGGED_STEPS, read_events, run_cli, scalar_steps
 
 import zoo
 from zoo.plugin import ZooError
@@ -47,7 +47,7 @@ LEARNING = (
     "data.eval_reply_tokens=4",
     "logging.norms_every=0",
 )
-SHORT = ("trainer.steps=2", "trainer.batch_size=8", "trainer.log_every=1", "trainer.eval_every=2")
+SHORT = TWO_LOGGED_STEPS
 ACCURACY = 0.9
 """Held-out preference accuracy that the learning run must reach (it starts at 0: the policy is
 the reference, every reward 0)."""

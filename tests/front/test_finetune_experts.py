@@ -19,7 +19,14 @@ import math
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import ROOT, TINY_TEXT_FINETUNE, read_events, scalar_steps, write_jsonl
+from helpers import (
+    ROOT,
+    TINY_TEXT_FINETUNE,
+    TWO_LOGGED_STEPS,
+    read_events,
+    scalar_steps,
+    write_jsonl,
+)
 from PIL import Image
 from zoo.engine.weights.quantize import Quantized, quantize
 from zoo.models.experts import PROJECTIONS
@@ -35,10 +42,7 @@ ChatML one (its replies marked with `{% generation %}`)."""
 ROUTED = ("router_aux_loss", *(f"expert_load/layers.{i}.mlp" for i in (1, 2)))
 """The router's scalars TensorBoard shows for the fixture's two mixture layers."""
 POST_TRAINING = (
-    "trainer.steps=2",
-    "trainer.batch_size=8",
-    "trainer.log_every=1",
-    "trainer.eval_every=2",
+    *TWO_LOGGED_STEPS,
     "logging.norms_every=0",  # no norms at the first step: a gradient's compilation less
     f"data.template={TEMPLATE}",
     "model.router_aux_loss_coef=0.01",
@@ -243,10 +247,7 @@ def test_dpo_trains_with_the_router_loss_and_reports_the_routing(tmp_path):
     workdir = tmp_path / "run"
     zoo.finetune(
         CHECKPOINT,
-        "trainer.steps=2",
-        "trainer.batch_size=8",
-        "trainer.log_every=1",
-        "trainer.eval_every=2",
+        *TWO_LOGGED_STEPS,
         f"data.template={TEMPLATE}",
         "model.router_aux_loss_coef=0.5",
         f"workdir={workdir}",
