@@ -1,7 +1,7 @@
 """Every command line imports the modules named in `ZOO_PLUGINS` (`zoo.cli.load_plugins`): a
 run of a model that a project's own module registers is trained by `python -m zoo.train`, then
 loaded by `zoo.generate`, `zoo.export` and `zoo.chat` in processes of their own; a module that
-cannot be imported is refused by name by each, and a run whose model no module registered says
+cannot be imported is refused by name by each (and by `zoo.eval` and `zoo.serve`), and a run whose model no module registered says
 how to register it."""
 
 from __future__ import annotations
@@ -71,13 +71,20 @@ def test_each_command_loads_a_model_that_a_plugin_registers(project, command):
         assert (project / "exported" / "model.jaxexport").is_file()
 
 
-ARGUMENTS = {"generate": ["run", "prompt=The"], "export": ["run", "out"], "chat": ["run"]}
+ARGUMENTS = {
+    "generate": ["run", "prompt=The"],
+    "export": ["run", "out"],
+    "chat": ["run"],
+    "eval": ["run", "tasks=hellaswag"],
+    "serve": ["run"],
+}
 
 
-@pytest.mark.parametrize("command", ["generate", "export", "chat", "train"])
+@pytest.mark.parametrize("command", ["generate", "export", "chat", "eval", "serve", "train"])
 def test_each_command_refuses_a_plugin_module_it_cannot_import(command, monkeypatch, capsys):
     monkeypatch.setenv("ZOO_PLUGINS", "no_such_plugin_module")
-    main = importlib.import_module(f"zoo.{command}").main
+    module = "zoo.serve.__main__" if command == "serve" else f"zoo.{command}"
+    main = importlib.import_module(module).main
     try:
         status = main(ARGUMENTS.get(command, ["model=xor"]))
     except SystemExit as e:  # the training command exits
