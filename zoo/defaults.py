@@ -92,9 +92,11 @@ def fit_context(cfg: DictConfig, overrides: Sequence[str]) -> None:
 
 def _completion_room(cfg: DictConfig) -> int:
     """The tokens a reward fine-tune's completion adds to its prompt's row (0 otherwise): its
-    `max_completion_length`, less the last token, which the model does not read."""
+    `max_completion_length`, less the last token, which the model does not read. Only for
+    `data=prompts`, what it samples from: other data is refused by name when its first batch
+    is seen (`finetune.method=grpo samples completions of prompts`), not fitted first."""
     finetune = cfg.get("finetune") or {}
-    if _shown(finetune.get("method")) != "grpo":
+    if _shown(finetune.get("method")) != "grpo" or cfg.data.get("name") != "prompts":
         return 0
     return finetune.grpo.max_completion_length - 1
 
