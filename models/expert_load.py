@@ -39,7 +39,8 @@ def expert_load_on_eval(model: nnx.Module, report: EvalReport) -> None:
     total = None
     for batch in report.batches():
         counts = expert_load(model, {k: v for k, v in batch.items() if k in _READ})
-        total = counts if total is None else total + counts
+        # One batch ahead at most, as `zoo.engine.loop.evaluate_batches` keeps its eval steps.
+        total = counts if total is None else jax.block_until_ready(total) + counts
     if total is None:
         return
     counts, names = np.asarray(total), list(mixture_layers(model))

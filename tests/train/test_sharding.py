@@ -12,6 +12,7 @@ from conformance.checks import make_mesh
 from flax import nnx
 from helpers import one_step, overriding, read_events, run_cli
 from jax.sharding import PartitionSpec as P
+from zoo.engine import registry
 from zoo.engine.loop.trainer import Trainer
 from zoo.engine.sharding import mesh as sharding
 from zoo.engine.sharding.plan import create_sharded
@@ -224,3 +225,15 @@ def test_a_run_that_resumes_is_built_abstract_and_restored_into_its_plan(tmp_pat
     for ours, theirs in zip(jax.tree.leaves(resumed.state), jax.tree.leaves(whole.state)):
         assert jax.typeof(ours).sharding.spec == jax.typeof(theirs).sharding.spec
         np.testing.assert_array_equal(jax.device_get(ours), jax.device_get(theirs))
+
+
+def test_a_long_evaluation_on_eight_devices_ends(tmp_path):
+    """128 eval batches of a tiny gpt, split over 8 devices: queued all at once, jaxlib 0.10's
+    XLA:CPU left devices out of an eval step's all-reduce and aborted the run."""
+    tiny = [key for key in registry.get_model("gpt").tiny if not key.startswith("data.eval_bytes")]
+    result = run_cli(
+        "model=gpt", *tiny, "data.eval_bytes=65536", "trainer.steps=1", f"workdir={tmp_path}"
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "Sharding plan on mesh data=8" in result.stderr
+    assert len(read_events(tmp_path).Scalars("val/loss")) == 1

@@ -643,12 +643,17 @@ def evaluate_batches(
     rules: sharding.AxisRules,
     key: jax.Array,
 ) -> dict[str, float]:
-    """Mean metrics of `eval_step` over masked eval batches (`zoo.engine.pipeline.batches.eval_batches`)."""
+    """Mean metrics of `eval_step` over masked eval batches (`zoo.engine.pipeline.batches.eval_batches`).
+
+    One step runs ahead of the host at most: with a longer queue of eval steps, jaxlib 0.10's
+    XLA:CPU on 8 devices left some devices out of a step's all-reduce and aborted the run (128
+    eval batches of a tiny gpt did; jaxlib 0.12 does not). The host readies the next batch while
+    the step before it runs, so nothing waits on the host."""
     with sharding.activate(mesh, rules):
         sums: Metrics | None = None
         for host_batch in batches:
             batch = sharding.shard_batch(host_batch, mesh, rules)
             if sums is None:
                 sums = zero_metrics(eval_step, state, {}, batch, key)
-            sums = eval_step(state, sums, batch, key)
+            sums = eval_step(state, jax.block_until_ready(sums), batch, key)
         return means(sums)
