@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from sklearn.datasets import load_digits
 from zoo.data import builtin_images
 from zoo.data.files import CACHE_ENV
 from zoo.engine.errors import ZooError
@@ -229,6 +230,11 @@ def test_digits_has_the_documented_split(digits):
         assert set(np.unique(split["label"])) == set(range(10))
     again = get_data("digits").splits({})
     np.testing.assert_array_equal(again.eval["image"], digits.eval["image"])
+    # The rows are scikit-learn's own, though zoo reads its file without importing it.
+    bunch = load_digits()
+    order = np.random.default_rng(0).permutation(1797)
+    np.testing.assert_array_equal(again.train["image"][..., 0], bunch.images[order[:1437]])
+    np.testing.assert_array_equal(again.eval["label"], bunch.target[order[1437:]])
     assert again.augment is None and isinstance(digits.augment, builtin_images.CropAndFlip)
     normalized = digits.transform(dict(digits.train))["image"]
     assert normalized.dtype == np.float32
