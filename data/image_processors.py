@@ -216,8 +216,8 @@ class _Reader:
                         key,
                         value,
                         f"zoo does not {'centre-crop' if key == 'do_center_crop' else 'pad'} "
-                        f"images for {self.kind}, whose transformers processor does not either; "
-                        "it may be false or null.",
+                        f"images for {self.kind}, whose checkpoints leave that step off; it may be "
+                        "false or null.",
                     )
             elif key not in honoured and key not in inert:
                 raise _refuse(
