@@ -102,7 +102,7 @@ PAN_AND_SCAN = {  # Gemma3Processor.images_kwargs: what a null in the file becom
     "pan_and_scan_min_ratio_to_activate": 1.2,
 }
 QWEN_MIN_PIXELS, QWEN_MAX_PIXELS = 56 * 56, 28 * 28 * 1280
-MAX_ASPECT = 200  # Qwen's smart_resize refuses images longer than this times their width
+MAX_ASPECT = 200  # Qwen's smart_resize refuses an image whose long side is more times its short
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,7 +162,7 @@ def _base_name(name: Any) -> Any:
 
 def _refuse(kind: str, key: str, value: Any, valid: str) -> ZooError:
     return ZooError(
-        f"The image processor setting {key}={json.dumps(value)} ({kind}, {PREPROCESSOR}) "
+        f"The image processor setting {key}={json.dumps(value, default=repr)} ({kind}, {PREPROCESSOR}) "
         f"cannot be honoured: {valid}"
     )
 
@@ -277,6 +277,7 @@ class ImageProcessor:
         raise NotImplementedError
 
     def __call__(self, images: ImageInput | Sequence[ImageInput]) -> ProcessedImages:
+        """The pixels of one image or of a list of them, in their order."""
         raise NotImplementedError
 
     def settings(self) -> dict[str, Any]:

@@ -116,6 +116,16 @@ def test_settings_load_again_to_the_same_processor(setting):
     np.testing.assert_array_equal(again(PATHS[:2]).pixel_values, processor(PATHS[:2]).pixel_values)
 
 
+def test_the_processor_file_of_transformers_processors_is_read_where_there_is_no_other(tmp_path):
+    """`ProcessorMixin.save_pretrained` nests the image processor's settings in one file."""
+    with pytest.raises(ZooError, match="has no preprocessor_config.json"):
+        load_image_processor(tmp_path)
+    nested = {"image_processor": config("qwen2-vl"), "processor_class": "Qwen2_5_VLProcessor"}
+    (tmp_path / "processor_config.json").write_text(json.dumps(nested))
+    out = load_image_processor(tmp_path)(PATHS)
+    np.testing.assert_array_equal(out.pixel_values, REFERENCE["qwen2-vl.pixel_values"])
+
+
 def test_settings_write_the_defaults_a_null_stands_for():
     written = load_image_processor(FIXTURE / "gemma3").settings()
     assert written["do_convert_rgb"] is True
