@@ -18,7 +18,8 @@ Qwen3-30B-A3B's train step.
 - **meshes**: the same mixture's training tokens/s on 8 devices with `tensor=2`, its batch split
   4 ways (`data=4`, every device holding every expert) against its experts split 4 ways
   (`expert=4`, expert parallelism: each device computes its experts' pairs of its group's
-  tokens); interleaved windows, medians (8 devices: on a CPU, `JAX_NUM_CPU_DEVICES=8`).
+  tokens); interleaved windows, medians (8 devices: on a CPU, `JAX_NUM_CPU_DEVICES=8`). The
+  decoder's other sizes are its defaults, or `--mesh-keys` (e.g. `model.dim=64`).
 - **memory**: XLA's memory analysis of the train step compiled on the abstract state (no
   weights: `benchmarks.finetune_memory.step_memory`) of the Qwen3-30B-A3B architecture (its
   hub config, `QWEN3_30B_A3B`), params in bfloat16, each layer recomputed in the backward pass
@@ -215,7 +216,11 @@ def mesh_figures(args: argparse.Namespace) -> dict[str, Any]:
     experts split 4 ways (`expert=4`)."""
     if len(jax.devices()) < 8:
         raise SystemExit("The meshes section needs 8 devices: on a CPU, JAX_NUM_CPU_DEVICES=8.")
-    mixture = [f"model.num_experts={args.experts}", f"model.experts_per_token={args.top_k}"]
+    mixture = [
+        f"model.num_experts={args.experts}",
+        f"model.experts_per_token={args.top_k}",
+        *args.mesh_keys,
+    ]
     variants = {
         "data=4": [*mixture, "mesh.tensor=2", "mesh.data=4"],
         "expert=4": [*mixture, "mesh.tensor=2", "mesh.data=1", "mesh.expert=4"],
@@ -384,6 +389,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--steps", type=int, default=5, help="training steps per window")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--length", type=int, default=2048, help="tokens of the memory's batch")
+    parser.add_argument(
+        "--mesh-keys",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="meshes: the decoder's keys besides its defaults (e.g. model.dim=64)",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     results: dict[str, Any] = {"platform": jax.devices()[0].platform, "jax": jax.__version__}

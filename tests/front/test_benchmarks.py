@@ -192,6 +192,8 @@ def test_experts_benchmark_compares_the_products_and_trains_both_decoders(tmp_pa
     sizes = ["--experts", "4", "--dim", "32", "--expert-width", "16", "--tokens", "64"]
     sizes += ["--depth", "1", "--context", "16", "--batch", "8", "--steps", "1", "--rounds", "2"]
     sections = ["--sections", "product", "training", "meshes"]
+    sections += ["--mesh-keys", "model.dim=32", "model.depth=1", "model.context_length=16"]
+    sections += ["data.window=16", "trainer.batch_size=8"]
     report = experts.main([*sizes, *sections, "--json", str(out)])
     assert json.loads(out.read_text()) == report
     losses = {r["loss"] for r in report["product"].values()}
