@@ -78,7 +78,6 @@ def test_an_exported_data_set_trains_from_the_command_line_with_its_class_names(
         "data.image_size=8", "data.eval_fraction=0.25", "trainer.batch_size=4",
         "trainer.steps=4", "trainer.log_every=2", "trainer.eval_every=4",
         "optimizer.warmup_steps=0", f"workdir={tmp_path}",
-        env={"JAX_NUM_CPU_DEVICES": "1"},
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "eval @ step 4: accuracy" in (tmp_path / "train.log").read_text()

@@ -180,7 +180,6 @@ def test_every_format_trains_from_the_command_line(every_format, tmp_path):
     result = run_cli(
         "-m", "model=mlp", "data=images,arrayrecord,parquet", f"data.path={every_format}",
         "data.image_size=16", "data.workers=1", *SMALL, *QUICK, f"workdir={tmp_path}",
-        env={"JAX_NUM_CPU_DEVICES": "1"},
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     for job, fmt in enumerate(["images", "arrayrecord", "parquet"]):

@@ -163,7 +163,7 @@ def test_run_time_error_exits_non_zero_and_keeps_checkpoints(tmp_path):
     checkpoint = tmp_path / "checkpoints" / "100"
     checkpoint.mkdir(parents=True)
     (checkpoint / "marker").write_text("kept")
-    result = run_cli("mesh.data=16", f"workdir={tmp_path}")
+    result = run_cli("mesh.data=16", f"workdir={tmp_path}", devices=8)
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert "data=16" in result.stderr and "8 are available" in result.stderr

@@ -31,7 +31,8 @@ def cli_runs(tmp_path_factory):
     for name, args in (("cnn", CNN), ("mlp", MLP)):
         workdir = tmp_path_factory.mktemp(name)
         every = ("trainer.eval_every=30", "trainer.checkpoint_every=30")
-        result = run_cli(*args, "trainer.steps=60", *every, f"workdir={workdir}")
+        devices = 8 if name == "mlp" else 1
+        result = run_cli(*args, "trainer.steps=60", *every, f"workdir={workdir}", devices=devices)
         assert result.returncode == 0, result.stderr
         runs[name] = workdir
     return runs

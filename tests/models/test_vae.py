@@ -64,7 +64,7 @@ def test_noise_stream_advances_once_per_step_and_resume_reproduces_it(uninterrup
     restart = max(checkpointer.all_steps())  # the step-80 save may not have finished
     checkpointer.close()
     assert EVERY <= restart < STEPS
-    resumed = run_cli(*args(tmp_path))
+    resumed = run_cli(*args(tmp_path), devices=8)  # the mesh the killed run had
     assert resumed.returncode == 0, resumed.stderr
     assert f"Resuming at step {restart}" in resumed.stderr
     checkpointer = Checkpointer(tmp_path / "checkpoints")

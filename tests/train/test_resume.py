@@ -3,6 +3,7 @@ command, end with the bits of an uninterrupted run; plus the failure modes aroun
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import signal
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 import stateful_model
 from flax import nnx
-from helpers import ROOT, assert_same_bits, overriding, read_events, run_cli, scalar_steps
+from helpers import ROOT, assert_same_bits, overriding, read_events, scalar_steps
 from zoo.engine.checkpoints.manager import Checkpointer
 from zoo.engine.checkpoints.reader import abstract_like
 from zoo.engine.loop.trainer import Trainer
@@ -25,6 +26,7 @@ from zoo.engine.registry import Splits, get_data
 import zoo
 
 PLUGIN_ENV = {"ZOO_PLUGINS": "stateful_model", "PYTHONPATH": str(ROOT / "tests")}
+run_cli = functools.partial(helpers.run_cli, devices=8)  # as the killed runs (`run_and_signal`)
 STEPS, EVERY = 80, 10
 
 XOR = ("model=xor", f"trainer.steps={STEPS}", "trainer.log_every=1", "trainer.steps_per_dispatch=1")

@@ -232,7 +232,12 @@ def test_a_long_evaluation_on_eight_devices_ends(tmp_path):
     XLA:CPU left devices out of an eval step's all-reduce and aborted the run."""
     tiny = [key for key in registry.get_model("gpt").tiny if not key.startswith("data.eval_bytes")]
     result = run_cli(
-        "model=gpt", *tiny, "data.eval_bytes=65536", "trainer.steps=1", f"workdir={tmp_path}"
+        "model=gpt",
+        *tiny,
+        "data.eval_bytes=65536",
+        "trainer.steps=1",
+        f"workdir={tmp_path}",
+        devices=8,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "Sharding plan on mesh data=8" in result.stderr

@@ -65,7 +65,8 @@ def observed(tmp_path_factory):
         f"logging.norms_every={LOG_EVERY}",
         "trainer.profile_steps=[3,5]",
     )
-    result = run_cli(*mlp_args(workdir, *extra), env=NO_COMPILE_CACHE)
+    # On the 8 devices of this process, whose run without them it is compared with.
+    result = run_cli(*mlp_args(workdir, *extra), env=NO_COMPILE_CACHE, devices=8)
     assert result.returncode == 0, result.stderr
     return logdir, workdir, result
 
