@@ -440,10 +440,8 @@ class Gemma3ImageProcessor(_FixedSize):
     own = ("default_to_square", *PAN_AND_SCAN)
     own_inert = ("image_seq_length",)
     defaults: ClassVar[Mapping[str, Any]] = {
+        **SiglipImageProcessor.defaults,
         "resample": 2,
-        "image_mean": HALF,
-        "image_std": HALF,
-        "size": {"height": 224, "width": 224},
         "default_to_square": True,
     }
 
