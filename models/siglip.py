@@ -155,6 +155,7 @@ class Siglip(nnx.Module):
         self.logit_scale = nnx.Param(jnp.log(jnp.full((1,), 10.0)))
         self.logit_bias = nnx.Param(jnp.full((1,), -10.0))
         self.vocab_size, self.context_length = vocab_size, context_length
+        self.image_size = (height, width)
 
     def __call__(self, pixels: jax.Array) -> jax.Array:
         """The images' L2-normalised embeddings (images x vision_dim)."""

@@ -16,6 +16,7 @@ import pytest
 from conformance.checks import MESH, ONE_DEVICE, on_mesh
 from flax import nnx
 from pretrained_checks import FIXTURES, exported, loaded, reference
+from zoo.data.siglip_tokenizer import SiglipTokenizer
 from zoo.engine.weights import pretrained as weights
 from zoo.models import siglip
 
@@ -125,6 +126,35 @@ def changed(tmp_path, **changes):
 def test_what_siglip_does_not_build_is_refused_by_name(tmp_path, changes, named):
     with pytest.raises(zoo.ZooError, match=named):
         zoo.load(changed(tmp_path, **changes), devices=jax.devices()[:1])
+
+
+IMAGES = FIXTURES.parent / "image_processors" / "images"
+
+
+@pytest.mark.parametrize("mesh", [ONE_DEVICE, MESH], ids=["one-device", "mesh"])
+def test_zero_shot_probabilities_are_transformers(mesh):
+    """Image files through the checkpoint's processor, labels through its tokenizer (the
+    fixture's label texts are whole sentences: the template is `{}`)."""
+    devices = jax.devices()[: int(np.prod(list(mesh.values())))]
+    trained = zoo.load(FIXTURES / NAME, mesh=mesh, devices=devices)
+    labels = json.loads((FIXTURES / NAME / "texts.json").read_text())["labels"]
+    with jax.default_matmul_precision("highest"):
+        probs = zoo.predict(trained, sorted(IMAGES.glob("*.png")), labels=labels, template="{}")
+    np.testing.assert_allclose(probs, reference(NAME)["probs"], rtol=0, atol=ATOL)
+
+
+def test_the_tokenizer_gives_transformers_ids():
+    expected = reference(NAME)
+    tokenizer = SiglipTokenizer(FIXTURES / NAME)
+    ids, mask = tokenizer(json.loads((FIXTURES / NAME / "texts.json").read_text())["texts"])
+    np.testing.assert_array_equal(ids, expected["text_ids"])
+    np.testing.assert_array_equal(mask, expected["text_mask"])
+
+
+def test_labels_need_a_siglip_model():
+    trained = zoo.load(FIXTURES / "siglip-vision-tiny", devices=jax.devices()[:1])
+    with pytest.raises(zoo.ZooError, match="zero-shot classification by a siglip model"):
+        zoo.predict(trained, reference("siglip-vision-tiny")["images"], labels=["cat"])
 
 
 @checks.needs_reference
