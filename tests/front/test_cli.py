@@ -59,7 +59,7 @@ def test_console_shows_own_lines_only(xor_run):
 def test_help_lists_models_and_datasets():
     result = run_cli("--help")
     assert result.returncode == 0
-    assert "model: cnn, decoder, gpt, mlp, resnet, vae, vit, xor" in result.stdout
+    assert "model: cnn, decoder, gpt, mlp, resnet, siglip, vae, vit, xor" in result.stdout
     assert (
         "data: arrayrecord, chat, cifar10, digits, fashion_mnist, images, mnist, parquet, "
         "preference, prompts, text, xor" in result.stdout
