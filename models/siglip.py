@@ -27,7 +27,15 @@ from zoo.models import hparams
 from zoo.models.layers import conv, dense, head_projections, layer_norm, learned
 from zoo.models.transformer import Block, BlockOptions, tokens_spec
 
-from zoo.plugin import ZooError, attend, logical_spec, register_model, repeated
+from zoo.plugin import (
+    ZooError,
+    attend,
+    logical_spec,
+    loss_contract,
+    partitioned,
+    register_model,
+    repeated,
+)
 
 TOKENS = "tokens"
 """The batch column of the texts' token ids that SigLIP's sigmoid loss pairs with `image`."""
@@ -91,24 +99,42 @@ def _patches(channels: int, dim: int, patch: int, rngs: nnx.Rngs) -> nnx.Conv:
     )
 
 
+@loss_contract(("image", TOKENS))
 def sigmoid_loss(
     model: Siglip, batch: Mapping[str, jax.Array], rngs: nnx.Rngs
 ) -> tuple[jax.Array, dict]:
     """SigLIP's pairwise sigmoid loss, per image: `-sum_j log sigmoid(z_ij * logits_ij)`, z = +1
     for the image's own text (row i of `tokens`) and -1 for every other (its mean over the batch
-    is transformers' `return_loss`)."""
-    if TOKENS not in batch:
-        raise ZooError(
-            f"siglip trains on image-text pairs: a batch needs an `image` and a `{TOKENS}` "
-            f"column; this one has {sorted(batch)}."
-        )
+    is transformers' `return_loss`). The texts are unmasked: padding with the end token, as
+    SigLIP was trained."""
     logits = model.logits(batch["image"], batch[TOKENS])
     signs = 2 * jnp.eye(logits.shape[0], dtype=logits.dtype) - 1
     loss = -jax.nn.log_sigmoid(signs * logits).sum(axis=1)
     return loss, {}
 
 
-@register_model("siglip", loss=sigmoid_loss, default_data="digits")
+@register_model(
+    "siglip",
+    loss=sigmoid_loss,
+    default_data="shape_captions",
+    trainer={"steps": 1000, "batch_size": 64, "log_every": 50, "eval_every": 250},
+    optimizer={"name": "adamw", "learning_rate": 1e-3, "weight_decay": 0.05},
+    tiny=(
+        "data=shape_captions",
+        "model.patch_size=4",
+        "model.vision_dim=16",
+        "model.vision_depth=1",
+        "model.vision_heads=2",
+        "model.vision_mlp_dim=32",
+        "model.vocab_size=8",
+        "model.context_length=4",
+        "model.text_dim=16",
+        "model.text_depth=1",
+        "model.text_heads=2",
+        "model.text_mlp_dim=32",
+        "model.projection_dim=16",
+    ),
+)
 class Siglip(nnx.Module):
     def __init__(
         self,
@@ -152,8 +178,8 @@ class Siglip(nnx.Module):
         self.text_positions = learned((context_length, text_dim), (None, "embed"), rngs=rngs)
         self.text = Tower(text_dim, text_depth, text_heads, text, rngs)
         self.projection = dense(text_dim, projection_dim, ("embed", None), rngs=rngs)
-        self.logit_scale = nnx.Param(jnp.log(jnp.full((1,), 10.0)))
-        self.logit_bias = nnx.Param(jnp.full((1,), -10.0))
+        self.logit_scale = _scalar(jnp.log(10.0), rngs)  # SigLIP's initial temperature
+        self.logit_bias = _scalar(-10.0, rngs)
         self.vocab_size, self.context_length = vocab_size, context_length
         self.image_size = (height, width)
 
@@ -174,7 +200,7 @@ class Siglip(nnx.Module):
         as transformers does with the tokenizer's `attention_mask`."""
         table = jax.sharding.reshard(self.token_embedding[...], logical_spec(None, None))
         positions = jax.sharding.reshard(self.text_positions[...], logical_spec(None, None))
-        x = table[ids] + positions[: ids.shape[1]]
+        x = table.at[ids].get(out_sharding=tokens_spec()) + positions[: ids.shape[1]]
         visible = None if mask is None else (mask[:, None, None, :] > 0)
         out = self.text(x, visible)
         return self.projection(out[:, -1], out_sharding=logical_spec("batch", None))
@@ -186,6 +212,12 @@ class Siglip(nnx.Module):
         texts = _normalised(self.embed_texts(ids, mask))
         texts = jax.sharding.reshard(texts, logical_spec(None, None))  # every image sees all
         return images @ texts.T * jnp.exp(self.logit_scale[...]) + self.logit_bias[...]
+
+
+def _scalar(value: float, rngs: nnx.Rngs) -> nnx.Param:
+    """A learned (1,) param starting at `value`, whole on every device."""
+    init = nnx.initializers.constant(value)
+    return nnx.Param(partitioned(init, (None,))(rngs.params(), (1,)))
 
 
 def _normalised(x: jax.Array) -> jax.Array:

@@ -38,7 +38,7 @@ def outputs(model: siglip.Siglip, expected: dict, mesh=ONE_DEVICE) -> dict[str, 
         loss = siglip.sigmoid_loss(_masked(model, mask), pairs, nnx.Rngs(0))[0].mean()
         return model(pixels), siglip._normalised(texts), logits, loss
 
-    pixels = expected["pixels"]
+    pixels = expected["images"]
     padded = np.concatenate([pixels, pixels[: -len(pixels) % 4]])  # the batch splits 4 ways
     inputs = (padded, expected["input_ids"], expected["attention_mask"])
     with on_mesh(mesh), jax.default_matmul_precision("highest"):
@@ -48,8 +48,8 @@ def outputs(model: siglip.Siglip, expected: dict, mesh=ONE_DEVICE) -> dict[str, 
         "image_embeds": images,
         "text_embeds": texts,
         "logits_per_image": logits,
-        "probs": 1 / (1 + np.exp(-logits.astype(np.float64))),
-        "loss": loss,
+        "zero_shot_probs": 1 / (1 + np.exp(-logits.astype(np.float64))),
+        "sigmoid_loss": loss,
     }
 
 
@@ -71,7 +71,7 @@ def measured(request) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.parametrize(
-    "key", ["image_embeds", "text_embeds", "logits_per_image", "probs", "loss"]
+    "key", ["image_embeds", "text_embeds", "logits_per_image", "zero_shot_probs", "sigmoid_loss"]
 )
 def test_outputs_are_transformers(measured, key):
     np.testing.assert_allclose(measured[key], reference(NAME)[key], rtol=0, atol=ATOL)
@@ -94,7 +94,9 @@ def test_the_export_reads_back_with_the_same_outputs(tmp_path):
     assert config["vision_config"]["vision_use_head"] is True
     again, _ = loaded(out)
     expected = reference(NAME)
-    np.testing.assert_allclose(outputs(again, expected)["probs"], expected["probs"], atol=ATOL)
+    np.testing.assert_allclose(
+        outputs(again, expected)["zero_shot_probs"], expected["zero_shot_probs"], atol=ATOL
+    )
 
 
 def changed(tmp_path, **changes):
@@ -140,7 +142,7 @@ def test_zero_shot_probabilities_are_transformers(mesh):
     labels = json.loads((FIXTURES / NAME / "texts.json").read_text())["labels"]
     with jax.default_matmul_precision("highest"):
         probs = zoo.predict(trained, sorted(IMAGES.glob("*.png")), labels=labels, template="{}")
-    np.testing.assert_allclose(probs, reference(NAME)["probs"], rtol=0, atol=ATOL)
+    np.testing.assert_allclose(probs, reference(NAME)["zero_shot_probs"], rtol=0, atol=ATOL)
 
 
 def test_the_tokenizer_gives_transformers_ids():
@@ -166,12 +168,12 @@ def test_the_export_loads_in_transformers_with_the_same_outputs(tmp_path):
     family = weights.open_pretrained(FIXTURES / NAME).family
     module = SiglipModel.from_pretrained(exported(model, hparams, family, tmp_path / "out"))
     expected = reference(NAME)
-    pixels = torch.from_numpy(expected["pixels"].transpose(0, 3, 1, 2).copy())
+    pixels = torch.from_numpy(expected["images"].transpose(0, 3, 1, 2).copy())
     texts = {k: torch.from_numpy(expected[k]).long() for k in ("input_ids", "attention_mask")}
     with torch.no_grad():
         out = module.eval()(**texts, pixel_values=pixels)
     probs = torch.sigmoid(out.logits_per_image).numpy()
-    np.testing.assert_allclose(probs, expected["probs"], rtol=0, atol=ATOL)
+    np.testing.assert_allclose(probs, expected["zero_shot_probs"], rtol=0, atol=ATOL)
 
 
 @checks.needs_reference
