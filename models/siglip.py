@@ -139,18 +139,18 @@ class Siglip(nnx.Module):
     def __init__(
         self,
         input_shape: list[int] | None = None,  # `[height, width, channels]` of the images
-        patch_size: int = 16,  # side of the square patches, in pixels
-        vision_dim: int = 768,  # width of the image tower's tokens
-        vision_depth: int = 12,  # the image tower's blocks
-        vision_heads: int = 12,  # the image tower's attention heads
-        vision_mlp_dim: int = 3072,  # each image block's MLP hidden width
-        vocab_size: int = 32000,  # the text tower's vocabulary
-        context_length: int = 64,  # the text positions held: the longest text it reads
-        text_dim: int = 768,  # width of the text tower's tokens
-        text_depth: int = 12,  # the text tower's blocks
-        text_heads: int = 12,  # the text tower's attention heads
-        text_mlp_dim: int = 3072,  # each text block's MLP hidden width
-        projection_dim: int = 768,  # width of the text embedding (the image tower's width)
+        patch_size: int = 4,  # side of the square patches, in pixels
+        vision_dim: int = 64,  # width of the image tower's tokens
+        vision_depth: int = 2,  # the image tower's blocks
+        vision_heads: int = 4,  # the image tower's attention heads
+        vision_mlp_dim: int = 256,  # each image block's MLP hidden width
+        vocab_size: int = 8,  # the text tower's vocabulary (shape_captions' by default)
+        context_length: int = 4,  # the text positions held: the longest text it reads
+        text_dim: int = 64,  # width of the text tower's tokens
+        text_depth: int = 2,  # the text tower's blocks
+        text_heads: int = 4,  # the text tower's attention heads
+        text_mlp_dim: int = 256,  # each text block's MLP hidden width
+        projection_dim: int = 64,  # width of the text embedding (the image tower's width)
         norm_epsilon: float = 1e-6,  # epsilon of every LayerNorm
         exact_gelu: bool = False,  # the MLPs' exact (erf) GELU instead of its tanh approximation
         *,
@@ -159,7 +159,7 @@ class Siglip(nnx.Module):
         """A SigLIP of these sizes (each a `model.*` key), checked first; its params drawn from
         `rngs` in a fixed order: the image tower, its head, the text tower, its projection, the
         logit scale and bias."""
-        input_shape = input_shape or [224, 224, 3]
+        input_shape = input_shape or [16, 16, 3]
         _check(input_shape, patch_size, vision_dim, vision_heads, text_dim, text_heads)
         if projection_dim != vision_dim:
             raise ZooError(
