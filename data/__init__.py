@@ -7,6 +7,7 @@ from zoo.data import (  # noqa: F401  (registers the built-in data sets)
     image_tables,
     preference,
     prompts,
+    shape_captions,
     text,
     xor,
 )

@@ -9,6 +9,8 @@ from zoo.models import (  # noqa: F401
     mlp,
     resnet,
     resnet_params,
+    siglip,
+    siglip_params,
     vae,
     vit,
     vit_params,

@@ -84,20 +84,23 @@ class Attention(nnx.Module):
         cache: KVCache | None,
         slots: Slots | None,
         query_scale: jax.Array | float | None = None,
+        mask: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         """Attention of the tokens to each other without a cache; with one, of the tokens at
         `slots` to the cache's, after writing their own keys and values into it
         (`zoo.models.kv_cache`). `key`: the attention weights' Dropout masks. `query_scale`: a
         factor of the queries, which a layer of a stack may be given as a traced value (where
-        `scale` is the same for every layer)."""
+        `scale` is the same for every layer). `mask` (batch, 1, queries, keys), without a
+        cache: the keys each query sees (SigLIP's text tower hides padding keys)."""
         heads = logical_spec("batch", None, "heads", None)
         q, k, v = (proj(x, out_sharding=heads) for proj in (self.query, self.key, self.value))
         if query_scale is not None:
             q = q * jnp.asarray(query_scale, q.dtype)
         dropping = bool(self.dropout.rate) and not self.dropout.deterministic
         dropout = functools.partial(self.dropout, rngs=key) if dropping else None
+        masked = {} if mask is None else {"cache_mask": mask}
         mixed, cache = attend_tokens(
-            q, k, v, cache, slots, scale=self.scale, causal=self.causal, dropout=dropout
+            q, k, v, cache, slots, scale=self.scale, causal=self.causal, dropout=dropout, **masked
         )
         return self.out(mixed, out_sharding=tokens_spec()), cache
 
@@ -168,10 +171,11 @@ class Block(nnx.Module):
         cache: KVCache | None = None,
         slots: Slots | None = None,
         query_scale: jax.Array | float | None = None,
+        mask: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         attention_key, mlp_key, weights_key = jax.random.split(key, 3)
         normed = self.attention_norm(x)
-        h, cache = self.attention(normed, weights_key, cache, slots, query_scale)
+        h, cache = self.attention(normed, weights_key, cache, slots, query_scale, mask)
         x = x + self.dropout(h, rngs=attention_key)
         h = self.mlp_in(self.mlp_norm(x), out_sharding=logical_spec("batch", None, "mlp"))
         h = nnx.gelu(h, approximate=not self.exact_gelu)

@@ -33,7 +33,8 @@ LayerNorm (`post_layernorm`). Its sizes are in the config's `vision_config`; an 
 no whole multiple of the features (so400m's 4304 of 1152) is vit's `mlp_dim`. The checkpoint may
 hold the attention-pooling head of `SiglipModel`'s tower (`vision_use_head`), which the
 classifier does not use: it is not loaded, and the export leaves it out. The text tower's config
-is inert; SigLIP 2, `SiglipModel` and a bare `SiglipVisionModel` are refused by name.
+is inert; SigLIP 2 and a bare `SiglipVisionModel` are refused by name (`SiglipModel` is
+model `siglip`'s, `zoo.models.siglip_params`).
 """
 
 from __future__ import annotations
@@ -460,22 +461,24 @@ leave out."""
 
 
 def _is_siglip(config: Mapping[str, Any]) -> bool:
-    """SigLIP's configs, those that `_siglip_hparams` refuses too (SigLIP 2, the contrastive
-    `SiglipModel`, a bare vision tower): they are refused by name rather than as matching no
-    family."""
-    return config.get("model_type") in _SIGLIP_TYPES
+    """SigLIP's configs but `SiglipModel`'s (model `siglip` loads those), including those that
+    `_siglip_hparams` refuses (SigLIP 2, a bare vision tower): they are refused by name rather
+    than as matching no family."""
+    architectures = config.get("architectures") or []
+    return config.get("model_type") in _SIGLIP_TYPES and "SiglipModel" not in architectures
 
 
 def _refuse_siglip(config: Mapping[str, Any]) -> None:
-    """Only the classifier: SigLIP 2 (its own patch embedding and resizing), `SiglipModel`'s
-    image-text pair and a `SiglipVisionModel` without a classifier are refused by name."""
+    """Only the classifier: SigLIP 2 (its own patch embedding and resizing) and a
+    `SiglipVisionModel` without a classifier are refused by name (`SiglipModel`'s image-text
+    pair is model `siglip`'s)."""
     kind, architectures = config.get("model_type"), config.get("architectures") or []
     if kind != "siglip" or any(a != _SIGLIP_CLASSIFIER for a in architectures):
         raise ZooError(
             f"This SigLIP checkpoint has model_type={kind!r} and architectures={architectures}: "
             f"vit loads model_type 'siglip' of architecture {_SIGLIP_CLASSIFIER} (the vision "
-            "tower and its classifier); SigLIP 2, SiglipModel and a bare SiglipVisionModel are "
-            "not supported."
+            "tower and its classifier); SigLIP 2 and a bare SiglipVisionModel are not supported "
+            "(SiglipModel loads as model siglip)."
         )
 
 

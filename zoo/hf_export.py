@@ -31,11 +31,12 @@ CARRIED = (
     "chat_template.jinja",
     "generation_config.json",
     "tokenizer.model",
+    "spiece.model",
     "vocab.json",
     "merges.txt",
 )
 """The files of a pretrained directory that a run from it carries into its export: the
-tokenizer and its settings, the chat template and the generation config."""
+tokenizer (SigLIP's sentencepiece model, `spiece.model`, too) and its settings, the chat template and the generation config."""
 GPT2_END_OF_TEXT = 50256
 END_OF_TEXT = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
 

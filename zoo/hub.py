@@ -31,13 +31,15 @@ FILES = [
     "*.safetensors.index.json",
     "tokenizer.json",
     "tokenizer_config.json",
+    "spiece.model",
     "special_tokens_map.json",
     "generation_config.json",
     "chat_template.jinja",
     "preprocessor_config.json",
 ]
 """What is downloaded of a model repository: the config, the weights (single or sharded), the
-tokenizer, the generation settings and chat template, a vision model's preprocessing."""
+tokenizer (SigLIP's `spiece.model` too), the generation settings and chat template, a vision
+model's preprocessing."""
 
 _REPO = re.compile(r"[\w.-]+(/[\w.-]+)?")
 

@@ -3,15 +3,25 @@ checked first (`zoo.inputs.Reads`)."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
 from flax import nnx
 
+from zoo.data.image_processors import PREPROCESSOR, load_image_processor
+from zoo.data.siglip_tokenizer import MODEL as SPIECE
+from zoo.data.siglip_tokenizer import SiglipTokenizer
 from zoo.engine import sharding
+from zoo.engine.errors import ZooError
 from zoo.inputs import Reads
 from zoo.trained import Trained
+
+TEMPLATE = "This is a photo of {}."
+"""The sentence each label is put in for zero-shot classification (transformers' zero-shot
+image classification pipeline's default `hypothesis_template`)."""
 
 
 @nnx.jit
@@ -19,7 +29,13 @@ def _forward(model: nnx.Module, inputs: jax.Array) -> Any:
     return model(inputs)
 
 
-def predict(trained: Trained, inputs: np.ndarray) -> Any:
+def predict(
+    trained: Trained,
+    inputs: Any,
+    *,
+    labels: Sequence[str] | None = None,
+    template: str = TEMPLATE,
+) -> Any:
     """The model's outputs (logits; a tuple of arrays for a model that returns several, such as
     `vae`) for a batch of inputs as the model takes them (e.g. normalised float images,
     N x H x W x C: a data set's `transform` makes them), on the model's mesh.
@@ -27,7 +43,14 @@ def predict(trained: Trained, inputs: np.ndarray) -> Any:
     Inputs the model cannot take are refused by name before it runs (see `Reads`): strings
     and other non-numbers, one example without its batch axis, a shape or width it cannot
     take, raw integer pixels, token ids that are not integers of its vocabulary.
-    A language model's logits have one column per token of its vocabulary (`vocab_size`)."""
+    A language model's logits have one column per token of its vocabulary (`vocab_size`).
+
+    `labels` (siglip): zero-shot classification of `inputs`, images (paths, bytes, PIL images,
+    uint8 arrays; or float pixels as the checkpoint's image processor makes them): each image's
+    probability of each label, images x labels, the sigmoid of SigLIP's score of the image and
+    `template.format(label)` (labels are scored independently: they need not sum to 1)."""
+    if labels is not None:
+        return zero_shot(trained, inputs, labels, template)
     reads = Reads.of(trained.config)
     inputs = reads.check(inputs, "predict got inputs")
     if not reads.decides(inputs):
@@ -51,3 +74,70 @@ def within_vocabulary(model: nnx.Module, outputs: Any) -> Any:
     if not isinstance(vocab, int) or not isinstance(outputs, np.ndarray | jax.Array):
         return outputs
     return outputs[..., :vocab] if outputs.ndim and outputs.shape[-1] > vocab else outputs
+
+
+def zero_shot(trained: Trained, images: Any, labels: Sequence[str], template: str) -> np.ndarray:
+    """SigLIP's probabilities, images x labels: the images prepared and the labels' sentences
+    tokenised as the checkpoint's processor files say (`preprocessor_config.json`,
+    `spiece.model`), scored on the model's mesh."""
+    model = trained.model
+    if not hasattr(model, "embed_texts") or isinstance(labels, str) or not labels:
+        raise ZooError(
+            f"predict(labels=...) is zero-shot classification by a siglip model with a list of "
+            f"label texts; this is model '{trained.config.model.name}' with labels={labels!r}."
+        )
+    directory = _processor_files(trained)
+    pixels = _pixels(images, directory, model)
+    tokenizer = SiglipTokenizer(directory)
+    if tokenizer.length > model.context_length:
+        raise ZooError(
+            f"{directory}'s tokenizer pads texts to {tokenizer.length} tokens; the model reads "
+            f"{model.context_length} at most."
+        )
+    ids, mask = tokenizer([template.format(label) for label in labels])
+    shards = sharding.batch_divisor(trained.mesh, trained.rules)
+    with trained.activate():
+        batch = sharding.shard_batch(
+            {"pixels": _padded(pixels, shards)}, trained.mesh, trained.rules
+        )
+        logits = _scores(model, batch["pixels"], _padded(ids, shards), _padded(mask, shards))
+    logits = np.asarray(jax.device_get(logits))[: len(pixels), : len(labels)]
+    return 1 / (1 + np.exp(-logits.astype(np.float64)))
+
+
+@nnx.jit
+def _scores(model: nnx.Module, pixels: jax.Array, ids: jax.Array, mask: jax.Array) -> jax.Array:
+    return model.logits(pixels, ids, mask)
+
+
+def _padded(rows: np.ndarray, shards: int) -> np.ndarray:
+    """`rows` with copies of the last one, so that their count splits `shards` ways."""
+    return np.concatenate([rows, np.repeat(rows[-1:], -len(rows) % shards, axis=0)])
+
+
+def _processor_files(trained: Trained) -> str:
+    """The directory of the checkpoint's tokenizer: the pretrained directory it was loaded
+    from, or the one a run was fine-tuned from."""
+    for directory in (trained.workdir, trained.config.get("finetune", {}).get("init_from")):
+        if directory and os.path.isfile(os.path.join(str(directory), SPIECE)):
+            return str(directory)
+    raise ZooError(
+        f"{trained.workdir} has no {SPIECE} (nor has the checkpoint it started from): "
+        "zero-shot labels need SigLIP's tokenizer."
+    )
+
+
+def _pixels(images: Any, directory: str, model: nnx.Module) -> np.ndarray:
+    """Float arrays as they are (pixels the image processor made); other images through the
+    checkpoint's image processor (SigLIP's defaults at the model's size without one)."""
+    if isinstance(images, np.ndarray) and np.issubdtype(images.dtype, np.floating):
+        return images.astype(np.float32)
+    if os.path.isfile(os.path.join(directory, PREPROCESSOR)):
+        processor = load_image_processor(directory)
+    else:
+        height, width = model.image_size
+        settings = {"height": height, "width": width}
+        processor = load_image_processor(
+            {"image_processor_type": "SiglipImageProcessor", "size": settings}
+        )
+    return processor(images).pixel_values

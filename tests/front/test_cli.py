@@ -59,10 +59,10 @@ def test_console_shows_own_lines_only(xor_run):
 def test_help_lists_models_and_datasets():
     result = run_cli("--help")
     assert result.returncode == 0
-    assert "model: cnn, decoder, gpt, mlp, resnet, vae, vit, xor" in result.stdout
+    assert "model: cnn, decoder, gpt, mlp, resnet, siglip, vae, vit, xor" in result.stdout
     assert (
         "data: arrayrecord, chat, cifar10, digits, fashion_mnist, images, mnist, parquet, "
-        "preference, prompts, text, xor" in result.stdout
+        "preference, prompts, shape_captions, text, xor" in result.stdout
     )
     assert "  gpt: gpt2: GPT-2, transformers GPT2LMHeadModel\n" in result.stdout
     assert "  decoder: qwen3: Qwen 3, transformers Qwen3ForCausalLM\n" in result.stdout

@@ -64,7 +64,7 @@ def changed(tmp_path, **changes):
         ({"vision_config": {"hidden_act": "relu"}}, "vision_config.hidden_act='relu'"),
         ({"vision_config": {"image_size": [16, 24]}}, r"vision_config.image_size=\[16, 24\]"),
         ({"model_type": "siglip2"}, "model_type='siglip2'"),
-        ({"architectures": ["SiglipModel"]}, r"architectures=\['SiglipModel'\]"),
+        ({"architectures": ["SiglipVisionModel"]}, r"architectures=\['SiglipVisionModel'\]"),
     ],
 )
 def test_what_vit_does_not_build_is_refused_by_name(tmp_path, changes, named):

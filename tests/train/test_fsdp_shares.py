@@ -51,7 +51,12 @@ def test_each_device_holds_an_eighth_of_the_params(name):
     notes = "\n".join(plan.notes())
     for row in kernels:
         if row.bytes_per_device == row.bytes_total:
-            assert row.path in notes, f"{row.path} is whole on every device, and the plan is silent"
+            # the plan names three paths per reason and counts the rest ("and 6 more"): a small
+            # one (siglip's attention biases) may be among those counted
+            counted = row.bytes_total < SMALL and any(note in notes for note in row.notes)
+            assert row.path in notes or counted, (
+                f"{row.path} is whole on every device, and the plan is silent"
+            )
 
 
 def test_the_plan_names_the_params_fsdp_keeps_whole():
