@@ -24,8 +24,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from zoo.models import hparams
-from zoo.models.layers import conv, dense, head_projections, layer_norm, learned
+from zoo.models.layers import dense, head_projections, layer_norm, learned
 from zoo.models.transformer import Block, BlockOptions, tokens_spec
+from zoo.models.vit import patch_embedding
 
 from zoo.plugin import (
     ZooError,
@@ -82,21 +83,6 @@ class MapHead(nnx.Module):
         h = self.mlp_in(self.norm(x), out_sharding=logical_spec("batch", None, "mlp"))
         h = nnx.gelu(h, approximate=not self.exact_gelu)
         return (x + self.mlp_out(h, out_sharding=tokens_spec()))[:, 0]
-
-
-def _patches(channels: int, dim: int, patch: int, rngs: nnx.Rngs) -> nnx.Conv:
-    """A patch-strided convolution: one linear map of each patch to a `dim`-wide token."""
-    return conv(
-        channels,
-        dim,
-        patch,
-        strides=patch,
-        padding="VALID",
-        use_bias=True,
-        in_axis=None,
-        out_axis="embed",
-        rngs=rngs,
-    )
 
 
 @loss_contract(("image", TOKENS))
@@ -170,7 +156,7 @@ class Siglip(nnx.Module):
         vision = BlockOptions(4, True, norm_epsilon, exact_gelu, mlp_dim=vision_mlp_dim)
         text = BlockOptions(4, True, norm_epsilon, exact_gelu, mlp_dim=text_mlp_dim)
         grid = (height // patch_size) * (width // patch_size)
-        self.embed = _patches(channels, vision_dim, patch_size, rngs)
+        self.embed = patch_embedding(channels, vision_dim, patch_size, rngs)
         self.positions = learned((grid, vision_dim), (None, "embed"), rngs=rngs)
         self.vision = Tower(vision_dim, vision_depth, vision_heads, vision, rngs)
         self.head = MapHead(vision_dim, vision_heads, vision, rngs)

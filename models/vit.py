@@ -115,7 +115,7 @@ class ViT(nnx.Module):
         grid = _position_grid(height, width, patch_size, dim, num_heads, position_grid)
         self.patch_size, self.position_resize = patch_size, position_resize
         self.prefix = int(class_token)  # tokens before the patches
-        self.embed = _patch_embedding(channels, dim, patch_size, rngs)
+        self.embed = patch_embedding(channels, dim, patch_size, rngs)
         self.positions = learned((self.prefix + grid[0] * grid[1], dim), (None, "embed"), rngs=rngs)
         self.position_grid = tuple(grid)
         self.input_grid = (height // patch_size, width // patch_size)
@@ -231,7 +231,7 @@ def _position_grid(
     return grid
 
 
-def _patch_embedding(channels: int, dim: int, patch_size: int, rngs: nnx.Rngs) -> nnx.Conv:
+def patch_embedding(channels: int, dim: int, patch_size: int, rngs: nnx.Rngs) -> nnx.Conv:
     """A patch_size-strided convolution: one linear map of each patch to a `dim`-wide token."""
     return conv(
         channels,
