@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -31,10 +32,11 @@ def _forward(model: nnx.Module, inputs: jax.Array) -> Any:
 
 def predict(
     trained: Trained,
-    inputs: Any,
+    inputs: Any = None,
     *,
     labels: Sequence[str] | None = None,
     template: str = TEMPLATE,
+    texts: Sequence[str] | None = None,
 ) -> Any:
     """The model's outputs (logits; a tuple of arrays for a model that returns several, such as
     `vae`) for a batch of inputs as the model takes them (e.g. normalised float images,
@@ -48,7 +50,19 @@ def predict(
     `labels` (siglip): zero-shot classification of `inputs`, images (paths, bytes, PIL images,
     uint8 arrays; or float pixels as the checkpoint's image processor makes them): each image's
     probability of each label, images x labels, the sigmoid of SigLIP's score of the image and
-    `template.format(label)` (labels are scored independently: they need not sum to 1)."""
+    `template.format(label)` (labels are scored independently: they need not sum to 1).
+
+    `texts` (siglip, without `inputs` or `labels`): the texts' embeddings, texts x
+    projection_dim, L2-normalised as transformers' `text_embeds` (and as `predict(model,
+    pixels)` gives the images'), the texts tokenised as they are (no `template`) by the
+    checkpoint's tokenizer."""
+    if texts is not None:
+        return text_embeddings(trained, inputs, texts, labels)
+    if inputs is None:
+        raise ZooError(
+            "predict got no inputs: it takes a batch of inputs as the model takes them (or, "
+            "for a siglip model, texts=[...] alone for their embeddings)."
+        )
     if labels is not None:
         return zero_shot(trained, inputs, labels, template)
     reads = Reads.of(trained.config)
@@ -76,6 +90,55 @@ def within_vocabulary(model: nnx.Module, outputs: Any) -> Any:
     return outputs[..., :vocab] if outputs.ndim and outputs.shape[-1] > vocab else outputs
 
 
+def text_embeddings(
+    trained: Trained, inputs: Any, texts: Sequence[str], labels: Sequence[str] | None
+) -> np.ndarray:
+    """SigLIP's L2-normalised text embeddings, texts x projection_dim, the texts tokenised as
+    the checkpoint's `spiece.model` says, on the model's mesh."""
+    model = trained.model
+    name = trained.config.model.name
+    if not hasattr(model, "embed_texts"):
+        raise ZooError(
+            f"predict(texts=...) gives a siglip model's text embeddings; this is model "
+            f"'{name}', which has no text tower."
+        )
+    if inputs is not None or labels is not None:
+        given = "inputs" if inputs is not None else "labels"
+        raise ZooError(
+            f"predict(texts=...) takes the texts alone (it gives their embeddings); it got "
+            f"{given} too: pass images with labels=[...] for zero-shot probabilities, or "
+            f"images alone for their embeddings."
+        )
+    if isinstance(texts, str) or not len(texts) or not all(isinstance(t, str) for t in texts):
+        raise ZooError(
+            f"predict(texts=...) takes a non-empty list of strings; it got texts={texts!r}."
+        )
+    ids, mask = _tokenized(trained, list(texts))
+    shards = sharding.batch_divisor(trained.mesh, trained.rules)
+    with trained.activate():
+        embeds = _texts(model, _padded(ids, shards), _padded(mask, shards))
+    return np.asarray(jax.device_get(embeds))[: len(texts)]
+
+
+@nnx.jit
+def _texts(model: nnx.Module, ids: jax.Array, mask: jax.Array) -> jax.Array:
+    texts = model.embed_texts(ids, mask)
+    return texts / jnp.linalg.norm(texts, axis=-1, keepdims=True)
+
+
+def _tokenized(trained: Trained, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """`texts`' ids and attention mask by the checkpoint's tokenizer, checked to fit the
+    model's text positions."""
+    directory = _processor_files(trained)
+    tokenizer = SiglipTokenizer(directory)
+    if tokenizer.length > trained.model.context_length:
+        raise ZooError(
+            f"{directory}'s tokenizer pads texts to {tokenizer.length} tokens; the model reads "
+            f"{trained.model.context_length} at most."
+        )
+    return tokenizer(texts)
+
+
 def zero_shot(trained: Trained, images: Any, labels: Sequence[str], template: str) -> np.ndarray:
     """SigLIP's probabilities, images x labels: the images prepared and the labels' sentences
     tokenised as the checkpoint's processor files say (`preprocessor_config.json`,
@@ -86,15 +149,8 @@ def zero_shot(trained: Trained, images: Any, labels: Sequence[str], template: st
             f"predict(labels=...) is zero-shot classification by a siglip model with a list of "
             f"label texts; this is model '{trained.config.model.name}' with labels={labels!r}."
         )
-    directory = _processor_files(trained)
-    pixels = _pixels(images, directory, model)
-    tokenizer = SiglipTokenizer(directory)
-    if tokenizer.length > model.context_length:
-        raise ZooError(
-            f"{directory}'s tokenizer pads texts to {tokenizer.length} tokens; the model reads "
-            f"{model.context_length} at most."
-        )
-    ids, mask = tokenizer([template.format(label) for label in labels])
+    pixels = _pixels(images, _processor_files(trained), model)
+    ids, mask = _tokenized(trained, [template.format(label) for label in labels])
     shards = sharding.batch_divisor(trained.mesh, trained.rules)
     with trained.activate():
         batch = sharding.shard_batch(

@@ -159,6 +159,41 @@ def test_labels_need_a_siglip_model():
         zoo.predict(trained, reference("siglip-vision-tiny")["images"], labels=["cat"])
 
 
+@pytest.fixture(scope="module")
+def one_device() -> zoo.TrainedModel:
+    return zoo.load(FIXTURES / NAME, devices=jax.devices()[:1])
+
+
+def test_predict_gives_the_texts_embeddings(one_device):
+    """`texts=` alone: the labels' normalised embeddings, tokenised by the checkpoint's
+    tokenizer, equal to transformers' `text_embeds`."""
+    labels = json.loads((FIXTURES / NAME / "texts.json").read_text())["labels"]
+    with jax.default_matmul_precision("highest"):
+        embeds = zoo.predict(one_device, texts=labels)
+    np.testing.assert_allclose(embeds, reference(NAME)["text_embeds"], rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize(
+    "call, named",
+    [
+        (lambda m: zoo.predict(m, texts=["a"], labels=["b"]), "takes the texts alone"),
+        (lambda m: zoo.predict(m, reference(NAME)["images"], texts=["a"]), "got inputs too"),
+        (lambda m: zoo.predict(m, texts=[]), "non-empty list of strings"),
+        (lambda m: zoo.predict(m, texts="a cat"), "non-empty list of strings"),
+        (lambda m: zoo.predict(m), "predict got no inputs"),
+    ],
+)
+def test_bad_texts_are_refused_by_name(one_device, call, named):
+    with pytest.raises(zoo.ZooError, match=named):
+        call(one_device)
+
+
+def test_texts_need_a_siglip_model():
+    trained = zoo.load(FIXTURES / "siglip-vision-tiny", devices=jax.devices()[:1])
+    with pytest.raises(zoo.ZooError, match="predict\\(texts=...\\) gives a siglip model's"):
+        zoo.predict(trained, texts=["a cat"])
+
+
 @checks.needs_reference
 def test_the_export_loads_in_transformers_with_the_same_outputs(tmp_path):
     import torch
