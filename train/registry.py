@@ -327,7 +327,10 @@ class Family:
       `preprocessor_config.json`: one that is present reaches `hparams` as the config's entry
       named by the file's stem (`config["preprocessor_config"]`);
     - `combine`: tensors stored as parts when the config says they are quantized (`Combine`),
-      read as the tensors the rules map.
+      read as the tensors the rules map;
+    - `by_default`: False for a family that loads another model's checkpoints only when this
+      model is named (`model=vit` on a `SiglipModel` directory, which is model `siglip`'s
+      otherwise).
 
     A key of a nested object is named with dots (`model_args.embed_dim`,
     `preprocessor_config.image_mean`); an object named whole is accounted for whole. Every
@@ -350,6 +353,7 @@ class Family:
     sidecars: tuple[str, ...] = ()
     combine: tuple[Combine, ...] = ()
     ignored: Callable[[Mapping[str, Any]], Sequence[str]] = lambda hparams: ()
+    by_default: bool = True
 
     def rules_for(self, hparams: Mapping[str, Any]) -> tuple[Rule, ...]:
         return tuple(self.rules(hparams) if callable(self.rules) else self.rules)

@@ -144,7 +144,8 @@ def finetune(
         data, overrides = _conversations(
             *_named_data(data, overrides), method or next(reversed(named), None)
         )
-        origin = _origin(start, step)
+        named_model = [o.partition("=")[2] for o in overrides if o.startswith("model=")]
+        origin = _origin(start, step, next(reversed(named_model), None))
         overrides, base = (*origin.init_from, *overrides), origin.config
         if base is not None and data is None and base.data.name not in registry.list_datasets():
             raise ZooError(
@@ -193,10 +194,10 @@ class _Origin:
     init_from: tuple[str, ...] = ()
 
 
-def _origin(start: Any, step: str | int | None) -> _Origin:
-    """What `start` is: a pretrained directory (or hub name), a run, or a registered model's
-    name (a fresh one)."""
-    pretrained = _pretrained(start, step)
+def _origin(start: Any, step: str | int | None, model: str | None = None) -> _Origin:
+    """What `start` is: a pretrained directory (or hub name; read as `model`'s, when the
+    overrides name one), a run, or a registered model's name (a fresh one)."""
+    pretrained = _pretrained(start, step, model)
     if pretrained is not None:
         named = f"finetune.init_from={pretrained.directory}"
         return _Origin(pretrained.family.model, init_from=(named,))
@@ -311,7 +312,9 @@ def _model_args(
     return args
 
 
-def _pretrained(start: Any, step: str | int | None) -> weights.Pretrained | None:
+def _pretrained(
+    start: Any, step: str | int | None, model: str | None = None
+) -> weights.Pretrained | None:
     """The pretrained checkpoint directory `start` names, if it is one (not a run's workdir);
     an `hf://` name is resolved to its directory in the hub's cache (see `zoo.hub`)."""
     start = local(start)
@@ -322,7 +325,7 @@ def _pretrained(start: Any, step: str | int | None) -> weights.Pretrained | None
             f"The pretrained directory {start} holds one set of weights: step={step!r} is not "
             "for it."
         )
-    return weights.open_pretrained(start)
+    return weights.open_pretrained(start, model)
 
 
 def _start(start: Any, step: str | int | None) -> tuple[str | None, int | None, DictConfig | None]:

@@ -40,7 +40,9 @@ def fixtures_of(family: registry.Family) -> list[Path]:
     ]
 
 
-FAMILIES = [family for name in tiny_models() for family in registry.families(name)]
+FAMILIES = [f for name in tiny_models() for f in registry.families(name) if f.by_default]
+"""Those a checkpoint loads by (a family that loads only when its model is named is tested
+with its model's own tests)."""
 CHECKPOINTS = [(family, directory) for family in FAMILIES for directory in fixtures_of(family)]
 
 

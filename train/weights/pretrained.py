@@ -349,7 +349,7 @@ def _warn_unaccounted(root: str, family: Family, config: Mapping[str, Any]) -> N
 
 def _family(root: str, config: Mapping[str, Any], model: str | None) -> Family:
     candidates = families(model)
-    found = [f for f in candidates if f.matches(config)]
+    found = [f for f in candidates if (model or f.by_default) and f.matches(config)]
     if found:
         return found[0]
     known = "; ".join(f"{f.name} for {f.model} ({f.description})" for f in candidates) or "none"
