@@ -468,6 +468,24 @@ def _is_siglip(config: Mapping[str, Any]) -> bool:
     return config.get("model_type") in _SIGLIP_TYPES and "SiglipModel" not in architectures
 
 
+def _is_siglip_model(config: Mapping[str, Any]) -> bool:
+    """A `SiglipModel` (SigLIP 2's too, to refuse it by name): model `siglip`'s by default, its
+    vision tower vit's classifier when `model=vit` is named."""
+    architectures = config.get("architectures") or []
+    return config.get("model_type") in _SIGLIP_TYPES and "SiglipModel" in architectures
+
+
+def _siglip_model_hparams(config: Mapping[str, Any]) -> dict[str, Any]:
+    """`_siglip_hparams` of a `SiglipModel`'s vision tower (its text tower, scores and
+    attention-pooling head not loaded; the classifier is fresh: `replace_head=True`)."""
+    if config.get("model_type") != "siglip":
+        raise ZooError(
+            f"This SigLIP checkpoint has model_type={config.get('model_type')!r}: vit loads the "
+            "vision tower of model_type 'siglip' (SigLIP 2 is not supported)."
+        )
+    return _siglip_hparams({**config, "architectures": [_SIGLIP_CLASSIFIER]})
+
+
 def _refuse_siglip(config: Mapping[str, Any]) -> None:
     """Only the classifier: SigLIP 2 (its own patch embedding and resizing) and a
     `SiglipVisionModel` without a classifier are refused by name (`SiglipModel`'s image-text
@@ -626,4 +644,20 @@ HF_VIT, TIMM_VIT = register_families(
         _SIGLIP_KEYS,
     ),
     ignore=_SIGLIP_IGNORE,
+)
+_SIGLIP_MODEL_IGNORE = (*_SIGLIP_IGNORE, r"text_model\..*", r"logit_scale", r"logit_bias")
+"""A `SiglipModel`'s params besides its vision tower's: the text tower and the scores' scale and
+bias."""
+(SIGLIP_MODEL_VISION,) = register_families(
+    "vit",
+    (
+        "hf-siglip-model-vision",
+        _is_siglip_model,
+        _siglip_model_hparams,
+        _siglip_rules,
+        _siglip_config,
+        "ViT, the vision tower of transformers SiglipModel (with model=vit; a fresh classifier)",
+        {**_SIGLIP_KEYS, "by_default": False},
+    ),
+    ignore=_SIGLIP_MODEL_IGNORE,
 )

@@ -15,8 +15,10 @@ import pretrained_checks as checks
 import pytest
 from conformance.checks import MESH, ONE_DEVICE, on_mesh
 from flax import nnx
+from helpers import read_events, scalar_steps
 from pretrained_checks import FIXTURES, exported, loaded, reference
 from zoo.data.siglip_tokenizer import SiglipTokenizer
+from zoo.engine import registry
 from zoo.engine.weights import pretrained as weights
 from zoo.models import siglip
 
@@ -214,3 +216,65 @@ def test_the_export_loads_in_transformers_with_the_same_outputs(tmp_path):
 @checks.needs_reference
 def test_the_references_regenerate_live(tmp_path):
     checks.assert_references_regenerate("make_siglip_model", [NAME], tmp_path)
+
+
+def test_the_vision_tower_loads_as_vit_only_when_asked():
+    """A SiglipModel directory is model siglip's; `model=vit` names its vision tower's family."""
+    assert weights.open_pretrained(FIXTURES / NAME).family.name == "siglip"
+    assert weights.open_pretrained(FIXTURES / NAME, "vit").family.name == "hf-siglip-model-vision"
+
+
+def test_vit_from_a_siglip_model_has_its_vision_towers_features():
+    """vit (its head made the identity) gives the mean of siglip's vision tokens after the final
+    LayerNorm: `SiglipForImageClassification`'s features, before the attention-pooling head."""
+    pretrained = weights.open_pretrained(FIXTURES / NAME, "vit")
+    hparams = {**pretrained.hparams(), "num_classes": 32}
+    with on_mesh(ONE_DEVICE):
+        vit = registry.get_model("vit").build(hparams, nnx.Rngs(0))
+        skipped = weights.fill(vit, pretrained, hparams=hparams, skip=("head",))
+    assert skipped == ["head.bias", "head.kernel"]
+    vit.head.kernel[...] = np.eye(32, dtype=np.float32)
+    vit.head.bias[...] = np.zeros(32, np.float32)
+    vit.eval()
+    model, _ = loaded(FIXTURES / NAME)
+    pixels = reference(NAME)["images"]
+
+    @nnx.jit
+    def tower(model, pixels):
+        """`embed_images` up to the attention-pooling head, the tokens' mean instead."""
+        spec = siglip.logical_spec
+        patches = model.embed(pixels, out_sharding=spec("batch", None, None, None))
+        tokens = patches.reshape(pixels.shape[0], -1, patches.shape[-1])
+        table = jax.sharding.reshard(model.positions[...], spec(None, None))
+        return model.vision(tokens + table).mean(axis=1)
+
+    with on_mesh(ONE_DEVICE), jax.default_matmul_precision("highest"):
+        expected = np.asarray(tower(model, pixels))
+        features = np.asarray(nnx.jit(lambda m, x: m(x))(vit, pixels * 0.5 + 0.5))
+    np.testing.assert_allclose(features, expected, rtol=0, atol=ATOL)
+
+
+def test_the_vision_tower_fine_tunes_as_a_vit_classifier(tmp_path):
+    """`model=vit` on the SiglipModel directory: a fresh head for 2 classes, a few steps on
+    bright and dark images lower the loss."""
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, 2, 64).astype(np.int32)
+    images = (
+        rng.uniform(0, 0.5, (64, 32, 32, 3)).astype(np.float32) + labels[:, None, None, None] / 2
+    )
+    split = {"image": images, "label": labels}
+    result = zoo.finetune(
+        FIXTURES / NAME,
+        "model=vit",
+        "trainer.steps=12",
+        "trainer.log_every=4",
+        "trainer.batch_size=16",
+        "optimizer.learning_rate=1e-2",
+        f"workdir={tmp_path / 'run'}",
+        data=zoo.Splits(train=split, eval=split),
+        num_classes=2,
+        replace_head=True,
+    )
+    losses = scalar_steps(read_events(result.workdir), "train/loss")
+    assert result.model.head.kernel.shape == (32, 2)
+    assert sorted(losses) == [4, 8, 12] and losses[12] < losses[4], losses
