@@ -256,7 +256,8 @@ def test_vit_from_a_siglip_model_has_its_vision_towers_features():
 
 def test_the_vision_tower_fine_tunes_as_a_vit_classifier(tmp_path):
     """`model=vit` on the SiglipModel directory: a fresh head for 2 classes, a few steps on
-    bright and dark images lower the loss."""
+    bright and dark images lower the loss; the export is `SiglipForImageClassification`'s,
+    read back as vit with the same outputs."""
     rng = np.random.default_rng(0)
     labels = rng.integers(0, 2, 64).astype(np.int32)
     images = (
@@ -278,3 +279,10 @@ def test_the_vision_tower_fine_tunes_as_a_vit_classifier(tmp_path):
     losses = scalar_steps(read_events(result.workdir), "train/loss")
     assert result.model.head.kernel.shape == (32, 2)
     assert sorted(losses) == [4, 8, 12] and losses[12] < losses[4], losses
+    out = zoo.export(result.workdir, tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["architectures"] == ["SiglipForImageClassification"]
+    again = zoo.load(out, devices=jax.devices()[:1])
+    assert again.config.model.name == "vit"
+    logits = zoo.predict(again, images[:4])  # on one device, the run's on its mesh
+    np.testing.assert_allclose(logits, zoo.predict(result, images[:4]), rtol=0, atol=ATOL)
